@@ -1,0 +1,20 @@
+// dinfer_kernels._C: thin pybind11 bindings over the torch-free launchers. No libtorch: arrays
+// arrive through DLPack, so torch, CuPy and NumPy callers share one binary.
+#include <pybind11/pybind11.h>
+
+#include <omp.h>
+
+#include "dinfer_kernels/build_info.h"
+
+namespace dinfer_bindings {
+void register_decode(pybind11::module_& m);
+}
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dinfer compiled kernels (CPU always; CUDA when built with nvcc)";
+  m.def("version", &dinfer_kernels::version);
+  m.def("built_with_cuda", &dinfer_kernels::built_with_cuda);
+  m.def("cuda_archs", &dinfer_kernels::cuda_archs);
+  m.def("omp_max_threads", &omp_get_max_threads);
+  dinfer_bindings::register_decode(m);
+}

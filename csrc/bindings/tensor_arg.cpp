@@ -1,0 +1,170 @@
+#include "tensor_arg.h"
+
+#include <sstream>
+
+namespace dinfer_bindings {
+
+void throw_value_error(const std::string& msg) { throw py::value_error(msg); }
+void throw_type_error(const std::string& msg) { throw py::type_error(msg); }
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
+    case DType::kBool: return "bool";
+    default: return "an unsupported dtype";
+  }
+}
+
+namespace {
+
+DType classify(const dlpack::DataType& d) {
+  if (d.lanes != 1) return DType::kOther;
+  if (d.code == dlpack::kFloat && d.bits == 32) return DType::kFloat32;
+  if (d.code == dlpack::kFloat && d.bits == 16) return DType::kFloat16;
+  if (d.code == dlpack::kBfloat && d.bits == 16) return DType::kBFloat16;
+  if (d.code == dlpack::kInt && d.bits == 32) return DType::kInt32;
+  if (d.code == dlpack::kInt && d.bits == 64) return DType::kInt64;
+  if (d.code == dlpack::kUInt && d.bits == 8) return DType::kUInt8;
+  if (d.code == dlpack::kBool && d.bits == 8) return DType::kBool;
+  return DType::kOther;
+}
+
+// Asks for a versioned (1.x) capsule first -- it carries the read-only flag -- then a legacy one.
+py::object export_capsule(py::handle obj, bool cuda, const std::string& name) {
+  py::object fn = obj.attr("__dlpack__");
+  py::dict kwargs;
+  if (cuda) kwargs["stream"] = -1;
+  try {
+    py::dict versioned = kwargs;
+    versioned["max_version"] = py::make_tuple(1, 0);
+    return fn(**versioned);
+  } catch (py::error_already_set& e) {
+    if (!e.matches(PyExc_TypeError)) throw_value_error(name + ": __dlpack__ failed: " + e.what());
+  }
+  try {
+    return fn(**kwargs);
+  } catch (py::error_already_set& e) {
+    throw_value_error(name + ": __dlpack__ failed: " + e.what());
+  }
+}
+
+}  // namespace
+
+TensorArg::TensorArg(py::handle obj, std::string name) : name_(std::move(name)) {
+  if (!py::hasattr(obj, "__dlpack__") || !py::hasattr(obj, "__dlpack_device__"))
+    throw_type_error(name_ + ": expected an array with __dlpack__ (torch, CuPy, NumPy), got " +
+                     std::string(py::str(py::type::of(obj).attr("__name__"))));
+  py::tuple dev = obj.attr("__dlpack_device__")();
+  const int dev_type = dev[0].cast<int>();
+  if (dev_type != dlpack::kCPU && dev_type != dlpack::kCUDA && dev_type != dlpack::kCUDAManaged)
+    throw_value_error(name_ + ": unsupported device type " + std::to_string(dev_type) +
+                      " (expected CPU or CUDA)");
+  py::object cap = export_capsule(obj, dev_type != dlpack::kCPU, name_);
+  PyObject* c = cap.ptr();
+  if (PyCapsule_IsValid(c, "dltensor_versioned")) {
+    auto* m = static_cast<dlpack::ManagedTensorVersioned*>(PyCapsule_GetPointer(c, "dltensor_versioned"));
+    if (m->version.major != 1) {
+      // Unknown major version: the layout may differ, so it must not be read; still release it.
+      if (m->deleter) m->deleter(m);
+      PyCapsule_SetName(c, "used_dltensor_versioned");
+      throw_value_error(name_ + ": unsupported DLPack major version " + std::to_string(m->version.major));
+    }
+    PyCapsule_SetName(c, "used_dltensor_versioned");
+    managed_ = m;
+    versioned_ = true;
+    readonly_ = (m->flags & dlpack::kFlagReadOnly) != 0;
+    t_ = &m->dl_tensor;
+  } else if (PyCapsule_IsValid(c, "dltensor")) {
+    auto* m = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
+    PyCapsule_SetName(c, "used_dltensor");
+    managed_ = m;
+    t_ = &m->dl_tensor;
+  } else {
+    throw_type_error(name_ + ": __dlpack__ did not return a DLPack capsule");
+  }
+  dtype_ = classify(t_->dtype);
+}
+
+TensorArg::~TensorArg() {
+  // We own the managed tensor once the capsule is renamed "used_*": release the producer's view.
+  if (versioned_) {
+    auto* m = static_cast<dlpack::ManagedTensorVersioned*>(managed_);
+    if (m && m->deleter) m->deleter(m);
+  } else {
+    auto* m = static_cast<dlpack::ManagedTensor*>(managed_);
+    if (m && m->deleter) m->deleter(m);
+  }
+}
+
+int64_t TensorArg::stride(int d) const {
+  if (t_->strides) return t_->strides[d];
+  int64_t s = 1;
+  for (int i = t_->ndim - 1; i > d; --i) s *= t_->shape[i];
+  return s;
+}
+
+int64_t TensorArg::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < t_->ndim; ++i) n *= t_->shape[i];
+  return n;
+}
+
+void TensorArg::expect_dtype(std::initializer_list<DType> allowed) const {
+  for (DType a : allowed)
+    if (a == dtype_) return;
+  std::ostringstream os;
+  os << name_ << ": expected dtype ";
+  bool first = true;
+  for (DType a : allowed) {
+    os << (first ? "" : " or ") << dtype_name(a);
+    first = false;
+  }
+  os << ", got " << dtype_name(dtype_);
+  throw_type_error(os.str());
+}
+
+void TensorArg::expect_shape(std::initializer_list<int64_t> dims) const {
+  bool ok = static_cast<int>(dims.size()) == t_->ndim;
+  int i = 0;
+  for (int64_t d : dims) {
+    if (ok && d >= 0 && t_->shape[i] != d) ok = false;
+    ++i;
+  }
+  if (ok) return;
+  std::ostringstream os;
+  os << name_ << ": expected shape [";
+  i = 0;
+  for (int64_t d : dims) os << (i++ ? ", " : "") << (d >= 0 ? std::to_string(d) : std::string("*"));
+  os << "], got [";
+  for (int j = 0; j < t_->ndim; ++j) os << (j ? ", " : "") << t_->shape[j];
+  os << "]";
+  throw_value_error(os.str());
+}
+
+void TensorArg::expect_contiguous() const {
+  if (numel() == 0) return;  // strides of empty arrays carry no layout
+  int64_t expect = 1;
+  for (int d = t_->ndim - 1; d >= 0; --d) {
+    if (t_->shape[d] != 1 && stride(d) != expect)
+      throw_value_error(name_ + ": expected a contiguous array (stride of dim " + std::to_string(d) +
+                        " is " + std::to_string(stride(d)) + ", expected " + std::to_string(expect) + ")");
+    expect *= t_->shape[d];
+  }
+}
+
+void TensorArg::expect_writable() const {
+  if (readonly_) throw_value_error(name_ + ": the array is read-only but is written in place");
+}
+
+void TensorArg::expect_same_device(const TensorArg& other) const {
+  if (t_->device.device_type != other.t_->device.device_type ||
+      t_->device.device_id != other.t_->device.device_id)
+    throw_value_error(name_ + ": must be on the same device as " + other.name_);
+}
+
+}  // namespace dinfer_bindings

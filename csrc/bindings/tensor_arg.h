@@ -1,0 +1,61 @@
+// A borrowed view of any `__dlpack__` object (torch, CuPy, NumPy), plus argument checks that raise
+// Python TypeError/ValueError naming the argument -- the bindings never trust their inputs.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "dlpack_abi.h"
+
+namespace dinfer_bindings {
+
+namespace py = pybind11;
+
+enum class DType { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8, kBool, kOther };
+const char* dtype_name(DType t);
+
+class TensorArg {
+ public:
+  // Imports `obj` through DLPack. CUDA producers are asked for no stream synchronisation: the caller
+  // passes the stream its tensors were produced on.
+  TensorArg(py::handle obj, std::string name);
+  ~TensorArg();
+  TensorArg(const TensorArg&) = delete;
+  TensorArg& operator=(const TensorArg&) = delete;
+
+  const std::string& name() const { return name_; }
+  DType dtype() const { return dtype_; }
+  int ndim() const { return t_->ndim; }
+  int64_t size(int d) const { return t_->shape[d]; }
+  int64_t stride(int d) const;  // in elements
+  int64_t numel() const;
+  bool on_cuda() const { return t_->device.device_type != dlpack::kCPU; }
+  int device_id() const { return t_->device.device_id; }
+  template <typename T>
+  T* data() const {
+    return reinterpret_cast<T*>(static_cast<char*>(t_->data) + t_->byte_offset);
+  }
+
+  // Checks; each throws with the argument's name in the message.
+  void expect_dtype(std::initializer_list<DType> allowed) const;
+  void expect_shape(std::initializer_list<int64_t> dims) const;  // -1: any size
+  void expect_contiguous() const;                                // compact row-major
+  void expect_writable() const;
+  void expect_same_device(const TensorArg& other) const;
+
+ private:
+  std::string name_;
+  dlpack::Tensor* t_ = nullptr;
+  void* managed_ = nullptr;
+  bool versioned_ = false;
+  bool readonly_ = false;
+  DType dtype_ = DType::kOther;
+};
+
+[[noreturn]] void throw_value_error(const std::string& msg);
+[[noreturn]] void throw_type_error(const std::string& msg);
+
+}  // namespace dinfer_bindings

@@ -1,0 +1,198 @@
+// Host decode step: OpenMP over (row, vocabulary chunk) tasks for the single read of the logits,
+// then the shared decode_math finalize and commit code.
+//
+// The pass over a chunk is written as fixed-width lane loops (kLanes accumulators) so that GCC/Clang
+// vectorise the conversion, max and exp-sum without -ffast-math; exp is a polynomial that vectorises
+// (libm's expf does not) and stays within ~1 ulp.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#include "dinfer_kernels/decode.h"
+#include "dinfer_kernels/decode_math.h"
+
+namespace dinfer_kernels {
+namespace {
+
+using decode_math::Partial;
+
+constexpr int64_t kChunk = 4096;  // floats per task: 16 KB stays in L1/L2 between the sub-passes
+constexpr int kLanes = 16;
+
+// exp(x) for x <= 0 (arguments are z - max): 2^n * e^r with |r| <= ln2/2, degree-7 Taylor
+// (truncation < 1e-9 relative). Below -87.3 the result would be subnormal: return 0, which also
+// maps exp(-inf) to 0 as the online softmax needs.
+inline float exp_nonpositive(float x) {
+  const float kLog2e = 1.44269504088896341f;
+  const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  float xc = x < -87.3f ? -87.3f : x;
+  float n = __builtin_roundf(xc * kLog2e);
+  float r = xc - n * kLn2Hi - n * kLn2Lo;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.3f ? 0.f : p * scale;
+}
+
+// Converts and sanitises [lo, hi) of a row into buf.
+void load_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* buf) {
+  if (t == ScalarType::kFloat32) {
+    const float* src = static_cast<const float*>(row) + lo;
+    for (int64_t i = 0; i < len; ++i) buf[i] = decode_math::sanitize(src[i]);
+  } else if (t == ScalarType::kBFloat16) {
+    const uint16_t* src = static_cast<const uint16_t*>(row) + lo;
+    for (int64_t i = 0; i < len; ++i) {
+      uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      buf[i] = decode_math::sanitize(f);
+    }
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(row) + lo;
+    for (int64_t i = 0; i < len; ++i) buf[i] = decode_math::sanitize(decode_math::fp16_to_float(src[i]));
+  }
+}
+
+float chunk_max(const float* buf, int64_t len) {
+  float lane[kLanes];
+  for (int j = 0; j < kLanes; ++j) lane[j] = -INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] = buf[i + j] > lane[j] ? buf[i + j] : lane[j];
+  float m = -INFINITY;
+  for (int j = 0; j < kLanes; ++j) m = lane[j] > m ? lane[j] : m;
+  for (; i < len; ++i) m = buf[i] > m ? buf[i] : m;
+  return m;
+}
+
+float chunk_sum_exp(const float* buf, int64_t len, float m) {
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] += exp_nonpositive(buf[i + j] - m);
+  float s = 0.f;
+  for (int j = 0; j < kLanes; ++j) s += lane[j];
+  for (; i < len; ++i) s += exp_nonpositive(buf[i] - m);
+  return s;
+}
+
+// Lowest index in buf holding exactly m, skipping `skip` (-1: none).
+int64_t first_index_of(const float* buf, int64_t len, float m, int64_t skip) {
+  for (int64_t i = 0; i < len; ++i)
+    if (buf[i] == m && i != skip) return i;
+  return -1;
+}
+
+Partial scan_chunk(const DecodeStepParams& p, int64_t n, int64_t lo, int64_t len, float* buf) {
+  const void* row = static_cast<const char*>(p.logits) +
+                    n * p.row_stride * (p.logits_dtype == ScalarType::kFloat32 ? 4 : 2);
+  load_chunk(row, p.logits_dtype, lo, len, buf);
+  Partial r = decode_math::empty_partial();
+  r.max = chunk_max(buf, len);
+  if (r.max == -INFINITY) return r;  // nothing but -inf: merges as empty
+  r.sum = chunk_sum_exp(buf, len, r.max);
+  r.arg = static_cast<int32_t>(lo + first_index_of(buf, len, r.max, -1));
+  const int64_t mask_local = p.mask_id >= lo && p.mask_id < lo + len ? p.mask_id - lo : -1;
+  if (p.temperature > 0.f) {
+    // Sampling is rare and its noise costs two logs per element anyway: a plain scalar loop.
+    const uint32_t key = decode_math::row_key(p.seed, p.offset, static_cast<uint32_t>(n));
+    for (int64_t i = 0; i < len; ++i) {
+      const float s = decode_math::score_of(buf[i], p.temperature, key, lo + i);
+      const int32_t v = static_cast<int32_t>(lo + i);
+      if (decode_math::beats(s, v, r.score, r.score_arg)) { r.score = s; r.score_arg = v; }
+      if (i != mask_local && decode_math::beats(s, v, r.nm_score, r.nm_arg)) { r.nm_score = s; r.nm_arg = v; }
+    }
+    return r;
+  }
+  r.score = r.max;
+  r.score_arg = r.arg;
+  r.nm_score = r.max;
+  r.nm_arg = r.arg;
+  if (r.arg - lo == mask_local) {  // the raw best is the mask token: find the best other token
+    int64_t other = first_index_of(buf, len, r.max, mask_local);
+    if (other < 0) {
+      const float keep = buf[mask_local];
+      buf[mask_local] = -INFINITY;
+      const float m2 = chunk_max(buf, len);
+      other = first_index_of(buf, len, m2, -1);
+      buf[mask_local] = keep;
+      r.nm_score = m2;
+    }
+    r.nm_arg = static_cast<int32_t>(lo + other);
+  }
+  return r;
+}
+
+}  // namespace
+
+void decode_step_cpu(const DecodeStepParams& p, int num_threads) {
+  const int64_t N = p.num_rows, V = p.vocab;
+  if (N <= 0) return;
+  const int64_t chunks = (V + kChunk - 1) / kChunk;
+  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+  std::vector<Partial> parts(static_cast<size_t>(N * chunks));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> buf(kChunk);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < N * chunks; ++t) {
+      const int64_t n = t / chunks, c = t % chunks;
+      const int64_t lo = c * kChunk;
+      parts[t] = scan_chunk(p, n, lo, std::min(kChunk, V - lo), buf.data());
+    }
+  }
+
+  std::vector<int64_t> fallback(N);
+  std::vector<float> fallback_conf(N);
+  const size_t elem = p.logits_dtype == ScalarType::kFloat32 ? 4 : 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; ++n) {
+    Partial acc = parts[n * chunks];
+    for (int64_t c = 1; c < chunks; ++c) acc = decode_math::merge(acc, parts[n * chunks + c]);
+    const void* row = static_cast<const char*>(p.logits) + n * p.row_stride * elem;
+    const decode_math::RowResult r =
+        decode_math::finalize_row(acc, row, p, n, p.tokens[n] == p.mask_id);
+    p.candidate[n] = r.candidate;
+    p.confidence[n] = r.confidence;
+    p.row_max[n] = r.max;
+    p.row_lse[n] = r.lse;
+    fallback[n] = r.fallback;
+    fallback_conf[n] = r.fallback_conf;
+  }
+
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+  for (int64_t b = 0; b < p.num_seqs; ++b) {
+    const int64_t lo = std::clamp<int64_t>(p.seq_offsets[b], 0, N);
+    const int64_t hi = std::clamp<int64_t>(p.seq_offsets[b + 1], lo, N);
+    const int64_t L = hi - lo;
+    int64_t* tok = p.tokens + lo;
+    int64_t* cand = p.candidate + lo;
+    float* conf = p.confidence + lo;
+    const decode_math::SeqStats s = decode_math::sequence_stats(
+        L, tok, cand, conf, fallback_conf.data() + lo, p.mask_id);
+    const float tau = p.threshold ? p.threshold[b] : 1.f;
+    const int32_t k = p.num_commit ? p.num_commit[b] : 0;
+    for (int64_t i = 0; i < L; ++i)
+      p.commit[lo + i] = decode_math::row_commits(i, L, tok, cand, conf, s, p.rule, tau,
+                                                  p.low_threshold, k, p.mask_id) ||
+                         i == s.fallback_row;
+    if (s.fallback_row >= 0) {
+      cand[s.fallback_row] = fallback[lo + s.fallback_row];
+      conf[s.fallback_row] = fallback_conf[lo + s.fallback_row];
+    }
+    for (int64_t i = 0; i < L; ++i)
+      if (p.commit[lo + i]) tok[i] = cand[i];
+  }
+}
+
+}  // namespace dinfer_kernels

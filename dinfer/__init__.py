@@ -1,0 +1,1 @@
+"""dinfer: the thin diffusion-LLM inference loop built on dinfer_kernels (models, decoders, caches)."""

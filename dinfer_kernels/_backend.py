@@ -1,0 +1,68 @@
+"""Which backends exist in this install, and the `backend=` switch every op shares.
+
+Backends: "cuda" (compiled CUDA kernels), "triton", "cpu" (compiled C++ kernels), "torch" (the pure-torch
+reference; runs anywhere, not CUDA-graph capturable). "auto" picks the fastest available for the
+tensor's device: cuda > triton > torch on a GPU, cpu > torch on the host.
+"""
+import functools
+import importlib
+import os
+
+BACKENDS = ("auto", "cuda", "triton", "cpu", "torch")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled():
+    """The compiled extension dinfer_kernels._C, or None when it was not built."""
+    try:
+        return importlib.import_module("dinfer_kernels._C")
+    except ImportError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def triton_version():
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available_backends(device, op: str = "decode_step") -> list:
+    """Backends that can run `op` on tensors of `device`, fastest first."""
+    import torch
+
+    kind = torch.device(device).type
+    ext = compiled()
+    found = []
+    if kind == "cuda":
+        if op == "decode_step" and ext is not None and ext.built_with_cuda():
+            found.append("cuda")
+        if triton_version() is not None:
+            found.append("triton")
+    elif kind == "cpu":
+        if op == "decode_step" and ext is not None:
+            found.append("cpu")
+        if triton_version() is not None and triton_interpreted():
+            found.append("triton")
+    found.append("torch")
+    return found
+
+
+def resolve(backend: str, device, op: str) -> str:
+    """Validates `backend` and turns "auto" into a concrete backend for `device`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    avail = available_backends(device, op)
+    if backend == "auto":
+        # Under the interpreter Triton is a correctness tool, never the fast choice on the host.
+        return next(b for b in avail if not (b == "triton" and str(device).startswith("cpu")))
+    if backend not in avail:
+        raise ValueError(f"backend: {backend!r} cannot run {op} on {device} in this install "
+                         f"(available: {avail})")
+    return backend

@@ -1,0 +1,64 @@
+"""Argument checks shared by the public ops: each raises TypeError/ValueError naming the argument."""
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def tensor(name, t, dtypes=None, ndim=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (where logits are), got {t.device}")
+    return t
+
+
+def shape(name, t, expected):
+    if list(t.shape) != list(expected):
+        raise ValueError(f"{name}: expected shape {list(expected)}, got {list(t.shape)}")
+
+
+def contiguous(name, t):
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def integer(name, v, lo=None, hi=None):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if (lo is not None and v < lo) or (hi is not None and v >= hi):
+        raise ValueError(f"{name}: {v} is outside [{lo}, {hi})")
+    return v
+
+
+def number(name, v, lo=None, hi=None, lo_open=False):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"{name}: must be finite, got {v}")
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name}: must be <= {hi}, got {v}")
+    return v
+
+
+def data_checks_possible(*ts) -> bool:
+    """Reading tensor values is free on the host; on a GPU it would sync, and under torch.compile or
+    CUDA-graph capture it is impossible, so there it is only done when the caller asks."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t.device.type == "cpu" for t in ts)
+
+
+def token_range(name, t, vocab):
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        raise ValueError(f"{name}: token ids must be in [0, {vocab}), got range "
+                         f"[{int(t.min())}, {int(t.max())}]")

@@ -1,0 +1,1 @@
+"""Host backend: the compiled C++ kernels of dinfer_kernels._C (OpenMP)."""

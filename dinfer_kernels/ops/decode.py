@@ -1,0 +1,184 @@
+"""dinfer_kernels.decode_step: the public fused decode step, registered as the torch.library op
+`dinfer::decode_step` (fake impl included), so it works under torch.compile(fullgraph=True) and inside
+CUDA-graph capture (cuda / triton backends: no host sync, outputs allocated by the caching allocator).
+
+Contract: dinfer_kernels/reference/decode.py.
+"""
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from .. import _backend, _checks
+from ..reference.decode import DecodeOutput, decode_step_reference
+
+RULE_CODES = {"threshold": 0, "hierarchical": 1, "hierarchy": 1, "fixed": 2}
+_RULE_NAMES = ("threshold", "hierarchical", "fixed")
+
+
+class CreditState(NamedTuple):
+    """Sparse credit slots of a batch of block positions: ids [N, K] int32 (-1 empty), vals [N, K] fp32.
+
+    Allocate once per batch shape; call reset_() (or reset_(rows)) when a block starts. Nothing grows
+    with the request: K slots per position, whatever the number of iterations.
+    """
+    ids: torch.Tensor
+    vals: torch.Tensor
+
+    @staticmethod
+    def empty(num_rows: int, slots: int = 16, device="cpu") -> "CreditState":
+        _checks.integer("num_rows", num_rows, 0)
+        _checks.integer("slots", slots, 0, 1025)
+        return CreditState(torch.full((num_rows, slots), -1, dtype=torch.int32, device=device),
+                           torch.zeros((num_rows, slots), dtype=torch.float32, device=device))
+
+    def reset_(self, rows: Optional[torch.Tensor] = None) -> "CreditState":
+        """Clears every slot, or only those of `rows` (an index or bool tensor)."""
+        if rows is None:
+            self.ids.fill_(-1)
+            self.vals.zero_()
+        else:
+            self.ids[rows] = -1
+            self.vals[rows] = 0.0
+        return self
+
+
+@torch.library.custom_op("dinfer::decode_step", mutates_args=("tokens", "credit_ids", "credit_vals"))
+def _decode_step_op(logits: torch.Tensor, tokens: torch.Tensor, seq_offsets: torch.Tensor,
+                    threshold: torch.Tensor, num_commit: torch.Tensor, credit_ids: torch.Tensor,
+                    credit_vals: torch.Tensor, mask_id: int, rule: int, low_threshold: float,
+                    temperature: float, seed: int, offset: int, credit_alpha: float,
+                    credit_beta: float, credit_gamma: float, backend: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N = logits.shape[0]
+    dev = logits.device
+    if backend == "torch":
+        use_credit = credit_ids.shape[1] > 0
+        out = decode_step_reference(
+            logits, tokens, seq_offsets, mask_id, rule=_RULE_NAMES[rule], threshold=threshold,
+            low_threshold=low_threshold, num_commit=num_commit, temperature=temperature, seed=seed,
+            offset=offset, credit_ids=credit_ids if use_credit else None,
+            credit_vals=credit_vals if use_credit else None, credit_alpha=credit_alpha,
+            credit_beta=credit_beta, credit_gamma=credit_gamma)
+        return tuple(t.clone() for t in out)
+    candidate = torch.empty(N, dtype=torch.int64, device=dev)
+    confidence = torch.empty(N, dtype=torch.float32, device=dev)
+    commit = torch.empty(N, dtype=torch.bool, device=dev)
+    row_max = torch.empty(N, dtype=torch.float32, device=dev)
+    row_lse = torch.empty(N, dtype=torch.float32, device=dev)
+    if backend == "triton":
+        from ..triton.decode import decode_step as impl
+    elif backend == "cuda":
+        from ..cuda.decode import decode_step as impl
+    else:
+        from ..cpu.decode import decode_step as impl
+    impl(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals, mask_id, rule,
+         low_threshold, temperature, seed, offset, credit_alpha, credit_beta, credit_gamma,
+         candidate, confidence, commit, row_max, row_lse)
+    return candidate, confidence, commit, row_max, row_lse
+
+
+@_decode_step_op.register_fake
+def _(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals, mask_id, rule,
+      low_threshold, temperature, seed, offset, credit_alpha, credit_beta, credit_gamma, backend):
+    N = logits.shape[0]
+    f = lambda dt: logits.new_empty((N,), dtype=dt)  # noqa: E731
+    return f(torch.int64), f(torch.float32), f(torch.bool), f(torch.float32), f(torch.float32)
+
+
+def _per_sequence(name, value, B, dtype, device):
+    """A float/int broadcast to [B], or a [B] tensor checked and converted (no host sync)."""
+    if isinstance(value, torch.Tensor):
+        _checks.tensor(name, value, device=device)
+        if value.dim() == 0:
+            value = value.reshape(1).expand(B)
+        _checks.shape(name, value, [B])
+        return value.to(dtype).contiguous()
+    if dtype == torch.int32:
+        _checks.integer(name, value, 0)
+    else:
+        _checks.number(name, value)
+    return torch.full((B,), value, dtype=dtype, device=device)
+
+
+def decode_step(
+    logits: torch.Tensor, tokens: torch.Tensor, seq_offsets: torch.Tensor, mask_id: int, *,
+    rule: str = "threshold", threshold: Union[float, torch.Tensor] = 0.9, low_threshold: float = 0.4,
+    num_commit: Union[int, torch.Tensor, None] = None, temperature: float = 0.0, seed: int = 0,
+    offset: int = 0, credit: Optional[CreditState] = None, credit_alpha: float = 0.7,
+    credit_beta: float = 0.8, credit_gamma: float = 0.2, backend: str = "auto",
+    validate: Optional[bool] = None,
+) -> DecodeOutput:
+    """One diffusion decode step over a ragged batch of block positions (see the reference docstring).
+
+    logits [N, V] fp32/fp16/bf16 (last dim contiguous); tokens [N] int64, updated in place;
+    seq_offsets [B+1] int32; threshold: tau (threshold) or tau_high (hierarchical), float or [B];
+    num_commit: k per sequence for rule="fixed" (int or [B] int32); credit: a CreditState (updated in
+    place) or None. Returns DecodeOutput(candidate, confidence, commit, row_max, row_lse).
+
+    validate: check tensor *values* (token range, offsets, credit ids). Default: on host tensors only,
+    since on a GPU it would synchronise (and is impossible under capture); the kernels never read
+    out of bounds whatever the values are.
+    """
+    _checks.tensor("logits", logits, _checks.FLOAT_DTYPES, ndim=2)
+    dev = logits.device
+    N, V = logits.shape
+    if V < 1:
+        raise ValueError("logits: the vocabulary dimension must be >= 1")
+    if V > 1 and logits.stride(1) != 1:
+        raise ValueError(f"logits: the last dimension must be contiguous, got strides {logits.stride()}")
+    _checks.tensor("tokens", tokens, (torch.int64,), ndim=1, device=dev)
+    _checks.shape("tokens", tokens, [N])
+    _checks.contiguous("tokens", tokens)
+    _checks.tensor("seq_offsets", seq_offsets, (torch.int32,), ndim=1, device=dev)
+    if seq_offsets.numel() < 1:
+        raise ValueError("seq_offsets: expected [B + 1] offsets with B >= 0")
+    seq_offsets = seq_offsets.contiguous()
+    B = seq_offsets.numel() - 1
+    _checks.integer("mask_id", mask_id, 0, V)
+    if rule not in RULE_CODES:
+        raise ValueError(f"rule: expected one of {sorted(RULE_CODES)}, got {rule!r}")
+    code = RULE_CODES[rule]
+    _checks.number("low_threshold", low_threshold)
+    _checks.number("temperature", temperature, lo=0.0)
+    _checks.integer("seed", seed, 0, 2**32)
+    _checks.integer("offset", offset, 0, 2**32)
+    _checks.number("credit_alpha", credit_alpha, lo=0.0)
+    _checks.number("credit_beta", credit_beta, lo=0.0, hi=1.0)
+    _checks.number("credit_gamma", credit_gamma, lo=0.0)
+    if code == 2 and num_commit is None:
+        raise ValueError("num_commit: required for rule='fixed'")
+    thr = _per_sequence("threshold", threshold, B, torch.float32, dev)
+    k = _per_sequence("num_commit", 0 if num_commit is None else num_commit, B, torch.int32, dev)
+    if credit is None:
+        ids = torch.empty((N, 0), dtype=torch.int32, device=dev)
+        vals = torch.empty((N, 0), dtype=torch.float32, device=dev)
+    else:
+        if not isinstance(credit, CreditState):
+            raise TypeError(f"credit: expected a CreditState or None, got {type(credit).__name__}")
+        ids, vals = credit
+        _checks.tensor("credit.ids", ids, (torch.int32,), ndim=2, device=dev)
+        _checks.tensor("credit.vals", vals, (torch.float32,), ndim=2, device=dev)
+        _checks.shape("credit.ids", ids, [N, ids.shape[1]])
+        _checks.shape("credit.vals", vals, [N, ids.shape[1]])
+        _checks.contiguous("credit.ids", ids)
+        _checks.contiguous("credit.vals", vals)
+    backend = _backend.resolve(backend, dev, "decode_step")
+
+    check_data = _checks.data_checks_possible(logits) if validate is None else validate
+    if check_data:
+        _checks.token_range("tokens", tokens, V)
+        if int(seq_offsets[0]) != 0 or int(seq_offsets[-1]) != N or bool((seq_offsets.diff() < 0).any()):
+            raise ValueError(f"seq_offsets: must be non-decreasing from 0 to N={N}, got "
+                             f"{seq_offsets.tolist()[:8]}...")
+        if bool(torch.isnan(thr).any()):
+            raise ValueError("threshold: must not be NaN")
+        if bool((k < 0).any()):
+            raise ValueError("num_commit: must be >= 0")
+        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= V):
+            raise ValueError(f"credit.ids: slot ids must be in [-1, {V})")
+
+    out = torch.ops.dinfer.decode_step(
+        logits, tokens, seq_offsets, thr, k, ids, vals, mask_id, code, float(low_threshold),
+        float(temperature), seed, offset, float(credit_alpha), float(credit_beta),
+        float(credit_gamma), backend)
+    return DecodeOutput(*out)
