@@ -65,8 +65,10 @@ class CMakeBuild(build_ext):
             if proc.returncode != 0:
                 sys.stdout.write(proc.stdout)
                 raise SystemExit(f"dinfer: build failed ({cmd[0]} exited {proc.returncode})")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "build_log.txt").write_text("\n".join(log))
+        # Next to the built extension (wheels) and in the source package (editable installs).
+        for d in {out_dir, ROOT / "dinfer_kernels"}:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "build_log.txt").write_text("\n".join(log))
 
 
 setup(

@@ -27,8 +27,9 @@ constexpr int kLanes = 16;
 inline float exp_nonpositive(float x) {
   const float kLog2e = 1.44269504088896341f;
   const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  const float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to nearest, and vectorises
   float xc = x < -87.3f ? -87.3f : x;
-  float n = __builtin_roundf(xc * kLog2e);
+  float n = (xc * kLog2e + kRound) - kRound;
   float r = xc - n * kLn2Hi - n * kLn2Lo;
   float p = 1.f / 5040.f;
   p = p * r + 1.f / 720.f;
@@ -44,23 +45,10 @@ inline float exp_nonpositive(float x) {
   return x < -87.3f ? 0.f : p * scale;
 }
 
-// Converts and sanitises [lo, hi) of a row into buf.
-void load_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* buf) {
-  if (t == ScalarType::kFloat32) {
-    const float* src = static_cast<const float*>(row) + lo;
-    for (int64_t i = 0; i < len; ++i) buf[i] = decode_math::sanitize(src[i]);
-  } else if (t == ScalarType::kBFloat16) {
-    const uint16_t* src = static_cast<const uint16_t*>(row) + lo;
-    for (int64_t i = 0; i < len; ++i) {
-      uint32_t u = static_cast<uint32_t>(src[i]) << 16;
-      float f;
-      std::memcpy(&f, &u, sizeof f);
-      buf[i] = decode_math::sanitize(f);
-    }
-  } else {
-    const uint16_t* src = static_cast<const uint16_t*>(row) + lo;
-    for (int64_t i = 0; i < len; ++i) buf[i] = decode_math::sanitize(decode_math::fp16_to_float(src[i]));
-  }
+// sanitize() with selects only (fminf keeps NaN semantics that block vectorisation).
+inline float sanitize_fast(float z) {
+  z = z != z ? -INFINITY : z;
+  return z > FLT_MAX ? FLT_MAX : z;
 }
 
 float chunk_max(const float* buf, int64_t len) {
@@ -73,6 +61,45 @@ float chunk_max(const float* buf, int64_t len) {
   for (int j = 0; j < kLanes; ++j) m = lane[j] > m ? lane[j] : m;
   for (; i < len; ++i) m = buf[i] > m ? buf[i] : m;
   return m;
+}
+
+// Converts and sanitises [lo, lo + len) of a row into buf; returns the chunk's max.
+template <typename Convert>
+float load_chunk_max(const uint16_t* src, int64_t len, float* buf, Convert convert) {
+  float lane[kLanes];
+  for (int j = 0; j < kLanes; ++j) lane[j] = -INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const float z = sanitize_fast(convert(src[i + j]));
+      buf[i + j] = z;
+      lane[j] = z > lane[j] ? z : lane[j];
+    }
+  float m = -INFINITY;
+  for (int j = 0; j < kLanes; ++j) m = lane[j] > m ? lane[j] : m;
+  for (; i < len; ++i) {
+    buf[i] = sanitize_fast(convert(src[i]));
+    m = buf[i] > m ? buf[i] : m;
+  }
+  return m;
+}
+
+inline float bf16_bits_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+float load_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* buf) {
+  if (t == ScalarType::kFloat32) {
+    const float* src = static_cast<const float*>(row) + lo;
+    for (int64_t i = 0; i < len; ++i) buf[i] = sanitize_fast(src[i]);
+    return chunk_max(buf, len);
+  }
+  const uint16_t* src = static_cast<const uint16_t*>(row) + lo;
+  if (t == ScalarType::kBFloat16) return load_chunk_max(src, len, buf, bf16_bits_to_float);
+  return load_chunk_max(src, len, buf, decode_math::fp16_to_float);
 }
 
 float chunk_sum_exp(const float* buf, int64_t len, float m) {
@@ -96,9 +123,8 @@ int64_t first_index_of(const float* buf, int64_t len, float m, int64_t skip) {
 Partial scan_chunk(const DecodeStepParams& p, int64_t n, int64_t lo, int64_t len, float* buf) {
   const void* row = static_cast<const char*>(p.logits) +
                     n * p.row_stride * (p.logits_dtype == ScalarType::kFloat32 ? 4 : 2);
-  load_chunk(row, p.logits_dtype, lo, len, buf);
   Partial r = decode_math::empty_partial();
-  r.max = chunk_max(buf, len);
+  r.max = load_chunk(row, p.logits_dtype, lo, len, buf);
   if (r.max == -INFINITY) return r;  // nothing but -inf: merges as empty
   r.sum = chunk_sum_exp(buf, len, r.max);
   r.arg = static_cast<int32_t>(lo + first_index_of(buf, len, r.max, -1));
