@@ -28,8 +28,9 @@ Semantics (all math in fp32 unless compute_dtype says otherwise)
 0. Sanitise: z = float(logits); NaN -> -inf; +inf -> the largest finite fp32 value.
    A row whose z is -inf everywhere is *dead*: candidate = mask_id, confidence = 0, never committed,
    row_max = row_lse = -inf, credit only decays.
-1. Raw statistics: m = max z, a = argmax z (lowest index on ties), lse = logsumexp z,
-   p* = exp(m - lse). Outputs row_max = m, row_lse = lse (what iteration smoothing needs).
+1. Raw statistics: m = max z, a = argmax z (lowest index on ties), s = sum exp(z - m),
+   lse = m + log s, p* = 1 / s. (Probabilities are always exp(z - m) / s, never exp(z - lse):
+   near FLT_MAX, lse cannot hold m + log s.) Outputs row_max = m, row_lse = lse (what iteration smoothing needs).
 2. Credit (K > 0), dInfer's CreditDecoding kept sparse:
    every slot value *= beta; then, for masked live rows, the raw top-1 token a gains p* ** gamma:
    added to its slot if it has one, else stored in the first empty slot, else it replaces the slot
@@ -82,11 +83,12 @@ def sanitize_logits(logits: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return z.clamp(max=FLT_MAX)
 
 
-def _logsumexp(z: torch.Tensor) -> torch.Tensor:
+def _max_sumexp(z: torch.Tensor):
+    """Row max m and s = sum exp(z - m) (s = 0 on dead rows). Probabilities are exp(z - m) / s:
+    forming m + log(s) first would lose them when m is near FLT_MAX."""
     m = z.max(dim=-1).values
     safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    s = torch.exp(z - safe[:, None]).sum(-1)
-    return torch.where(m == float("-inf"), m, safe + torch.log(s))
+    return m, torch.exp(z - safe[:, None]).sum(-1)
 
 
 def update_credit(credit_ids, credit_vals, top1, boost, boosted, beta):
@@ -144,10 +146,11 @@ def decode_step_reference(
     z = sanitize_logits(logits, compute_dtype)
     masked = tokens == mask_id
 
-    m, a = z.max(dim=-1).values, torch.argmax(z, dim=-1)
+    m, s = _max_sumexp(z)
+    a = torch.argmax(z, dim=-1)
     dead = m == float("-inf")
-    lse = _logsumexp(z)
-    p_top = torch.where(dead, torch.zeros_like(m), torch.exp(m - lse))
+    lse = torch.where(dead, m, m + torch.log(s))
+    p_top = torch.where(dead, torch.zeros_like(m), 1.0 / s)
 
     if credit_ids is not None and credit_ids.shape[1] > 0:
         boost = p_top.to(torch.float32) ** credit_gamma
@@ -165,8 +168,13 @@ def decode_step_reference(
     else:
         score = zf
     cand = torch.argmax(score, dim=-1)
-    lse_f = _logsumexp(zf)
-    conf = torch.exp(zf.gather(1, cand[:, None])[:, 0] - lse_f)
+    m_f, s_f = _max_sumexp(zf)
+    m_f = torch.where(dead, torch.zeros_like(m_f), m_f)
+
+    def prob(tok):  # softmax(z')[tok]
+        return torch.exp(zf.gather(1, tok[:, None])[:, 0] - m_f) / s_f
+
+    conf = prob(cand)
     cand = torch.where(dead, torch.full_like(cand, mask_id), cand)
     conf = torch.where(dead, torch.zeros_like(conf), conf)
 
@@ -175,8 +183,7 @@ def decode_step_reference(
     fb = torch.argmax(score_nm, dim=-1)
     fb_valid = zf.gather(1, fb[:, None])[:, 0] > float("-inf")
     fb_valid &= torch.arange(V, device=dev)[fb] != mask_id
-    fb_conf = torch.where(fb_valid, torch.exp(zf.gather(1, fb[:, None])[:, 0] - lse_f),
-                          torch.full_like(conf, float("-inf")))
+    fb_conf = torch.where(fb_valid, prob(fb), torch.full_like(conf, float("-inf")))
 
     eligible = masked & (cand != mask_id) & ~dead
     c_all = torch.where(eligible, conf, torch.full_like(conf, float("-inf")))

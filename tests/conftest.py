@@ -1,0 +1,63 @@
+"""Shared test setup: which backends can run here, and the precision-tied comparison helpers."""
+import os
+
+import torch
+
+# Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dinfer_kernels import _backend  # noqa: E402
+
+HAS_GPU = torch.cuda.is_available()
+EXT = _backend.compiled()
+HAS_TRITON = _backend.triton_version() is not None
+
+
+def host_backends():
+    """Backends that run on host tensors in this environment (the interpreter counts for Triton)."""
+    found = ["torch"]
+    if EXT is not None:
+        found.append("cpu")
+    if HAS_TRITON and not HAS_GPU:
+        found.append("triton")
+    return found
+
+
+def device_backends():
+    """(backend, device) pairs to test: every host backend, plus the GPU ones when a GPU is present."""
+    pairs = [(b, "cpu") for b in host_backends()]
+    if HAS_GPU:
+        if EXT is not None and EXT.built_with_cuda():
+            pairs.append(("cuda", "cuda"))
+        if HAS_TRITON:
+            pairs.append(("triton", "cuda"))
+    return pairs
+
+
+def max_err(a, b):
+    """Max |a - b| over finite positions; positions must agree on being non-finite."""
+    a, b = a.double(), b.double()
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    assert torch.equal(fa, fb), "outputs disagree on which elements are finite"
+    assert torch.equal(a[~fa], b[~fb]), "non-finite outputs differ"
+    return float((a[fa] - b[fb]).abs().max()) if fa.any() else 0.0
+
+
+def assert_precision(out, same_precision, truth, name):
+    """The precision-tied tolerance: our error against the high-precision truth is at most twice
+    that of a same-precision torch run, plus a few fp32 ulps of the output's magnitude (for the
+    cases where the torch run happens to be exact)."""
+    ours = max_err(out, truth)
+    theirs = max_err(same_precision, truth)
+    finite = truth[torch.isfinite(truth)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    floor = 4 * torch.finfo(torch.float32).eps * max(scale, 1.0)
+    assert ours <= 2 * theirs + floor, f"{name}: error {ours:.3g} > 2 x {theirs:.3g} + {floor:.3g}"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
