@@ -4,29 +4,43 @@ Backends: "cuda" (compiled CUDA kernels), "triton", "cpu" (compiled C++ kernels)
 reference; runs anywhere, not CUDA-graph capturable). "auto" picks the fastest available for the
 tensor's device: cuda > triton > torch on a GPU, cpu > torch on the host.
 """
-import functools
 import importlib
+import importlib.metadata
+import importlib.util
 import os
 
 BACKENDS = ("auto", "cuda", "triton", "cpu", "torch")
 
 
-@functools.lru_cache(maxsize=None)
-def compiled():
-    """The compiled extension dinfer_kernels._C, or None when it was not built."""
+
+
+def _load_extension():
     try:
         return importlib.import_module("dinfer_kernels._C")
     except ImportError:
         return None
 
 
-@functools.lru_cache(maxsize=None)
-def triton_version():
-    try:
-        import triton
-    except ImportError:
+def _find_triton():
+    if importlib.util.find_spec("triton") is None:
         return None
-    return triton.__version__
+    return importlib.metadata.version("triton")
+
+
+# Looked up once at import: torch.compile traces the backend choice, and must see constants.
+_EXTENSION = _load_extension()
+_TRITON_VERSION = _find_triton()
+_EXTENSION_HAS_CUDA = _EXTENSION is not None and _EXTENSION.built_with_cuda()
+
+
+def compiled():
+    """The compiled extension dinfer_kernels._C, or None when it was not built."""
+    return _EXTENSION
+
+
+def triton_version():
+    """The installed Triton's version, or None (Triton itself is imported only when used)."""
+    return _TRITON_VERSION
 
 
 def triton_interpreted() -> bool:
@@ -41,7 +55,7 @@ def available_backends(device, op: str = "decode_step") -> list:
     ext = compiled()
     found = []
     if kind == "cuda":
-        if op == "decode_step" and ext is not None and ext.built_with_cuda():
+        if op == "decode_step" and _EXTENSION_HAS_CUDA:
             found.append("cuda")
         if triton_version() is not None:
             found.append("triton")

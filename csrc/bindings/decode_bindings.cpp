@@ -16,6 +16,29 @@ using dinfer_kernels::ScalarType;
 
 namespace {
 
+// Scalars arrive as Python objects so that a wrong type is reported with the argument's name.
+int64_t as_int(py::handle o, const char* name) {
+  if (!PyLong_Check(o.ptr()) || PyBool_Check(o.ptr()))
+    throw_type_error(std::string(name) + ": expected an int, got " +
+                     std::string(py::str(py::type::of(o).attr("__name__"))));
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(o.ptr(), &overflow);
+  if (overflow) throw_value_error(std::string(name) + ": out of the int64 range");
+  return v;
+}
+
+double as_float(py::handle o, const char* name) {
+  if (!(PyFloat_Check(o.ptr()) || PyLong_Check(o.ptr())) || PyBool_Check(o.ptr()))
+    throw_type_error(std::string(name) + ": expected a number, got " +
+                     std::string(py::str(py::type::of(o).attr("__name__"))));
+  const double v = PyFloat_AsDouble(o.ptr());
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw_value_error(std::string(name) + ": not representable as a double");
+  }
+  return v;
+}
+
 void check_finite(float v, const char* name) {
   if (!std::isfinite(v)) throw_value_error(std::string(name) + ": must be finite, got " + std::to_string(v));
 }
@@ -55,9 +78,17 @@ void check_host_data(const TensorArg& tokens, const TensorArg& offsets, const Te
 void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o, py::handle threshold_o,
                  py::handle num_commit_o, py::handle credit_ids_o, py::handle credit_vals_o,
                  py::handle candidate_o, py::handle confidence_o, py::handle commit_o,
-                 py::handle row_max_o, py::handle row_lse_o, int64_t mask_id, int rule,
-                 double low_threshold, double temperature, int64_t seed, int64_t offset, double alpha,
-                 double beta, double gamma, py::handle workspace_o, int64_t stream, int num_threads) {
+                 py::handle row_max_o, py::handle row_lse_o, py::handle mask_id_o, py::handle rule_o,
+                 py::handle low_threshold_o, py::handle temperature_o, py::handle seed_o,
+                 py::handle offset_o, py::handle alpha_o, py::handle beta_o, py::handle gamma_o,
+                 py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
+  const int64_t mask_id = as_int(mask_id_o, "mask_id"), seed = as_int(seed_o, "seed"),
+                offset = as_int(offset_o, "offset"), stream = as_int(stream_o, "stream");
+  const int64_t rule = as_int(rule_o, "rule"), num_threads = as_int(num_threads_o, "num_threads");
+  const double low_threshold = as_float(low_threshold_o, "low_threshold"),
+               temperature = as_float(temperature_o, "temperature"), alpha = as_float(alpha_o, "credit_alpha"),
+               beta = as_float(beta_o, "credit_beta"), gamma = as_float(gamma_o, "credit_gamma");
+  if (num_threads < 0 || num_threads > 4096) throw_value_error("num_threads: must be in [0, 4096]");
   TensorArg logits(logits_o, "logits"), tokens(tokens_o, "tokens"), offsets(offsets_o, "seq_offsets"),
       threshold(threshold_o, "threshold"), num_commit(num_commit_o, "num_commit"),
       credit_ids(credit_ids_o, "credit_ids"), credit_vals(credit_vals_o, "credit_vals"),
@@ -162,7 +193,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   if (!logits.on_cuda()) {
     check_host_data(tokens, offsets, num_commit, credit_ids, threshold, N, V, p.rule);
     py::gil_scoped_release release;
-    dinfer_kernels::decode_step_cpu(p, num_threads);
+    dinfer_kernels::decode_step_cpu(p, static_cast<int>(num_threads));
     return;
   }
 #ifdef DINFER_WITH_CUDA
@@ -197,7 +228,8 @@ void register_decode(py::module_& m) {
         py::arg("row_lse"), py::kw_only(), py::arg("mask_id"), py::arg("rule"),
         py::arg("low_threshold"), py::arg("temperature"), py::arg("seed"), py::arg("offset"),
         py::arg("credit_alpha"), py::arg("credit_beta"), py::arg("credit_gamma"),
-        py::arg("workspace") = py::none(), py::arg("stream") = 0, py::arg("num_threads") = 0,
+        py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
+        py::arg("num_threads") = py::int_(0),
         "Fused decode step over DLPack arrays (contract: dinfer_kernels/reference/decode.py). "
         "Outputs are caller-allocated; tokens and credit slots are updated in place. CUDA arrays "
         "need a uint8 workspace of cuda_workspace_bytes(N, V) bytes and run on `stream`.");
