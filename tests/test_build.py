@@ -1,0 +1,54 @@
+"""The build: what `python -m dinfer_kernels` reports, the ptxas report of the CUDA kernels (0 spill
+bytes), and the torch-free C++ API used from a plain C++ program."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import EXT
+
+import dinfer_kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_LOG = Path(dinfer_kernels.__file__).parent / "build_log.txt"
+
+
+def test_info_command():
+    out = subprocess.run([sys.executable, "-m", "dinfer_kernels"], capture_output=True, text=True,
+                         check=True).stdout
+    for field in ("dinfer_kernels", "torch", "triton", "compiled layer", "GPU visible", "backends (cpu)"):
+        assert field in out
+
+
+def test_cuda_required_means_built():
+    """CI sets DINFER_CUDA=1 for the install: then the CUDA kernels must be in the extension."""
+    if os.environ.get("DINFER_CUDA") != "1":
+        pytest.skip("DINFER_CUDA=1 not requested")
+    assert EXT is not None and EXT.built_with_cuda()
+    assert EXT.cuda_archs()
+
+
+def test_ptxas_reports_no_spills():
+    if EXT is None or not EXT.built_with_cuda():
+        pytest.skip("the extension was built without CUDA")
+    log = BUILD_LOG.read_text()
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    kernels = re.findall(r"Compiling entry function '(\w+)' for '(sm_\w+)'", log)
+    assert kernels, "no ptxas report in the build log (is -Xptxas -v set?)"
+    assert spills and len(spills) >= len(kernels)
+    assert all(s == ("0", "0") for s in spills), f"register spills: {spills}"
+    assert {arch for _, arch in kernels} >= {f"sm_{a}" for a in EXT.cuda_archs().split(",")}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_cpp_runtime_calls_the_kernel_without_python(tmp_path):
+    exe = tmp_path / "decode_cpu_example"
+    subprocess.run(["g++", "-std=c++17", "-O2", "-fopenmp", "-Wall", "-Wextra", "-Werror",
+                    f"-I{ROOT / 'csrc/include'}", '-DDINFER_VERSION="test"',
+                    str(ROOT / "tests/cpp/decode_cpu_example.cpp"),
+                    str(ROOT / "csrc/decode/decode_step_cpu.cpp"), str(ROOT / "csrc/common/build_info.cpp"),
+                    "-o", str(exe)], check=True)
+    assert subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.strip() == "OK"
