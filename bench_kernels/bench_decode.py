@@ -1,0 +1,224 @@
+"""Microbenchmark of one decode step: dInfer's formulation vs dinfer_kernels.decode_step backends.
+
+    python bench_kernels/bench_decode.py [--device cpu|cuda] [--rows 32,64,512] [--vocab 157184]
+                                         [--dtype bf16] [--quick] [--json out.json]
+
+For each N: bf16 logits [N, V] as one sequence (B = 1) whose block is the N positions, all masked
+except every 16th. Timed on the same logits (rotating copies of them on the GPU):
+  dinfer-threshold   dInfer eager threshold decode (fp32 softmax over V, [1, N, V] layout)
+  dinfer-credit      dInfer credit decode, dense fp32 credit [1, N, V], a steady iteration (k > 0)
+  dinfer-compiled    torch.compile(dynamic=True) of dInfer's threshold rule (skipped if it fails)
+  ours-threshold     dinfer_kernels.decode_step(rule="threshold", backend=b) for each available b
+  ours-credit        the same with a CreditState of K = --slots slots (steady iteration)
+  max(-1)            one logits.max(-1) pass: the bandwidth yardstick
+and the device copy bandwidth (dst.copy_(src), bytes read + written).
+Columns: median time, GB/s of logits read (N*V*itemsize / time), % of the measured copy bandwidth,
+speedup vs each dInfer baseline, time / max(-1) time, and whether the step committed the same
+tokens as dInfer (first step from the same state).
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+
+LLADA_MOE_VOCAB, LLADA_MOE_MASK = 157184, 156895
+UNMASK_EVERY = 16
+
+
+def make_inputs(N, V, dtype, device, seed=0):
+    """Logits with a spread of confidences: z = 2*randn plus, on half the rows, a peak of random height
+    (so a realistic share of rows clears tau = 0.9). Every 16th position is already decoded."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    z = torch.randn(N, V, generator=g) * 2.0
+    peak_rows = torch.rand(N, generator=g) < 0.5
+    peak_tok = torch.randint(0, V, (N,), generator=g)
+    peak_h = 10.0 + 15.0 * torch.rand(N, generator=g)      # p(top-1) from ~0.02 to ~1
+    z[peak_rows, peak_tok[peak_rows]] += peak_h[peak_rows]
+    mask_id = LLADA_MOE_MASK if V > LLADA_MOE_MASK else V - 1
+    tokens = torch.full((N,), mask_id, dtype=torch.int64)
+    keep = torch.arange(N) % UNMASK_EVERY == UNMASK_EVERY - 1
+    other = torch.randint(0, V - 1, (N,), generator=g)
+    other = other + (other >= mask_id).to(torch.int64)
+    tokens[keep] = other[keep]
+    return z.to(dtype).to(device), tokens.to(device), mask_id
+
+
+def build_cases(N, V, args, device, notes):
+    import dinfer_kernels
+    from dinfer_kernels.reference import dinfer_baseline as db
+
+    dtype = common.torch_dtype(args.dtype)
+    logits0, tok0, mask_id = make_inputs(N, V, dtype, device)
+    copies = common.num_copies(logits0.numel() * logits0.element_size(), device)
+    logits = [logits0] + [logits0.clone() for _ in range(copies - 1)]
+    tok_init = tok0.unsqueeze(0).expand(copies, N).contiguous()
+    tok = tok_init.clone()                          # one row of tokens per rotating copy
+    offsets = torch.tensor([0, N], dtype=torch.int32, device=device)
+    tau = args.threshold
+
+    def restore():
+        tok.copy_(tok_init)
+
+    cases = []   # (key, label, backend, Case, kind) ; kind in threshold|credit|yardstick
+
+    def add(key, label, backend, fn, kind, setup=None, graph=True):
+        cases.append((key, label, backend, common.Case(f"{label}[{backend}] N={N}", fn, copies, restore,
+                                                       setup, graph), kind))
+
+    add("dinfer_thr", "dinfer-threshold", "eager",
+        lambda i: db.dinfer_threshold_decode(logits[i].view(1, N, V), tok[i].view(1, N), mask_id, tau),
+        "threshold")
+
+    dec = db.DinferCreditDecoder(mask_id, tau)
+    add("dinfer_credit", "dinfer-credit", "eager",
+        lambda i: dec.decode(logits[i].view(1, N, V), tok[i].view(1, N), block=(0, N)),
+        "credit", setup=dec.reset, graph=False)     # host sync per call (dInfer's `if not has_mask`)
+
+    if not args.no_compile:
+        try:
+            t0 = common.time.perf_counter()
+            x = tok[0].clone().view(1, N)
+            db.dinfer_threshold_decode_compiled(logits[0].view(1, N, V), x, mask_id, tau)
+            common.sync(device)
+            notes.append(f"N={N}: torch.compile of dInfer's threshold rule took "
+                         f"{common.time.perf_counter() - t0:.1f}s (first call)")
+            add("dinfer_compiled", "dinfer-compiled", "inductor",
+                lambda i: db.dinfer_threshold_decode_compiled(logits[i].view(1, N, V), tok[i].view(1, N),
+                                                              mask_id, tau), "threshold")
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"dinfer-compiled skipped: torch.compile failed ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120] if str(e) else ''})")
+            torch._dynamo.reset()
+
+    backends = [b for b in dinfer_kernels.available_backends(device)
+                if not args.backends or b in args.backends.split(",")]
+    if "torch" in backends and device == "cuda" and not args.backends:
+        backends.remove("torch")        # the reference itself: per-row Python loops, not a kernel
+        notes.append("backend torch (the pure-torch reference) not timed on cuda; --backends torch to add")
+    for be in backends:
+        thr = torch.full((1,), tau, dtype=torch.float32, device=device)
+        add(f"ours_thr_{be}", "ours-threshold", be,
+            lambda i, be=be, thr=thr: dinfer_kernels.decode_step(logits[i], tok[i], offsets, mask_id,
+                                                                 rule="threshold", threshold=thr,
+                                                                 backend=be),
+            "threshold")
+        cs = dinfer_kernels.CreditState.empty(N, slots=args.slots, device=device)
+        add(f"ours_credit_{be}", "ours-credit", be,
+            lambda i, be=be, thr=thr, cs=cs: dinfer_kernels.decode_step(
+                logits[i], tok[i], offsets, mask_id, rule="threshold", threshold=thr, credit=cs,
+                backend=be),
+            "credit", setup=cs.reset_)
+
+    add("max", "max(-1)", "torch", lambda i: logits[i].max(-1), "yardstick")
+    return cases, dict(logits=logits, tok=tok, tok_init=tok_init, offsets=offsets, mask_id=mask_id,
+                       restore=restore, dec=dec)
+
+
+def agreement(cases, state, N):
+    """Runs each case once from the restored state; compares the committed tokens to dInfer's."""
+    ref = {}
+    res = {}
+    for key, _, _, case, kind in cases:
+        if kind == "yardstick":
+            continue
+        if case.setup is not None:
+            case.setup()
+        state["restore"]()
+        case.fn(0)
+        got = state["tok"][0].clone()
+        if key in ("dinfer_thr", "dinfer_credit"):
+            ref[kind] = got
+        base = ref.get(kind)
+        res[key] = None if base is None else ("yes" if torch.equal(got, base) else "NO")
+        n_commit = int((got != state["tok_init"][0]).sum())
+        res[key + "_commits"] = n_commit
+    return res
+
+
+def run(args):
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU visible")
+    rows = common.parse_ints(args.rows) if args.rows else ([32, 512] if args.quick else [32, 64, 512])
+    V = args.vocab
+    notes = []
+    env = common.environment(device)
+    print(f"# bench_decode  device={device} ({env.get('gpu') or env['cpu']})  V={V}  dtype={args.dtype}  "
+          f"rows={rows}  commit={env['commit']}")
+    if device == "cpu" and env["loadavg_1min"] > 0.5 * (common.os.cpu_count() or 1):
+        notes.append(f"busy host: 1-min load average {env['loadavg_1min']} on {common.os.cpu_count()} CPUs; "
+                     "CPU times are noisy (OMP_NUM_THREADS=1 steadies them)")
+    bw = common.copy_bandwidth(device, quick=args.quick)
+    print(f"copy bandwidth: {bw['GBps']:.1f} GB/s (read + write, {bw['bytes'] >> 20} MiB, {bw['timer']})")
+
+    results, tables = [], []
+    for N in rows:
+        cases, state = build_cases(N, V, args, device, notes)
+        agree = agreement(cases, state, N)
+        itemsize = state["logits"][0].element_size()
+        nbytes = N * V * itemsize
+        rows_out = []
+        for key, label, be, case, kind in cases:
+            try:
+                m = common.measure(case, device, quick=args.quick, reps=args.reps)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {label}[{be}]: FAILED ({type(e).__name__}: {e})")
+                notes.append(f"N={N} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}")
+                rows_out.append(dict(N=N, key=key, method=label, backend=be, kind=kind, error=str(e)[:300]))
+                continue
+            if m["note"]:
+                notes.append(f"N={N} {label}[{be}]: {m['note']}")
+            r = dict(N=N, V=V, dtype=args.dtype, key=key, method=label, backend=be, kind=kind,
+                     timer=m["timer"], median_s=m["median_s"], p20_s=m["p20_s"], p80_s=m["p80_s"],
+                     us=m["median_s"] * 1e6, GBps=nbytes / m["median_s"] / 1e9,
+                     agree=agree.get(key), commits=agree.get(key + "_commits"))
+            r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
+            rows_out.append(r)
+            print(f"  {label:17s} {be:9s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s  ({m['timer']})")
+        by = {r["key"]: r for r in rows_out if "median_s" in r}
+        for r in rows_out:
+            if "median_s" not in r:
+                continue
+            for base, col in (("dinfer_thr", "x_thr"), ("dinfer_credit", "x_credit"),
+                              ("dinfer_compiled", "x_compiled")):
+                r[col] = by[base]["median_s"] / r["median_s"] if base in by else None
+            r["per_max"] = r["median_s"] / by["max"]["median_s"] if "max" in by else None
+        results += rows_out
+        title = (f"N = {N} rows, V = {V}, {args.dtype} logits ({nbytes / 1e6:.1f} MB), {device}"
+                 f" ({env.get('gpu') or env['cpu']}), copy bandwidth {bw['GBps']:.0f} GB/s")
+        cols = [("method", "method", None), ("backend", "backend", None), ("median µs", "us", ".1f"),
+                ("GB/s", "GBps", ".1f"), ("% copy BW", "pct_copy", ".1f"),
+                ("× dInfer thr", "x_thr", ".2f"), ("× dInfer credit", "x_credit", ".2f"),
+                ("× compiled", "x_compiled", ".2f"), ("÷ max(-1)", "per_max", ".2f"),
+                ("same tokens", "agree", None), ("commits", "commits", None), ("timer", "timer", None)]
+        table = f"**{title}**\n\n" + common.markdown_table([r for r in rows_out if "median_s" in r], cols)
+        print("\n" + table + "\n")
+        tables.append(table)
+        del cases, state
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    for n in notes:
+        print("note:", n)
+    payload = {"bench": "decode", "env": env, "args": vars(args), "copy_bandwidth": bw,
+               "results": results, "tables": tables, "notes": notes}
+    common.write_json(args.json, payload)
+    return payload
+
+
+def main(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--rows", default=None, help="comma-separated N (default 32,64,512; --quick 32,512)")
+    p.add_argument("--vocab", type=int, default=LLADA_MOE_VOCAB)
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--slots", type=int, default=16, help="credit slots K of our CreditState")
+    p.add_argument("--backends", default=None, help="comma-separated subset of our backends")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,392 @@
+"""Shared helpers of the bench_kernels/bench_*.py scripts: timing, NVTX ranges, tables, JSON, report.
+
+Timing
+------
+GPU: each case is captured into a CUDA graph of many calls that cycle through rotating input copies
+(sized to several times the L2 so that every call reads from HBM), and the graph replays are timed
+with CUDA events; a case that cannot be captured (a host sync, say dInfer's credit decoder) falls back
+to triton.testing.do_bench (which flushes the L2 before each call) and says so in its `timer` field.
+CPU: warm-up, then the median of repeated time.perf_counter() measurements of single calls.
+Every measured region sits in an NVTX range named after the case (`nvtx` is a no-op without a profiler).
+
+Report
+------
+`python bench_kernels/common.py report OUT_DIR` gathers OUT_DIR/*.json written by the bench scripts
+(and OUT_DIR/steps.tsv, OUT_DIR/junit.xml, OUT_DIR/pytest.log when present) into OUT_DIR/report.md
+and OUT_DIR/report.json. bench_kernels/gpu_check.sh calls it.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:          # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+try:
+    import nvtx
+except ImportError:                    # keep the benches runnable without it
+    nvtx = None
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+ROTATE_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}    # rotating-input footprint (H200 L2: 50 MB)
+MAX_COPIES = 64
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def base_parser(description):
+    import torch
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="logits dtype")
+    p.add_argument("--quick", action="store_true", help="fewer rows and repeats (GPU check script)")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--reps", type=int, default=None, help="timed repeats (default: by device / --quick)")
+    return p
+
+
+def torch_dtype(name):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def parse_ints(text):
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+# ------------------------------------------------------------------------------------------ timing
+def nvtx_range(name):
+    if nvtx is not None:
+        return nvtx.annotate(name, color="green")
+    if torch.cuda.is_available():  # the `nvtx` package may be missing on a GPU image: torch has ranges too
+        return torch.cuda.nvtx.range(name)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def num_copies(nbytes_per_copy, device):
+    """How many rotating input copies make the working set exceed the caches."""
+    target = ROTATE_BYTES["cuda" if str(device).startswith("cuda") else "cpu"]
+    return int(max(1, min(MAX_COPIES, math.ceil(target / max(1, nbytes_per_copy)))))
+
+
+class Case:
+    """One thing to time. fn(i) runs one call on rotating input copy i (0 <= i < copies).
+
+    restore(): resets whatever the calls mutate (tokens) for every copy, so each call sees the same
+    input; it runs outside the timed calls on the CPU, and once per pass over the copies inside a
+    captured graph (amortised over the copies). setup(): once before a measurement set (reset state).
+    graph=False: never try CUDA-graph capture (the case synchronises with the host).
+    """
+
+    def __init__(self, name, fn, copies=1, restore=None, setup=None, graph=True):
+        self.name, self.fn, self.copies = name, fn, copies
+        self.restore, self.setup, self.graph = restore, setup, graph
+
+
+def _restore(case):
+    if case.restore is not None:
+        case.restore()
+
+
+def _time_cpu(case, warmup, reps, min_seconds, max_reps=500):
+    """At least `reps` single-call samples, more until `min_seconds` of calls (the median is robust
+    to a shared, busy host)."""
+    for i in range(warmup):
+        _restore(case)
+        case.fn(i % case.copies)
+    times = []
+    with nvtx_range(case.name):
+        while len(times) < reps or (sum(times) < min_seconds and len(times) < max_reps):
+            _restore(case)
+            t0 = time.perf_counter()
+            case.fn(len(times) % case.copies)
+            times.append(time.perf_counter() - t0)
+    return times, "perf_counter"
+
+
+def _time_cuda_graph(case, reps, min_calls=20):
+    import torch
+
+    calls = max(case.copies, min_calls)
+    calls = math.ceil(calls / case.copies) * case.copies
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                 # warm-up on a side stream before capture
+        for i in range(case.copies):
+            if i == 0:
+                _restore(case)
+            case.fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for j in range(calls):
+            if j % case.copies == 0:
+                _restore(case)
+            case.fn(j % case.copies)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    with nvtx_range(case.name):
+        for _ in range(reps):
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / calls)
+    del g
+    return times, f"cuda-graph x{calls}"
+
+
+def _time_cuda_do_bench(case, reps, quick):
+    import torch
+    import triton.testing
+
+    state = {"i": 0}
+
+    def call():
+        _restore(case)
+        case.fn(state["i"] % case.copies)
+        state["i"] += 1
+
+    call()
+    torch.cuda.synchronize()
+    with nvtx_range(case.name):
+        ms = triton.testing.do_bench(call, warmup=10 if quick else 25, rep=40 if quick else 100,
+                                     return_mode="all")
+    return [t * 1e-3 for t in ms], "do_bench"
+
+
+def measure(case, device, quick=False, reps=None):
+    """Times `case`; returns a dict with median_s, p20_s, p80_s, timer, note."""
+    note = ""
+    if case.setup is not None:
+        case.setup()
+    if str(device).startswith("cuda"):
+        import torch
+
+        reps = reps or (10 if quick else 30)
+        times = None
+        if case.graph:
+            try:
+                times, timer = _time_cuda_graph(case, reps)
+            except Exception as e:  # noqa: BLE001 - any capture failure: fall back, say why
+                note = f"graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+                torch.cuda.synchronize()
+                if case.setup is not None:
+                    case.setup()
+        if times is None:
+            times, timer = _time_cuda_do_bench(case, reps, quick)
+    else:
+        reps = reps or (5 if quick else 15)
+        times, timer = _time_cpu(case, warmup=1 if quick else 2, reps=reps,
+                                 min_seconds=0.2 if quick else 1.0)
+    q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
+    return {"median_s": statistics.median(times), "p20_s": q[0], "p80_s": q[3], "timer": timer,
+            "n": len(times), "note": note}
+
+
+def copy_bandwidth(device, nbytes=None, quick=False):
+    """Measured device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    import torch
+
+    cuda = str(device).startswith("cuda")
+    nbytes = nbytes or ((1 << 30) if cuda else (256 << 20))
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    res = measure(Case("copy_bandwidth", lambda i: dst.copy_(src)), device, quick=quick)
+    res["GBps"] = 2 * nbytes / res["median_s"] / 1e9
+    res["bytes"] = nbytes
+    del src, dst
+    return res
+
+
+def sync(device):
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------ environment
+def git_commit():
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (out.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def cpu_name():
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith("model name"):
+                return f"{ln.split(':', 1)[1].strip()} ({os.cpu_count()} threads)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device):
+    import torch
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": git_commit(), "host": platform.node(), "python": platform.python_version(),
+           "torch": torch.__version__, "device": str(device), "cpu": cpu_name(),
+           "cpu_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+           "loadavg_1min": round(os.getloadavg()[0], 2), "argv": " ".join(sys.argv)}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if str(device).startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+# ------------------------------------------------------------------------------------------ output
+def fmt(v, spec=".3g"):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def markdown_table(rows, columns):
+    """rows: list of dicts; columns: list of (header, key, format spec or None)."""
+    head = "| " + " | ".join(h for h, _, _ in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for _, key, spec in columns:
+            v = r.get(key)
+            cells.append(fmt(v, spec) if spec else ("-" if v is None else str(v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path, payload):
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------------ report
+def _junit_summary(path):
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    secs = sum(float(s.get("time", 0)) for s in suites)
+    passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+    failed = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    line = (f"{passed} passed, {tot['failures']} failed, {tot['errors']} errors, "
+            f"{tot['skipped']} skipped in {secs:.1f}s")
+    return line, failed
+
+
+def _pytest_tail(path):
+    lines = [ln.strip() for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if any(w in ln for w in (" passed", " failed", " error", "no tests ran")):
+            return ln.strip("= ")
+    return lines[-1] if lines else "no output"
+
+
+def write_report(out_dir):
+    out = Path(out_dir)
+    rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": git_commit(), "gpu": None, "tests": None, "failed_tests": [], "steps": [],
+           "benchmarks": {}}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            rep["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001
+        pass
+    if (out / "steps.tsv").exists():
+        for ln in (out / "steps.tsv").read_text().splitlines():
+            parts = ln.split("\t")
+            if len(parts) >= 3:
+                rep["steps"].append({"step": parts[0], "rc": parts[1], "seconds": parts[2]})
+    if (out / "junit.xml").exists():
+        try:
+            rep["tests"], rep["failed_tests"] = _junit_summary(out / "junit.xml")
+        except Exception as e:  # noqa: BLE001
+            rep["tests"] = f"junit.xml unreadable: {e}"
+    if rep["tests"] is None and (out / "pytest.log").exists():
+        rep["tests"] = _pytest_tail(out / "pytest.log")
+    for jf in sorted(out.glob("*.json")):
+        if jf.name == "report.json":
+            continue
+        try:
+            data = json.loads(jf.read_text())
+        except Exception as e:  # noqa: BLE001
+            rep["benchmarks"][jf.stem] = {"error": f"unreadable: {e}"}
+            continue
+        if isinstance(data, dict) and "tables" in data:
+            rep["benchmarks"][jf.stem] = data
+            rep["gpu"] = rep["gpu"] or data.get("env", {}).get("gpu")
+
+    md = [f"# GPU check report", "",
+          f"- commit: `{rep['commit']}`", f"- date (UTC): {rep['date']}", f"- GPU: {rep['gpu'] or 'none'}",
+          f"- tests: {rep['tests'] or 'not run'}", ""]
+    if rep["failed_tests"]:
+        md += ["Failed tests:", ""] + [f"- `{t}`" for t in rep["failed_tests"][:50]] + [""]
+    if rep["steps"]:
+        md += ["## Steps", "", "| step | exit code | seconds |", "|---|---|---|"]
+        md += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in rep["steps"]] + [""]
+    for name, data in rep["benchmarks"].items():
+        md += [f"## {name}", ""]
+        if "error" in data:
+            md += [data["error"], ""]
+            continue
+        env = data.get("env", {})
+        md += [f"`{env.get('argv', '')}` — commit `{env.get('commit', '?')}`, {env.get('gpu') or env.get('cpu', '')}",
+               ""]
+        for t in data.get("tables", []):
+            md += [t, ""]
+        for n in data.get("notes", []):
+            md += [f"- {n}"]
+        md += [""]
+    (out / "report.md").write_text("\n".join(md))
+    with open(out / "report.json", "w") as f:
+        json.dump(rep, f, indent=1, default=str)
+    print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="bench_kernels helpers")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("report", help="summarise a gpu_check.sh output folder")
+    r.add_argument("out_dir")
+    a = ap.parse_args()
+    if a.cmd == "report":
+        write_report(a.out_dir)
