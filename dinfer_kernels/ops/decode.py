@@ -165,7 +165,7 @@ def decode_step(
     backend = _backend.resolve(backend, dev, "decode_step")
 
     check_data = _checks.data_checks_possible(logits) if validate is None else validate
-    if check_data:
+    if check_data and backend != "cpu":  # the compiled host kernel checks values itself, for free
         _checks.token_range("tokens", tokens, V)
         if int(seq_offsets[0]) != 0 or int(seq_offsets[-1]) != N or bool((seq_offsets.diff() < 0).any()):
             raise ValueError(f"seq_offsets: must be non-decreasing from 0 to N={N}, got "
