@@ -5,7 +5,7 @@ One uniform number per (seed, offset, row, vocab index), with no state: a rerun 
 All arithmetic is on 32-bit unsigned integers; seed and offset are in [0, 2**32).
 
     h  = mix(mix(mix(mix(seed ^ GOLDEN) ^ offset) ^ row) ^ v)
-    u  = ((h >> 8) + 0.5) / 2**24            # exact in fp32, strictly inside (0, 1)
+    u  = ((h >> 9) + 0.5) / 2**23            # 24 significant bits: exact in fp32, inside (0, 1)
     g  = -log(-log(u))                        # standard Gumbel noise
 
 mix is a 32-bit avalanche hash (xorshift-multiply, two rounds).
@@ -39,7 +39,7 @@ def uniform(seed: int, offset: int, num_rows: int, vocab: int, device=None) -> t
     keys = row_keys(seed, offset, torch.arange(num_rows, device=device))
     v = torch.arange(vocab, device=device, dtype=torch.int64)
     h = mix32(keys[:, None] ^ v[None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def gumbel(seed: int, offset: int, num_rows: int, vocab: int, device=None) -> torch.Tensor:

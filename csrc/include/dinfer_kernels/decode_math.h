@@ -85,7 +85,9 @@ DINFER_HD uint32_t row_key(uint32_t seed, uint32_t offset, uint32_t row) {
 }
 
 DINFER_HD float gumbel(uint32_t key, uint32_t v) {
-  float u = (static_cast<float>(mix32(key ^ v) >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  // 23 random bits + 0.5 fit fp32's 24-bit significand: u is exact and strictly inside (0, 1),
+  // so the noise is always finite.
+  float u = (static_cast<float>(mix32(key ^ v) >> 9) + 0.5f) * (1.0f / 8388608.0f);
   return -logf(-logf(u));
 }
 
@@ -152,6 +154,8 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
   const int K = prm.num_slots;
   int32_t* ids = prm.credit_ids + n * K;
   float* vals = prm.credit_vals + n * K;
+  // A live row always has a valid score_arg: scores are never NaN (sanitised logits, finite noise)
+  // and beats() lets even a -inf score take the index, so the logits reads below stay in bounds.
   const bool dead = p.max == -INFINITY;
 
   // Step 2: sparse credit. Invalid ids (outside [0, V)) are treated as empty slots, never read.
