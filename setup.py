@@ -65,8 +65,11 @@ class CMakeBuild(build_ext):
             if proc.returncode != 0:
                 sys.stdout.write(proc.stdout)
                 raise SystemExit(f"dinfer: build failed ({cmd[0]} exited {proc.returncode})")
-        # Next to the built extension (wheels) and in the source package (editable installs).
-        for d in {out_dir, ROOT / "dinfer_kernels"}:
+        # Next to the built extension, and for editable installs in the source package it runs from.
+        dirs = {out_dir}
+        if self.inplace or getattr(self, "editable_mode", False):
+            dirs.add(ROOT / "dinfer_kernels")
+        for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
             (d / "build_log.txt").write_text("\n".join(log))
 
