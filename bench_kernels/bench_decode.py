@@ -201,12 +201,7 @@ def run(args):
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    for n in notes:
-        print("note:", n)
-    payload = {"bench": "decode", "env": env, "args": vars(args), "copy_bandwidth": bw,
-               "results": results, "tables": tables, "notes": notes}
-    common.write_json(args.json, payload)
-    return payload
+    return common.finish("decode", env, args, bw, results, tables, notes)
 
 
 def main(argv=None):

@@ -108,12 +108,7 @@ def run(args):
         del zs, z, base_out
         if device == "cuda":
             torch.cuda.empty_cache()
-    for n in notes:
-        print("note:", n)
-    payload = {"bench": "soft_embedding", "env": env, "args": vars(args), "copy_bandwidth": bw,
-               "results": results, "tables": tables, "notes": notes}
-    common.write_json(args.json, payload)
-    return payload
+    return common.finish("soft_embedding", env, args, bw, results, tables, notes)
 
 
 def main(argv=None):

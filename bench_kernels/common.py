@@ -390,3 +390,13 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.cmd == "report":
         write_report(a.out_dir)
+
+
+def finish(bench, env, args, bandwidth, results, tables, notes):
+    """Prints the notes and writes the JSON payload every bench script returns."""
+    for n in notes:
+        print("note:", n)
+    payload = {"bench": bench, "env": env, "args": vars(args), "copy_bandwidth": bandwidth,
+               "results": results, "tables": tables, "notes": notes}
+    write_json(args.json, payload)
+    return payload

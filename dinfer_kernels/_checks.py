@@ -19,6 +19,17 @@ def tensor(name, t, dtypes=None, ndim=None, device=None):
     return t
 
 
+def logits_matrix(name, t):
+    """A [rows, V] float tensor with V >= 1 and a contiguous last dim; returns (rows, V)."""
+    tensor(name, t, FLOAT_DTYPES, ndim=2)
+    rows, V = t.shape
+    if V < 1:
+        raise ValueError(f"{name}: the vocabulary dimension must be >= 1")
+    if V > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous, got strides {t.stride()}")
+    return rows, V
+
+
 def shape(name, t, expected):
     if list(t.shape) != list(expected):
         raise ValueError(f"{name}: expected shape {list(expected)}, got {list(t.shape)}")

@@ -119,13 +119,8 @@ def decode_step(
     since on a GPU it would synchronise (and is impossible under capture); the kernels never read
     out of bounds whatever the values are.
     """
-    _checks.tensor("logits", logits, _checks.FLOAT_DTYPES, ndim=2)
+    N, V = _checks.logits_matrix("logits", logits)
     dev = logits.device
-    N, V = logits.shape
-    if V < 1:
-        raise ValueError("logits: the vocabulary dimension must be >= 1")
-    if V > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits: the last dimension must be contiguous, got strides {logits.stride()}")
     _checks.tensor("tokens", tokens, (torch.int64,), ndim=1, device=dev)
     _checks.shape("tokens", tokens, [N])
     _checks.contiguous("tokens", tokens)

@@ -38,13 +38,8 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, tokens: torch.
     weight may be a float or a 1-element fp32 tensor on the logits' device (so a captured CUDA graph
     can change it between replays).
     """
-    _checks.tensor("logits", logits, _checks.FLOAT_DTYPES, ndim=2)
+    M, V = _checks.logits_matrix("logits", logits)
     dev = logits.device
-    M, V = logits.shape
-    if V < 1:
-        raise ValueError("logits: the vocabulary dimension must be >= 1")
-    if V > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits: the last dimension must be contiguous, got strides {logits.stride()}")
     _checks.tensor("embedding", embedding, _checks.FLOAT_DTYPES, ndim=2, device=dev)
     if embedding.shape[0] != V:
         raise ValueError(f"embedding: expected {V} rows (the logits' vocabulary), got {embedding.shape[0]}")
