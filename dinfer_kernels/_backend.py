@@ -47,25 +47,30 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Which backends implement each op; the attention and MoE kernels come with their own issues.
+IMPLEMENTED = {
+    "decode_step": ("cuda", "triton", "cpu", "torch"),
+    "soft_embedding": ("triton", "torch"),
+    "rms_norm": ("torch",),
+    "rope": ("torch",),
+    "attention": ("torch",),
+    "moe": ("torch",),
+}
+
+
 def available_backends(device, op: str = "decode_step") -> list:
     """Backends that can run `op` on tensors of `device`, fastest first."""
     import torch
 
     kind = torch.device(device).type
-    ext = compiled()
-    found = []
-    if kind == "cuda":
-        if op == "decode_step" and _EXTENSION_HAS_CUDA:
-            found.append("cuda")
-        if triton_version() is not None:
-            found.append("triton")
-    elif kind == "cpu":
-        if op == "decode_step" and ext is not None:
-            found.append("cpu")
-        if triton_version() is not None and triton_interpreted():
-            found.append("triton")
-    found.append("torch")
-    return found
+    usable = {"torch"}
+    if _EXTENSION is not None and kind == "cpu":
+        usable.add("cpu")
+    if _EXTENSION_HAS_CUDA and kind == "cuda":
+        usable.add("cuda")
+    if _TRITON_VERSION is not None and (kind == "cuda" or (kind == "cpu" and triton_interpreted())):
+        usable.add("triton")
+    return [b for b in IMPLEMENTED[op] if b in usable]
 
 
 def resolve(backend: str, device, op: str) -> str:
