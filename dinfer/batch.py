@@ -1,0 +1,89 @@
+"""Token state of a ragged batch, its blocks, and the windows each cache mode recomputes.
+
+Sequence b holds its prompt (length Lp_b) and gen_length [MASK] tokens: total_b = Lp_b + gen_length
+positions. Nothing is padded into the sequence: positions >= total_b are padding, never attended
+(seq_lens) and never decoded. Blocks are aligned as dInfer's benchmarks do: the first block starts at
+floor(Lp_b / bl) * bl (so it may overlap the prompt's tail, whose tokens are not masked) and the last
+block may be partial. All sequences of a batch work on their k-th block at the same time.
+"""
+from dataclasses import dataclass
+
+import torch
+
+CACHE_MODES = ("none", "prefix", "dual", "vicinity")
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor            # [B, S] int64 tokens (pad_id beyond each sequence)
+    total_len: torch.Tensor    # [B] int32: attended keys per sequence
+    first_block: torch.Tensor  # [B] int64: start of block 0
+    prompt_len: torch.Tensor   # [B] int64
+    num_blocks: int
+    block_length: int
+
+    @property
+    def size(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.x.shape[1]
+
+    def block_positions(self, k: int) -> torch.Tensor:
+        """[B, bl] positions of block k (rows past a sequence's end are padding)."""
+        ar = torch.arange(self.block_length, device=self.x.device)
+        return self.first_block[:, None] + k * self.block_length + ar
+
+    def select(self, rows: torch.Tensor) -> "Batch":
+        return Batch(self.x[rows], self.total_len[rows], self.first_block[rows], self.prompt_len[rows],
+                     self.num_blocks, self.block_length)
+
+
+def make_batch(prompts, gen_length: int, block_length: int, mask_id: int, pad_id: int, device,
+               max_positions: int, align_blocks: bool = True, after_look: int = 0) -> Batch:
+    """align_blocks: dInfer's start_block_align (block 0 starts at floor(Lp / bl) * bl); False
+    starts it right after the prompt, as LLaDA's original sampler does."""
+    if not prompts:
+        raise ValueError("prompts: expected at least one prompt")
+    if gen_length < 1 or block_length < 1:
+        raise ValueError(f"gen_length and block_length must be >= 1, got {gen_length}, {block_length}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}]: empty prompt")
+        if len(p) + gen_length > max_positions:
+            raise ValueError(f"prompts[{i}]: {len(p)} prompt tokens + gen_length {gen_length} exceed the "
+                             f"model's {max_positions} positions")
+    lp = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    first = lp // block_length * block_length if align_blocks else lp.clone()
+    total = lp + gen_length
+    nblocks = int(((total - first + block_length - 1) // block_length).max())
+    # Room for every block and its after-look window, plus one padding row that clamped window rows
+    # can point at: windows then depend on a sequence's own positions only, never on the batch.
+    S = int((first + nblocks * block_length).max()) + after_look + 1
+    x = torch.full((len(prompts), S), pad_id, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        x[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
+        x[b, len(p):int(total[b])] = mask_id
+    return Batch(x.to(device), total.to(torch.int32).to(device), first.to(device), lp.to(device),
+                 nblocks, block_length)
+
+
+def window(batch: Batch, k: int, mode: str, prefix_look: int, after_look: int):
+    """(start [B], W) of the rows a window step recomputes for block k under `mode`.
+
+    none: everything; dual: the block; vicinity: [block - P, block + A) (moved right at position 0);
+    prefix: from the block to the sequence's end. A window's start depends only on its own sequence,
+    and rows past a sequence's end are padding, so a sequence computes the same alone or in a batch.
+    """
+    bl, S = batch.block_length, batch.max_len
+    start = batch.first_block + k * bl
+    if mode == "none":
+        return torch.zeros_like(start), S
+    if mode == "dual":
+        return start, bl
+    if mode == "vicinity":
+        return (start - prefix_look).clamp(min=0), prefix_look + bl + after_look
+    if mode == "prefix":
+        return start, max(1, int((batch.total_len.to(torch.int64) - start).max()))
+    raise ValueError(f"cache: expected one of {CACHE_MODES}, got {mode!r}")

@@ -1,0 +1,73 @@
+"""Decoding strategies: thin configurations of dinfer_kernels.decode_step (per sequence, any batch).
+
+threshold   commit every masked position with confidence >= tau (at least one per sequence)
+credit      threshold on credit-fused logits (dInfer's CreditDecoding, sparse slots)
+hierarchy   best of each masked run above tau_low, everything above tau_high, plus the top-1
+fixed       LLaDA's fixed-steps schedule: n_k = floor(m / S) + [k < m mod S] tokens at step k of a
+            block with m masked positions and S steps (lowest-confidence remasking)
+"""
+from dataclasses import dataclass
+
+import torch
+
+import dinfer_kernels as dk
+
+DECODERS = ("threshold", "credit", "hierarchy", "fixed")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    name: str = "threshold"
+    threshold: float = 0.9           # tau, or tau_high for hierarchy
+    low_threshold: float = 0.6       # tau_low for hierarchy (dInfer's SamplingParams)
+    steps_per_block: int = 0         # fixed: steps per block (0: one token per step)
+    credit_slots: int = 16
+    credit_alpha: float = 0.7
+    credit_beta: float = 0.8
+    credit_gamma: float = 0.2
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.name not in DECODERS:
+            raise ValueError(f"decoder: expected one of {DECODERS}, got {self.name!r}")
+        if self.steps_per_block < 0:
+            raise ValueError(f"steps_per_block: must be >= 0, got {self.steps_per_block}")
+
+
+class Decoder:
+    """Per-block decoder state for B sequences of block_length rows each."""
+
+    def __init__(self, cfg: DecoderConfig, batch: int, block_length: int, mask_id: int, device):
+        self.cfg = cfg
+        self.mask_id = mask_id
+        self.bl = block_length
+        self.offsets = torch.arange(batch + 1, dtype=torch.int32, device=device) * block_length
+        self.credit = (dk.CreditState.empty(batch * block_length, cfg.credit_slots, device)
+                       if cfg.name == "credit" else None)
+        self.step = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.masked_at_start = torch.zeros(batch, dtype=torch.int32, device=device)
+
+    def start_block(self, block_tokens: torch.Tensor):
+        """block_tokens [B, bl]: resets credit and the fixed schedule for a new block."""
+        if self.credit is not None:
+            self.credit.reset_()
+        self.step.zero_()
+        self.masked_at_start.copy_((block_tokens == self.mask_id).sum(1))
+
+    def _num_commit(self):
+        steps = self.cfg.steps_per_block or self.bl
+        m = self.masked_at_start
+        return (m // steps + (self.step < m % steps).to(torch.int32)).to(torch.int32)
+
+    def __call__(self, logits, block_tokens, threshold, offset: int):
+        """One step on logits [B * bl, V]; block_tokens [B * bl] updated in place. threshold [B]."""
+        c = self.cfg
+        rule = {"hierarchy": "hierarchical", "fixed": "fixed"}.get(c.name, "threshold")
+        out = dk.decode_step(
+            logits, block_tokens, self.offsets, self.mask_id, rule=rule, threshold=threshold,
+            low_threshold=c.low_threshold, num_commit=self._num_commit() if rule == "fixed" else None,
+            temperature=c.temperature, seed=c.seed, offset=offset % 2**32, credit=self.credit,
+            credit_alpha=c.credit_alpha, credit_beta=c.credit_beta, credit_gamma=c.credit_gamma)
+        self.step += 1
+        return out

@@ -1,0 +1,187 @@
+"""The diffusion generation loop: blocks, cache refreshes, window steps, decoding, smoothing, early stop.
+
+    for each block k (every unfinished sequence on its own k-th block):
+        repeat until the block holds no [MASK] (one host check per chunk of <= `unroll` iterations):
+            iteration: forward (a full refresh at the block's start, else the cache mode's window)
+                       + decode_step on the block's rows (+ soft embeddings for the next forward)
+        early stop: a sequence whose block holds EOS is finished, the rest of it EOS, and leaves
+
+Every iteration is one model forward and one decode_step. Commits, thresholds, schedules and the
+stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU).
+All state an iteration writes is updated in place, which is what lets a captured chunk replay.
+"""
+import time
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+
+import dinfer_kernels as dk
+
+from .batch import CACHE_MODES, Batch, make_batch, window
+from .decoders import Decoder, DecoderConfig
+from .graphs import StepGraphs
+from .stats import Stats
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    gen_length: int = 1024
+    block_length: int = 64
+    decoder: DecoderConfig = field(default_factory=lambda: DecoderConfig(threshold=0.8))
+    cache: str = "vicinity"        # none | prefix | dual | vicinity
+    prefix_look: int = 16          # vicinity window: [block - prefix_look, block + after_look)
+    after_look: int = 16
+    warmup_steps: int = 0          # the request's first N iterations are full refreshes (dInfer: 4)
+    refresh_every: int = 0         # also refresh every k iterations of a block (0: at block starts)
+    write_back: bool = True        # window steps write their fresh K/V into the cache (dInfer: no)
+    smoothing: bool = False        # iteration smoothing: soft embeddings of the block's masked rows
+    smoothing_weight: tuple = (0.15, 0.02, 0.3)    # w_n = min(w0 + dw * n, w_max)
+    smoothing_threshold_decay: float = 0.02        # tau_n = max(1 - decay * n, tau)
+    unroll: int = 4                # iterations per host check
+    expected_tpf: int = 8          # chunk size = clamp(masked // expected_tpf, 1, unroll), as dInfer
+    early_stop: bool = True
+    align_blocks: bool = True      # dInfer's start_block_align; False: block 0 starts after the prompt
+    cuda_graphs: bool = True
+    time_phases: bool = False      # synchronise around phases to time them (always on the host)
+
+    def __post_init__(self):
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"cache: expected one of {CACHE_MODES}, got {self.cache!r}")
+        for name in ("unroll", "expected_tpf", "gen_length", "block_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("prefix_look", "after_look", "warmup_steps", "refresh_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+
+class BlockState:
+    """What the iterations of one block read and write. Tensors keep their addresses all block long."""
+
+    def __init__(self, batch: Batch, k: int, cfg: GenerationConfig, model, cache, iters, rng_offset):
+        c = model.config
+        self.batch = batch
+        B, bl, S = batch.size, batch.block_length, batch.max_len
+        dev = batch.x.device
+        self.cache = type(cache)([t[:B] for t in cache.keys], [t[:B] for t in cache.values])
+        pos = batch.block_positions(k)
+        # Rows past a sequence's end are padding: they read a non-mask token and are never written.
+        self.valid = pos < batch.total_len[:, None].to(torch.int64)
+        self.block_pos = pos.clamp(max=S - 1)
+        self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
+        self.window_lo, self.window_len = window(batch, k, cfg.cache, cfg.prefix_look, cfg.after_look)
+        self.iters = iters                       # [B] iterations each sequence was active (schedules)
+        self.rng_offset = rng_offset
+        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev)
+        self.decoder.start_block(self.block_tokens().view(B, bl))
+        self.soft = model.embed(self.block_tokens())   # hard embeddings until the block has logits
+
+    def block_tokens(self) -> torch.Tensor:
+        return torch.where(self.valid, self.batch.x.gather(1, self.block_pos), self.pad_token).flatten()
+
+    def store_block_tokens(self, tokens: torch.Tensor):
+        cur = self.batch.x.gather(1, self.block_pos)
+        self.batch.x.scatter_(1, self.block_pos, torch.where(self.valid, tokens.view(cur.shape), cur))
+
+    def masked(self, mask_id) -> int:
+        """[MASK] tokens left in the block (a host sync: once per chunk)."""
+        return int((self.block_tokens() == mask_id).sum())
+
+
+class Generator:
+    """Runs a GenerationConfig on a model (dinfer.models.DiffusionLM) for a batch of prompts."""
+
+    def __init__(self, model, cfg: GenerationConfig):
+        self.model, self.cfg = model, cfg
+        self.mask_id, self.eos_id = model.config.mask_id, model.config.eos_id
+        use_graphs = cfg.cuda_graphs and model.device.type == "cuda" and cfg.decoder.temperature == 0
+        self.graphs = StepGraphs(enabled=use_graphs and not cfg.time_phases)
+        self.stats = Stats(timed=cfg.time_phases or model.device.type == "cpu")
+
+    def iteration(self, st: BlockState, refresh: bool):
+        """One forward and one decode of the block; every state update is in place."""
+        cfg, model, dev = self.cfg, self.model, self.model.device
+        B, bl = st.batch.size, st.batch.block_length
+        lo = torch.zeros_like(st.window_lo) if refresh else st.window_lo
+        W = st.batch.max_len if refresh else st.window_len
+        pos = (lo[:, None] + torch.arange(W, device=dev)).clamp(max=st.batch.max_len - 1)  # [B, W]
+        rows = (st.block_pos - lo[:, None] + W * torch.arange(B, device=dev)[:, None]).flatten()
+        with self.stats.phase("forward", dev):
+            emb = model.embed(st.batch.x.gather(1, pos))
+            if cfg.smoothing:
+                emb.view(B * W, -1)[rows] = st.soft
+            logits = model.forward(emb, pos, st.cache, st.batch.total_len,
+                                   write_back=refresh or cfg.write_back, logits_rows=rows)
+        with self.stats.phase("decode", dev):
+            tokens = st.block_tokens()
+            active = (tokens.view(B, bl) == self.mask_id).any(1)
+            n = st.iters.float()
+            tau = torch.full_like(n, cfg.decoder.threshold)
+            if cfg.smoothing:
+                tau = torch.maximum(1 - cfg.smoothing_threshold_decay * n, tau)
+            st.decoder(logits, tokens, tau, offset=st.rng_offset)
+            st.rng_offset += 1                      # host-side: sampling runs eagerly (no graphs)
+            st.store_block_tokens(tokens)
+            st.iters += active.to(st.iters.dtype)
+        if cfg.smoothing:
+            with self.stats.phase("smoothing", dev):
+                w0, dw, wmax = cfg.smoothing_weight
+                w = torch.clamp(w0 + dw * n, max=wmax).repeat_interleave(bl)[:, None]
+                hard = model.embed(tokens)
+                soft = dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, 1.0)
+                st.soft.copy_(hard + w.to(hard.dtype) * (soft - hard))
+
+    def _is_refresh(self, step: int) -> bool:
+        c = self.cfg
+        return (step == 0 or c.cache == "none" or self.stats.forwards < c.warmup_steps
+                or (c.refresh_every > 0 and step % c.refresh_every == 0))
+
+    def run(self, prompts: List[List[int]]) -> List[torch.Tensor]:
+        cfg, model = self.cfg, self.model
+        t0 = time.perf_counter()
+        full = make_batch(prompts, cfg.gen_length, cfg.block_length, self.mask_id, self.eos_id,
+                          model.device, model.config.max_positions, cfg.align_blocks, cfg.after_look)
+        done = torch.zeros(full.size, dtype=torch.bool)
+        iters = torch.zeros(full.size, dtype=torch.int64, device=model.device)
+        cache = model.new_cache(full.size, full.max_len)
+        rng_offset = 0
+        for k in range(full.num_blocks):
+            rows = torch.nonzero(~done).flatten().to(model.device)
+            if rows.numel() == 0:
+                break
+            batch = full.select(rows)
+            st = BlockState(batch, k, cfg, model, cache, iters[rows], rng_offset)
+            step, left = 0, st.masked(self.mask_id)
+            while left > 0:
+                chunk = max(1, min(left // cfg.expected_tpf, cfg.unroll))
+                kinds = tuple(self._is_refresh(step + j) for j in range(chunk))
+                self.graphs.run(self.iteration, st, kinds)
+                self.stats.forwards += chunk
+                self.stats.refreshes += sum(kinds)
+                step += chunk
+                left = st.masked(self.mask_id)
+            full.x[rows] = batch.x
+            iters[rows] = st.iters
+            rng_offset = st.rng_offset
+            if cfg.early_stop:
+                self._early_stop(full, st, rows, done)
+        self.stats.seconds = time.perf_counter() - t0
+        out = [full.x[b, int(full.prompt_len[b]):int(full.total_len[b])].cpu() for b in range(full.size)]
+        self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in out)
+        return out
+
+    def _early_stop(self, full: Batch, st: BlockState, rows, done):
+        """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS."""
+        hit = ((st.block_tokens().view(st.batch.size, -1) == self.eos_id) & st.valid).any(1).cpu()
+        for b in torch.nonzero(hit).flatten().tolist():
+            row = int(rows[b])
+            end = int(st.block_pos[b, -1]) + 1
+            full.x[row, end:int(full.total_len[row])] = self.eos_id
+            done[row] = True
+
+
+def generate(model, prompts: List[List[int]], cfg: GenerationConfig):
+    """Token ids of each prompt's generated region, and the run's Stats."""
+    gen = Generator(model, cfg)
+    return gen.run(prompts), gen.stats

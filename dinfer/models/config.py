@@ -1,0 +1,267 @@
+"""ModelConfig: one normalised description of a LLaDA (dense) or LLaDA-MoE checkpoint.
+
+The two families store their hyper-parameters under different key names (OLMo-style `d_model`/`n_layers`
+for dense, HF-style `hidden_size`/... for MoE) and both say `model_type: "llada"`, so `from_hf` tells them
+apart by `architectures` or by which keys exist (shared/reference/models.md §0), then maps each onto the
+same fields. Anything whose computation we do not implement is rejected with the offending key named,
+rather than loaded and run wrongly.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+DENSE = "llada"
+MOE = "llada_moe"
+
+DENSE_ARCH = "LLaDAModelLM"
+MOE_ARCH = "LLaDAMoEModelLM"
+FUSED_MOE_ARCH = "FusedLLaDAMoEModelLM"  # written by dInfer's tools/transfer.py (stacked experts)
+_MOE_ARCHS = {MOE_ARCH, "LLaDAMoEModel", FUSED_MOE_ARCH}  # some copies of the release say LLaDAMoEModel
+_LLADA2_ARCHS = {"LLaDA2MoeModelLM"}
+_LLADA2_KEYS = ("first_k_dense_replace", "n_group")
+
+# Special-token ids the releases hard-code when config.json omits them (models.md §4).
+DENSE_MASK_ID, DENSE_EOS_ID = 126336, 126081
+MOE_MASK_ID, MOE_EOS_ID = 156895, 156892
+
+# Keys that, when present with any other value, describe a computation we do not implement.
+_DENSE_ONLY = {
+    "block_type": "llama",  # separate q/k/v projections and an up_proj
+    "block_group_size": 1,  # flat `blocks.{i}` names
+    "activation_type": "silu",
+    "layer_norm_type": "rms",
+    "layer_norm_with_affine": True,
+    "bias_for_layer_norm": False,
+    "attention_layer_norm": False,  # OLMo's QK-norm is over all heads at once: not the per-head form
+    "include_bias": False,
+    "include_qkv_bias": False,
+    "weight_tying": False,
+    "rope": True,
+    "alibi": False,
+    "clip_qkv": None,
+    "scale_logits": False,
+    "input_emb_norm": False,
+}
+_MOE_ONLY = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "clip_qkv": None,
+    "rope_scaling": None,
+    "partial_rotary_factor": 1.0,
+    "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # DENSE ("llada") or MOE ("llada_moe")
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # rows of the embedding and of the LM head
+    intermediate_size: Optional[int]  # dense MLP width; None for MoE
+    num_experts: int  # 0 for dense
+    top_k: int  # 0 for dense
+    expert_intermediate_size: Optional[int]  # per-expert width; None for dense
+    qk_norm: bool  # per-head RMSNorm on q and k (weight [head_dim]) before RoPE
+    rope_theta: float
+    rotary_dim: int
+    rms_eps: float
+    max_positions: int
+    mask_id: int
+    eos_id: int
+    pad_id: int
+    tie_embeddings: bool
+    router_renormalize: bool  # LLaDA-MoE: top-k weights are not renormalised
+    expert_bias: bool  # a per-layer [E] bias added to the router probabilities
+    architectures: Tuple[str, ...]
+
+    def __post_init__(self):
+        if self.family not in (DENSE, MOE):
+            raise ValueError(f"ModelConfig.family must be {DENSE!r} or {MOE!r}, got {self.family!r}")
+        if self.is_moe != (self.intermediate_size is None) or self.is_moe == (self.expert_intermediate_size is None):
+            raise ValueError("ModelConfig: a dense model sets intermediate_size only; an MoE model sets "
+                             "expert_intermediate_size only")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family == MOE
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        """Normalise a Hugging Face config.json dict (the released format of either family)."""
+        return _parse_moe(d) if _family(d) == MOE else _parse_dense(d)
+
+    @classmethod
+    def from_dir(cls, path) -> "ModelConfig":
+        """Read `config.json` from a checkpoint directory."""
+        file = os.path.join(os.fspath(path), "config.json")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no config.json in checkpoint directory {os.fspath(path)!r}")
+        with open(file, encoding="utf-8") as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}: not valid JSON ({e})") from e
+        return cls.from_hf(d)
+
+    def to_hf(self, layout: str = "hf") -> dict:
+        """A config.json dict in the released format of this family; layout "fused" (MoE only) is
+        dInfer's stacked-expert checkpoint, which differs only in `architectures`."""
+        if layout not in ("hf", "fused"):
+            raise ValueError(f"layout must be 'hf' or 'fused', got {layout!r}")
+        if not self.is_moe:
+            if layout == "fused":
+                raise ValueError("the fused layout exists only for LLaDA-MoE checkpoints")
+            return self._dense_hf()
+        return self._moe_hf(FUSED_MOE_ARCH if layout == "fused" else MOE_ARCH)
+
+    def _dense_hf(self) -> dict:
+        d = {"architectures": [DENSE_ARCH], "model_type": "llada",
+             "d_model": self.hidden_size, "n_layers": self.num_layers, "n_heads": self.num_heads,
+             "n_kv_heads": self.num_kv_heads, "multi_query_attention": None,
+             "mlp_hidden_size": self.intermediate_size, "mlp_ratio": 4,
+             "vocab_size": self.vocab_size, "embedding_size": self.vocab_size,
+             "rms_norm_eps": self.rms_eps, "rope_theta": self.rope_theta, "rope_full_precision": True,
+             "max_sequence_length": self.max_positions,
+             "mask_token_id": self.mask_id, "eos_token_id": self.eos_id, "pad_token_id": self.pad_id,
+             "use_cache": False}
+        d.update(_DENSE_ONLY)
+        return d
+
+    def _moe_hf(self, arch: str) -> dict:
+        d = {"architectures": [arch], "model_type": "llada",
+             "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+             "vocab_size": self.vocab_size, "expert_intermediate_size": self.expert_intermediate_size,
+             "shared_expert_intermediate_size": None, "moe_layer_freq": [1] * self.num_layers,
+             "num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+             "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": self.expert_bias,
+             "norm_topk_prob": False, "routed_scaling_factor": 1, "qk_layernorm": self.qk_norm,
+             "rms_norm_eps": self.rms_eps, "rope_theta": self.rope_theta,
+             "max_position_embeddings": self.max_positions,
+             "eos_token_id": self.eos_id, "pad_token_id": self.pad_id, "use_cache": False}
+        d.update(_MOE_ONLY)
+        if self.mask_id != MOE_MASK_ID:  # the release has no mask key; write one only when it matters
+            d["mask_token_id"] = self.mask_id
+        return d
+
+
+def _family(d: dict) -> str:
+    """DENSE or MOE from `architectures`, else from key presence; never from `model_type` (shared)."""
+    archs = d.get("architectures") or []
+    if _LLADA2_ARCHS & set(archs) or any(k in d for k in _LLADA2_KEYS):
+        raise ValueError("LLaDA2 checkpoints (architectures LLaDA2MoeModelLM, keys first_k_dense_replace/"
+                         "n_group) are not supported")
+    if _MOE_ARCHS & set(archs):
+        return MOE
+    if DENSE_ARCH in archs:
+        return DENSE
+    if "expert_intermediate_size" in d or "moe_layer_freq" in d:
+        return MOE
+    if "d_model" in d or "n_layers" in d:
+        return DENSE
+    raise ValueError(f"unsupported architectures {archs!r}: config.json has neither LLaDA's d_model/n_layers "
+                     "nor LLaDA-MoE's expert_intermediate_size/moe_layer_freq")
+
+
+def _parse_dense(d: dict) -> ModelConfig:
+    _reject_unsupported(d, _DENSE_ONLY)
+    hidden, heads = _int(d, "d_model"), _int(d, "n_heads")
+    # OLMo semantics: multi_query_attention overrides n_kv_heads; a null n_kv_heads means MHA.
+    kv_heads = 1 if d.get("multi_query_attention") else _int(d, "n_kv_heads", default=heads)
+    head_dim = _head_dim(hidden, heads, kv_heads, "d_model", "n_heads")
+    # The embedding has embedding_size rows (possibly padded beyond vocab_size).
+    vocab = _int(d, "embedding_size") if d.get("embedding_size") is not None else _int(d, "vocab_size")
+    eos = _int(d, "eos_token_id", default=DENSE_EOS_ID, positive=False)
+    return ModelConfig(
+        family=DENSE, hidden_size=hidden, num_layers=_int(d, "n_layers"), num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+        intermediate_size=_int(d, "mlp_hidden_size"),  # mlp_ratio is ignored when this is set
+        num_experts=0, top_k=0, expert_intermediate_size=None, qk_norm=False,
+        rope_theta=_float(d, "rope_theta"), rotary_dim=head_dim, rms_eps=_float(d, "rms_norm_eps", 1e-5),
+        max_positions=_int(d, "max_sequence_length"),
+        mask_id=_int(d, "mask_token_id", default=DENSE_MASK_ID, positive=False), eos_id=eos,
+        pad_id=_int(d, "pad_token_id", default=eos, positive=False),
+        tie_embeddings=False, router_renormalize=False, expert_bias=False,
+        architectures=tuple(d.get("architectures") or ()))
+
+
+def _parse_moe(d: dict) -> ModelConfig:
+    _reject_unsupported(d, _MOE_ONLY)
+    for key in ("shared_expert_intermediate_size", "num_shared_experts"):
+        if d.get(key):
+            raise ValueError(f"config.json: {key}={d[key]!r}: shared experts are not supported")
+    freq = d.get("moe_layer_freq", [1])
+    if any(f != 1 for f in (freq if isinstance(freq, list) else [freq])):
+        raise ValueError(f"config.json: moe_layer_freq={freq!r}: only all-MoE models are supported "
+                         "(0 entries are dense layers)")
+    hidden, heads = _int(d, "hidden_size"), _int(d, "num_attention_heads")
+    kv_heads = _int(d, "num_key_value_heads", default=heads)
+    head_dim = _head_dim(hidden, heads, kv_heads, "hidden_size", "num_attention_heads")
+    if d.get("head_dim") not in (None, head_dim):
+        raise ValueError(f"config.json: head_dim={d['head_dim']!r} differs from hidden_size/"
+                         f"num_attention_heads={head_dim}; only that head size is supported")
+    experts, top_k = _int(d, "num_experts"), _int(d, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"config.json: num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    eos = _int(d, "eos_token_id", default=MOE_EOS_ID, positive=False)
+    return ModelConfig(
+        family=MOE, hidden_size=hidden, num_layers=_int(d, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=_int(d, "vocab_size"),
+        intermediate_size=None, num_experts=experts, top_k=top_k,
+        expert_intermediate_size=_int(d, "expert_intermediate_size"),
+        qk_norm=bool(_value(d, "qk_layernorm")),  # no safe default: a wrong one silently changes the model
+        rope_theta=_float(d, "rope_theta"), rotary_dim=head_dim, rms_eps=_float(d, "rms_norm_eps", 1e-5),
+        max_positions=_int(d, "max_position_embeddings"),
+        mask_id=_int(d, "mask_token_id", default=MOE_MASK_ID, positive=False), eos_id=eos,
+        pad_id=_int(d, "pad_token_id", default=eos, positive=False),
+        tie_embeddings=False,
+        router_renormalize=False,  # the HF and dInfer code ignore norm_topk_prob and never renormalise
+        expert_bias=bool(d.get("moe_router_enable_expert_bias", False)),
+        architectures=tuple(d.get("architectures") or ()))
+
+
+def _reject_unsupported(d: dict, supported: dict) -> None:
+    for key, value in supported.items():
+        if d.get(key, value) not in (value, None):
+            raise ValueError(f"config.json: {key}={d[key]!r} is not supported (only {value!r})")
+
+
+def _value(d: dict, key: str, default=None):
+    """d[key], or default where the key is absent or null; a ValueError naming the key if neither exists."""
+    value = d.get(key)
+    if value is None:
+        value = default
+    if value is None:
+        raise ValueError(f"config.json: required key {key!r} is missing")
+    return value
+
+
+def _int(d: dict, key: str, default: Optional[int] = None, positive: bool = True) -> int:
+    value = _value(d, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
+        raise ValueError(f"config.json: {key}={value!r} must be a {'positive' if positive else 'non-negative'} "
+                         "integer")
+    return value
+
+
+def _float(d: dict, key: str, default: Optional[float] = None) -> float:
+    value = _value(d, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"config.json: {key}={value!r} must be a positive number")
+    return float(value)
+
+
+def _head_dim(hidden: int, heads: int, kv_heads: int, hidden_key: str, heads_key: str) -> int:
+    if hidden % heads:
+        raise ValueError(f"config.json: {hidden_key}={hidden} is not a multiple of {heads_key}={heads}, "
+                         "so head_dim is not integral")
+    if heads % kv_heads:
+        raise ValueError(f"config.json: {heads_key}={heads} is not a multiple of the {kv_heads} key/value heads")
+    return hidden // heads

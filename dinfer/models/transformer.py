@@ -1,0 +1,105 @@
+"""The LLaDA / LLaDA-MoE transformer, written against dinfer_kernels ops.
+
+One forward takes a *window* of rows per sequence ([B, W], each row at its own absolute position)
+and a per-layer KV cache [B, S, Hkv, D]. Every row attends bidirectionally to keys [0, seq_lens[b])
+of its sequence: cached keys outside the window, the fresh keys of the window inside it. With
+write_back=True the window's fresh K/V replace the cache rows in place (a full-sequence forward with
+W = S therefore *fills* the cache); with False the cache is left as it was (dInfer's vicinity step).
+The LM head runs only on the rows the caller asks for (`logits_rows`).
+
+Weights use the canonical names of dinfer.models.checkpoint (embed, layers.{i}.q, ..., lm_head).
+"""
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import dinfer_kernels as dk
+
+from .config import ModelConfig
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys and values, [B, S, Hkv, D] each, RoPE already applied to the keys."""
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[1]
+
+
+class DiffusionLM:
+    def __init__(self, config: ModelConfig, weights: dict):
+        self.config = config
+        self.w = weights
+        self.dtype = weights["embed"].dtype
+        self.device = weights["embed"].device
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.bfloat16, device="cpu") -> "DiffusionLM":
+        from .checkpoint import load_weights
+
+        config = ModelConfig.from_dir(path)
+        return cls(config, load_weights(path, config, dtype=dtype, device=device))
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The input embedding table [V, H] (iteration smoothing mixes its rows)."""
+        return self.w["embed"]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.w["embed"])
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        return KVCache([zeros() for _ in range(c.num_layers)], [zeros() for _ in range(c.num_layers)])
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                seq_lens: torch.Tensor, *, write_back: bool = True,
+                logits_rows: Optional[torch.Tensor] = None,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """inputs_embeds [B, W, H], positions [B, W] int64, seq_lens [B] int32 →
+        logits [R, V] for the flat rows `logits_rows` (indices into B * W; all rows if None)."""
+        c = self.config
+        B, W, H = inputs_embeds.shape
+        h = inputs_embeds
+        for i in range(c.num_layers):
+            h = h + self._attention(i, h, positions, cache, seq_lens, write_back, attn_mask)
+            h = h + self._mlp(i, h)
+        rows = h.reshape(B * W, H)
+        if logits_rows is not None:
+            rows = rows.index_select(0, logits_rows)
+        return dk.rms_norm(rows, self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
+
+    def _attention(self, i, h, positions, cache, seq_lens, write_back, attn_mask):
+        c, w = self.config, self.w
+        p = f"layers.{i}."
+        B, W, _ = h.shape
+        a = dk.rms_norm(h, w[p + "attn_norm"], c.rms_eps)
+        q = (a @ w[p + "q"].t()).view(B, W, c.num_heads, c.head_dim)
+        k = (a @ w[p + "k"].t()).view(B, W, c.num_kv_heads, c.head_dim)
+        v = (a @ w[p + "v"].t()).view(B, W, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = dk.rms_norm(q, w[p + "q_norm"], c.rms_eps)
+            k = dk.rms_norm(k, w[p + "k_norm"], c.rms_eps)
+        q = dk.rope(q, positions, c.rope_theta, c.rotary_dim)
+        k = dk.rope(k, positions, c.rope_theta, c.rotary_dim)
+        o = dk.attention(q, k, v, cache.keys[i], cache.values[i], positions, seq_lens,
+                         write_back=write_back, attn_mask=attn_mask)
+        return o.reshape(B, W, c.num_heads * c.head_dim) @ w[p + "o"].t()
+
+    def _mlp(self, i, h):
+        c, w = self.config, self.w
+        p = f"layers.{i}."
+        m = dk.rms_norm(h, w[p + "mlp_norm"], c.rms_eps)
+        if c.family == "llada":
+            return (F.silu(m @ w[p + "gate"].t()) * (m @ w[p + "up"].t())) @ w[p + "down"].t()
+        B, W, H = m.shape
+        out = dk.moe(m.reshape(B * W, H), w[p + "router"], w[p + "w13"], w[p + "w2"], c.top_k,
+                     renormalize=c.router_renormalize, expert_bias=w.get(p + "expert_bias"))
+        return out.view(B, W, H)
