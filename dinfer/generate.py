@@ -106,11 +106,15 @@ class Generator:
         lo = torch.zeros_like(st.window_lo) if refresh else st.window_lo
         W = st.batch.max_len if refresh else st.window_len
         pos = (lo[:, None] + torch.arange(W, device=dev)).clamp(max=st.batch.max_len - 1)  # [B, W]
-        rows = (st.block_pos - lo[:, None] + W * torch.arange(B, device=dev)[:, None]).flatten()
+        # The block's rows inside the window (flat over B * W). Padding rows may fall outside the
+        # window: they read any row's logits, and their soft inputs go to a spare row B * W.
+        rows = ((st.block_pos - lo[:, None]).clamp(0, W - 1) + W * torch.arange(B, device=dev)[:, None]).flatten()
         with self.stats.phase("forward", dev):
             emb = model.embed(st.batch.x.gather(1, pos))
             if cfg.smoothing:
-                emb.view(B * W, -1)[rows] = st.soft
+                spare = torch.cat([emb.view(B * W, -1), emb.new_zeros(1, emb.shape[-1])])
+                spare[torch.where(st.valid.flatten(), rows, B * W)] = st.soft
+                emb = spare[:-1].view(B, W, -1)
             logits = model.forward(emb, pos, st.cache, st.batch.total_len,
                                    write_back=refresh or cfg.write_back, logits_rows=rows)
         with self.stats.phase("decode", dev):
