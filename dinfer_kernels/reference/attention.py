@@ -8,9 +8,9 @@ k, v        [B, W, Hkv, D]  the window's fresh keys/values; Hq is a multiple of 
                             reads kv head h // (Hq / Hkv))
 k_cache,
 v_cache     [B, S, Hkv, D]  the layer's cache (same dtype as q)
-positions   [B, W] int64    absolute position of each window row, distinct within a sequence. A row
-                            with position >= seq_lens[b] is padding: it is never written and its
-                            output is 0.
+positions   [B, W] int64    absolute position of each window row in [0, S). Valid rows have distinct
+                            positions, and no padding row shares a valid row's position. A row with
+                            position >= seq_lens[b] is padding: it is never written, its output is 0.
 seq_lens    [B] int32       keys [0, seq_lens[b]) are attended; padding keys never are.
 write_back  bool            True: the fresh k/v of valid rows are written into the cache in place
                             (rows positions[b, w]); no other cache row changes. False: the cache is
@@ -34,14 +34,16 @@ def attention_reference(q, k, v, k_cache, v_cache, positions, seq_lens, write_ba
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     lens = seq_lens.to(torch.int64)
     row_valid = positions < lens[:, None]
-    b_idx = torch.arange(B, device=q.device)[:, None].expand(B, W)[row_valid]
-    p_idx = positions[row_valid]
     if write_back:
         keys, values = k_cache, v_cache
     else:
         keys, values = k_cache.clone(), v_cache.clone()
-    keys[b_idx, p_idx] = k[row_valid]
-    values[b_idx, p_idx] = v[row_valid]
+    # Padding rows write back what their position already holds: fixed shapes, no host sync, so the
+    # op can sit inside a CUDA graph.
+    idx = positions[:, :, None, None].expand(B, W, Hkv, D)
+    keep = row_valid[:, :, None, None]
+    keys.scatter_(1, idx, torch.where(keep, k, keys.gather(1, idx)))
+    values.scatter_(1, idx, torch.where(keep, v, values.gather(1, idx)))
 
     group = Hq // Hkv
     kf = keys.to(compute_dtype).repeat_interleave(group, dim=2)      # [B, S, Hq, D]

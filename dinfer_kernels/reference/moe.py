@@ -34,7 +34,7 @@ def route(hidden, router_weight, top_k, renormalize=False, expert_bias=None):
 
 
 def moe_reference(hidden, router_weight, w13, w2, top_k, renormalize=False, expert_bias=None,
-                  expert_range=None, compute_dtype=None):
+                  expert_range=None, compute_dtype=None, static_shapes=None):
     T, H = hidden.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
@@ -44,12 +44,21 @@ def moe_reference(hidden, router_weight, w13, w2, top_k, renormalize=False, expe
     w, experts = route(hidden, router_weight, top_k, renormalize, expert_bias)
     out = torch.zeros(T, H, dtype=acc, device=hidden.device)
     x = hidden.to(dt)
+    # Under CUDA-graph capture no shape may depend on the routing: every expert then runs on every
+    # token with weight 0 where it was not chosen (same sums, more FLOPs).
+    if static_shapes is None:
+        static_shapes = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
     for e in range(e0, e1):
-        tok, slot = torch.nonzero(experts == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
+        if static_shapes:
+            tok = torch.arange(T, device=hidden.device)
+            weight = (w * (experts == e)).sum(-1)
+        else:
+            tok, slot = torch.nonzero(experts == e, as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            weight = w[tok, slot]
         gu = (x[tok] @ w13[e].to(dt).t()).to(acc)
         a = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(dt)
         y = (a @ w2[e].to(dt).t()).to(acc)
-        out.index_add_(0, tok, y * w[tok, slot][:, None].to(acc))
+        out.index_add_(0, tok, y * weight[:, None].to(acc))
     return out.to(hidden.dtype if compute_dtype is None else compute_dtype)
