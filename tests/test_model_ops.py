@@ -170,10 +170,11 @@ def test_moe_matches_token_by_token(k, renorm, bias):
 
 
 def test_moe_static_shape_path_equals_the_routed_one():
-    """The CUDA-graph path (every expert on every token, weight 0 where unchosen) sums the same."""
+    """The CUDA-graph path (every expert on every token, weight 0 where unchosen) sums the same
+    terms; only the GEMMs' row counts differ, so agreement is to fp32 rounding."""
     hidden, router, w13, w2 = moe_case()
     torch.testing.assert_close(moe_reference(hidden, router, w13, w2, 2, static_shapes=True),
-                               moe_reference(hidden, router, w13, w2, 2), rtol=0, atol=0)
+                               moe_reference(hidden, router, w13, w2, 2), rtol=1e-5, atol=1e-6)
 
 
 def test_moe_expert_ranges_sum_to_the_whole_and_idle_experts():
