@@ -46,8 +46,11 @@ def main(argv=None):
     model = DiffusionLM(cfg, {k: v.to(a.device) for k, v in weights.items()})
     prompts = [list(range(1, 40))] * a.batch
     rows = []
-    for name, kw in [("threshold, vicinity", {}),
-                     ("credit + smoothing, vicinity", {"smoothing": True, "decoder": DecoderConfig(name="credit", threshold=0.8)}),
+    credit = DecoderConfig(name="credit", threshold=0.8)
+    for name, kw in [("threshold, vicinity + write-back", {}),
+                     ("threshold, vicinity (dInfer: no write-back)", {"write_back": False}),
+                     ("threshold, dual", {"cache": "dual"}),
+                     ("credit + smoothing, vicinity", {"smoothing": True, "decoder": credit}),
                      ("threshold, no cache", {"cache": "none"})]:
         g = dataclasses.replace(GenerationConfig(gen_length=a.gen_length, block_length=a.block_length,
                                                  early_stop=False), **kw)
@@ -55,7 +58,7 @@ def main(argv=None):
         _, stats = generate(model, prompts, g)
         d = stats.as_dict()
         rows.append({"config": name, **d})
-        print(f"{name:32s} forwards {d['forwards']:4d}  TPF {d['tokens_per_forward']:.2f}  "
+        print(f"{name:44s} forwards {d['forwards']:4d}  TPF {d['tokens_per_forward']:.2f}  "
               f"TPS {d['tokens_per_second']:.1f}  phases {d['phase_seconds']}  "
               f"loop overhead {100 * d['loop_overhead_fraction']:.1f}%")
     if a.json:
