@@ -1,0 +1,4 @@
+"""`python -m dinfer ...`: the same command as `dinfer ...`."""
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""LLM: text in, text out. Loads a checkpoint folder (weights, config, tokenizer) once and runs the
+generation loop (dinfer.generate) on batches of prompts.
+
+Every generation setting is a field of GenerationConfig or DecoderConfig, whose defaults are dInfer's
+published LLaDA-MoE settings; LLM(..., **defaults) and generate(..., **options) only override them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from .decoders import DecoderConfig
+from .generate import GenerationConfig, generate
+from .models.checkpoint import load_weights
+from .models.config import ModelConfig
+from .models.tokenizer import Tokenizer
+from .models.transformer import DiffusionLM
+from .stats import Stats
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+# Option names: the fields of both configs; `decoder` names the decoder (DecoderConfig.name).
+_GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)} - {"decoder"}
+_DEC_FIELDS = {f.name for f in dataclasses.fields(DecoderConfig)} - {"name"}
+OPTIONS = sorted(_GEN_FIELDS | _DEC_FIELDS | {"decoder"})
+
+Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
+
+
+@dataclass
+class GenerateResult:
+    texts: List[str]            # one per prompt, up to the first EOS, special tokens dropped
+    token_ids: List[List[int]]  # the generated tokens of each prompt, up to the first EOS
+    stats: dict                 # Stats.as_dict() summed over the batches
+
+
+def generation_config(**options) -> GenerationConfig:
+    """GenerationConfig defaults overridden by `options` (None values are ignored); `decoder` is a
+    decoder name or a DecoderConfig. TypeError for an unknown option, ValueError for a bad value."""
+    options = {k: v for k, v in options.items() if v is not None}
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown option {unknown[0]!r}; expected one of {', '.join(OPTIONS)}")
+    base = GenerationConfig()
+    decoder = options.pop("decoder", base.decoder)
+    if isinstance(decoder, str):
+        decoder = dataclasses.replace(base.decoder, name=decoder)
+    decoder = dataclasses.replace(decoder, **{k: options.pop(k) for k in _DEC_FIELDS & set(options)})
+    return dataclasses.replace(base, decoder=decoder, **options)
+
+
+class LLM:
+    """A diffusion LLM ready to generate: LLM("path/to/LLaDA-MoE-7B-A1B-Instruct").generate("Hi")."""
+
+    def __init__(self, model_path=None, device=None, dtype=None, **defaults):
+        if model_path is None:
+            raise ValueError("model_path: no default model is embedded yet; pass model_path=<checkpoint "
+                             "folder> (config.json, safetensors weights, tokenizer.json)")
+        path = os.fspath(model_path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model_path: checkpoint directory {path!r} does not exist")
+        generation_config(**defaults)  # unknown names and bad values fail here, not at the first call
+        self.defaults = defaults
+        self.device = _device(device)
+        self.dtype = _dtype(dtype, self.device)
+        config = ModelConfig.from_dir(path)
+        # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
+        self.tokenizer = Tokenizer(path, eos_id=config.eos_id)
+        self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
+
+    def generate(self, prompts: Prompts, gen_length: Optional[int] = None, block_length: Optional[int] = None,
+                 decoder: Union[str, DecoderConfig, None] = None, cache: Optional[str] = None, chat: bool = True,
+                 batch_size: Optional[int] = None, **options) -> GenerateResult:
+        """Generate for a prompt or a list of prompts (strings, or token-id lists taken as they are).
+
+        chat: wrap string prompts in the checkpoint's chat template (when it has one).
+        batch_size: prompts per generation run (default: all at once).
+        options: GenerationConfig / DecoderConfig fields (threshold=0.9, smoothing=True, ...).
+        """
+        given = dict(options, gen_length=gen_length, block_length=block_length, decoder=decoder, cache=cache)
+        cfg = generation_config(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
+        ids = self._prompt_ids(prompts, chat)
+        batch_size = len(ids) if batch_size is None else batch_size
+        if batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        outputs, parts = [], []
+        for start in range(0, len(ids), batch_size):
+            out, stats = generate(self.model, ids[start:start + batch_size], cfg)
+            outputs += out
+            parts.append(stats)
+        token_ids = [self._until_eos(o.tolist()) for o in outputs]
+        texts = [self.tokenizer.decode(t) for t in token_ids]
+        return GenerateResult(texts, token_ids, _merge(parts).as_dict())
+
+    def _prompt_ids(self, prompts: Prompts, chat: bool) -> List[List[int]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts: expected at least one prompt")
+        return [self._encode(i, p, chat) for i, p in enumerate(prompts)]
+
+    def _encode(self, i: int, prompt, chat: bool) -> List[int]:
+        if isinstance(prompt, str):
+            if not prompt:  # a chat template would hide it: the model would answer an empty turn
+                raise ValueError(f"prompts[{i}]: empty prompt")
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompts[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _until_eos(self, ids: List[int]) -> List[int]:
+        eos = self.model.config.eos_id
+        return ids[:ids.index(eos)] if eos in ids else ids
+
+
+def _device(device) -> torch.device:
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {str(device)!r} requested but CUDA is not available")
+    return device
+
+
+def _dtype(dtype, device: torch.device) -> torch.dtype:
+    """bf16 on a GPU (the released weights' precision), fp32 on the host, unless asked."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)} (or the torch dtype), got {dtype!r}")
+
+
+def _merge(parts: List[Stats]) -> Stats:
+    """One Stats for several runs: counters and times add up; rates follow in as_dict()."""
+    total = Stats(timed=parts[0].timed)
+    for p in parts:
+        total.forwards += p.forwards
+        total.refreshes += p.refreshes
+        total.tokens += p.tokens
+        total.seconds += p.seconds
+        for name, seconds in p.phase_seconds.items():
+            total.phase_seconds[name] = total.phase_seconds.get(name, 0.0) + seconds
+    return total

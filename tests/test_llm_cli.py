@@ -1,0 +1,236 @@
+"""dinfer.LLM and the `dinfer generate` command on a tiny random LLaDA-MoE checkpoint in the released
+HF layout (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from dinfer import LLM, GenerationConfig
+from dinfer.models import ModelConfig, random_weights, save_checkpoint
+from dinfer.models.tokenizer import Tokenizer
+
+VOCAB, EOS, MASK = 60, 58, 59
+SPECIAL = {"<unk>": 0, "<|startoftext|>": 1, "<role>": 2, "</role>": 3, "<|role_end|>": 4,
+           "<|endoftext|>": EOS, "<|mask|>": MASK}
+WORDS = ["hello", "world", "what", "is", "two", "plus", "three", "USER", "ASSISTANT"]
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<role>{{ m['role'] | upper }}</role>{{ m['content'] }}"
+            "<|role_end|>{% endfor %}{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}")
+FAST = dict(gen_length=16, block_length=8)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(
+        family="llada_moe", hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=12,
+        vocab_size=VOCAB, intermediate_size=None, num_experts=8, top_k=2, expert_intermediate_size=40,
+        qk_norm=True, rope_theta=50000.0, rotary_dim=12, rms_eps=1e-5, max_positions=256, mask_id=MASK,
+        eos_id=EOS, pad_id=EOS, tie_embeddings=False, router_renormalize=False, expert_bias=False,
+        architectures=("LLaDAMoEModelLM",))
+
+
+def write_tokenizer(path):
+    vocab = dict(SPECIAL)
+    free = [i for i in range(VOCAB) if i not in vocab.values()]
+    words = WORDS + [f"w{i}" for i in range(len(free) - len(WORDS))]
+    vocab.update(zip(words, free))
+    tok = HFTokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens(list(SPECIAL))
+    tok.save(os.path.join(path, "tokenizer.json"))
+    config = {"bos_token": "<|startoftext|>", "eos_token": {"content": "<|endoftext|>", "special": True},
+              "pad_token": "<|endoftext|>", "chat_template": TEMPLATE}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def lively_weights(config: ModelConfig) -> dict:
+    """Random weights that make varied, confident predictions. At N(0, 0.02²) attention is uniform and
+    every [MASK] row predicts the same token; larger q/k make RoPE positions matter, larger outputs let
+    the context move the residual stream, and a larger head separates the logits, so that a batch's
+    different float rounding cannot flip a choice. EOS is made to win where token 24 nearly wins, so
+    some prompts stop early (deterministically, for seed 3)."""
+    w = random_weights(config, seed=3)
+    for name in w:
+        if name.endswith((".q", ".k")):
+            w[name] *= 20
+        if name.endswith((".v", ".o", ".w13", ".w2")):
+            w[name] *= 10
+    w["lm_head"] *= 20
+    w["lm_head"][EOS] = 1.05 * w["lm_head"][24]
+    return w
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llada-moe")
+    config = tiny_config()
+    save_checkpoint(path, config, lively_weights(config))
+    write_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(ckpt, device="cpu", **FAST)
+
+
+def run_cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "dinfer", *args], input=stdin, capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+
+def test_tokenizer_template_encode_decode(ckpt):
+    tok = Tokenizer(ckpt)
+    text = tok.apply_chat_template("hello world")
+    assert text == "<|startoftext|><role>USER</role>hello world<|role_end|><role>ASSISTANT</role>"
+    ids = tok.encode(text)
+    assert ids[:3] == [1, 2] + tok.encode("USER") and ids[-1] == 3
+    assert tok.eos_id == EOS
+    assert tok.decode(tok.encode("hello world") + [EOS] + tok.encode("what")) == "hello world"
+    assert tok.decode([MASK] + tok.encode("two")) == "two"
+    assert tok.decode([MASK] + tok.encode("two"), skip_special=False) == "<|mask|> two"
+
+
+def test_tokenizer_without_template_or_config(ckpt, tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes(open(os.path.join(ckpt, "tokenizer.json"), "rb").read())
+    tok = Tokenizer(tmp_path)
+    assert tok.apply_chat_template("hello") == "hello"
+    assert tok.eos_id is None and tok.decode(tok.encode("two three")) == "two three"
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer(tmp_path / "nowhere")
+
+
+# ------------------------------------------------------------------------------------------------- LLM
+
+def test_generate_one_prompt(llm):
+    r = llm.generate("what is two plus three")
+    assert len(r.texts) == len(r.token_ids) == 1
+    assert len(r.token_ids[0]) <= FAST["gen_length"] and EOS not in r.token_ids[0]
+    assert r.texts[0] == llm.tokenizer.decode(r.token_ids[0])
+    assert {"forwards", "refreshes", "tokens", "seconds", "tokens_per_forward", "tokens_per_second",
+            "phase_seconds", "loop_overhead_fraction"} <= set(r.stats)
+    assert r.stats["forwards"] >= r.stats["refreshes"] >= 1
+
+
+def test_generate_batch_and_batch_size_splitting(llm):
+    prompts = ["hello", "what is two plus three", "hello world", "two"]
+    whole = llm.generate(prompts)
+    assert len(whole.texts) == len(whole.token_ids) == 4
+    lengths = [len(t) for t in whole.token_ids]
+    assert max(lengths) == FAST["gen_length"] and min(lengths) < FAST["gen_length"]  # EOS ends some early
+    assert len({tuple(t) for t in whole.token_ids}) == 4
+    split = llm.generate(prompts, batch_size=3)
+    assert split.token_ids == whole.token_ids and split.texts == whole.texts
+    singles = [llm.generate(p).token_ids[0] for p in prompts]
+    assert singles == whole.token_ids
+    assert split.stats["forwards"] > whole.stats["forwards"]  # two runs: the second batch's forwards add up
+
+
+def test_chat_template_and_pre_tokenised_prompts(llm):
+    tok = llm.tokenizer
+    templated = tok.encode(tok.apply_chat_template("hello world"))
+    assert llm.generate("hello world").token_ids == llm.generate([templated]).token_ids
+    assert llm.generate("hello world", chat=False).token_ids == llm.generate([tok.encode("hello world")]).token_ids
+
+
+def test_options_defaults_and_overrides(llm):
+    # Per-call options override the LLM's defaults, which override GenerationConfig's.
+    r = llm.generate("hello", gen_length=8, decoder="fixed", steps_per_block=4, cache="dual",
+                     align_blocks=False)  # one block of 8 masks in 4 steps
+    assert r.stats["forwards"] == 4 and len(r.token_ids[0]) <= 8
+    assert GenerationConfig().gen_length != FAST["gen_length"]
+    for decoder in ("credit", "hierarchy"):
+        assert len(llm.generate("hello", decoder=decoder, smoothing=True, unroll=1).texts) == 1
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(decoder="nope"), ValueError, "decoder"),
+    (dict(cache="nope"), ValueError, "cache"),
+    (dict(gen_length=0), ValueError, "gen_length"),
+    (dict(block_length=0), ValueError, "block_length"),
+    (dict(batch_size=0), ValueError, "batch_size"),
+    (dict(thresold=0.5), TypeError, "thresold"),
+])
+def test_generate_bad_options(llm, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate("hello", **kwargs)
+
+
+@pytest.mark.parametrize("prompts,match", [
+    ("", "empty prompt"),
+    ([[]], "empty prompt"),
+    ([], "at least one prompt"),
+    ("hello " * 250, "exceed the model's 256 positions"),
+    ([[1, VOCAB]], "outside the vocabulary"),
+])
+def test_generate_bad_prompts(llm, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts)
+
+
+def test_llm_errors(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="model_path"):
+        LLM()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(tmp_path)
+    with pytest.raises(TypeError, match="block_size"):
+        LLM(ckpt, block_size=8)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(ckpt, dtype="int8")
+    for name in ("tokenizer.json", "model.safetensors"):
+        broken = tmp_path / name
+        broken.mkdir()
+        for f in os.listdir(ckpt):
+            if f != name:
+                (broken / f).write_bytes(open(os.path.join(ckpt, f), "rb").read())
+        with pytest.raises(FileNotFoundError, match=name):
+            LLM(broken)
+
+
+def test_dtype_names(ckpt):
+    assert LLM(ckpt, dtype="bf16").model.dtype == torch.bfloat16
+    assert LLM(ckpt, dtype=torch.float16).model.dtype == torch.float16
+    assert LLM(ckpt, device="cpu").model.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+def test_cli_plain_and_json(ckpt, llm):
+    expected = llm.generate(["hello", "two plus three"])
+    plain = run_cli("generate", "--model", ckpt, "--prompt", "hello", "--prompt", "two plus three",
+                    "--gen-length", "16", "--block-length", "8", "--device", "cpu")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.splitlines() == expected.texts
+    assert "tokens/forward" in plain.stderr
+    js = run_cli("generate", "--model", ckpt, "--gen-length", "16", "--block-length", "8", "--json",
+                 stdin="hello\n")
+    assert js.returncode == 0, js.stderr
+    out = json.loads(js.stdout)
+    assert out["token_ids"] == expected.token_ids[:1] and out["texts"] == expected.texts[:1]
+    assert out["stats"]["forwards"] >= 1
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--decoder", "nope"], "invalid choice"),
+    (["--cache", "nope"], "invalid choice"),
+    (["--gen-length", "0"], "gen_length"),
+    (["--dtype", "int8"], "dtype"),
+])
+def test_cli_errors(ckpt, args, match):
+    r = run_cli("generate", "--model", ckpt, "--prompt", "hello", *args)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_missing_checkpoint(tmp_path):
+    r = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "hello")
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
