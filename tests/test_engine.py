@@ -257,3 +257,15 @@ def test_loop_overhead_is_measured():
     assert d["forwards"] >= 1 and d["tokens_per_forward"] > 0
     assert 0.0 <= d["loop_overhead_fraction"] < 1.0
     assert set(d["phase_seconds"]) == {"forward", "decode", "smoothing"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cache", ["dual", "vicinity"])
+def test_cuda_graph_replay_equals_eager_on_gpu(cache):
+    w = {k: v.cuda() for k, v in random_weights(MOE, seed=2).items()}
+    w["lm_head"] = w["lm_head"] * 20
+    model = DiffusionLM(MOE, w)
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [9, 10, 11]]
+    eager, _ = run(model, prompts, cache=cache, cuda_graphs=False, smoothing=True, gen_length=32)
+    graphs, _ = run(model, prompts, cache=cache, cuda_graphs=True, smoothing=True, gen_length=32)
+    assert graphs == eager
