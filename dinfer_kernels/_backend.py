@@ -31,6 +31,10 @@ def _find_triton():
 _EXTENSION = _load_extension()
 _TRITON_VERSION = _find_triton()
 _EXTENSION_HAS_CUDA = _EXTENSION is not None and _EXTENSION.built_with_cuda()
+# The CUDA attention kernels come with their own build step: only usable once _C exports them.
+_EXTENSION_HAS_ATTENTION = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "attention")
+# Likewise the CUDA MoE kernels (csrc/moe): only usable once _C exports them.
+_EXTENSION_HAS_MOE = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "moe")
 
 
 def compiled():
@@ -53,8 +57,8 @@ IMPLEMENTED = {
     "soft_embedding": ("triton", "torch"),
     "rms_norm": ("torch",),
     "rope": ("torch",),
-    "attention": ("torch",),
-    "moe": ("torch",),
+    "attention": ("cuda", "triton", "torch"),
+    "moe": ("cuda", "triton", "torch"),
 }
 
 
@@ -66,7 +70,8 @@ def available_backends(device, op: str = "decode_step") -> list:
     usable = {"torch"}
     if _EXTENSION is not None and kind == "cpu":
         usable.add("cpu")
-    if _EXTENSION_HAS_CUDA and kind == "cuda":
+    if (_EXTENSION_HAS_CUDA and kind == "cuda" and (op != "attention" or _EXTENSION_HAS_ATTENTION)
+            and (op != "moe" or _EXTENSION_HAS_MOE)):
         usable.add("cuda")
     if _TRITON_VERSION is not None and (kind == "cuda" or (kind == "cpu" and triton_interpreted())):
         usable.add("triton")

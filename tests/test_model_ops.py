@@ -210,9 +210,10 @@ def test_opcheck_model_ops():
     pos = torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]])
     torch.library.opcheck(torch.ops.dinfer.attention.default,
                           (q, k, v, kc, vc, pos, torch.tensor([12, 9], dtype=torch.int32), True, None,
-                           1 / math.sqrt(8), "torch"))
+                           None, None, 5, 64, 1 / math.sqrt(8), False, False, "torch"))
     hidden, router, w13, w2 = moe_case()
-    torch.library.opcheck(torch.ops.dinfer.moe.default, (hidden, router, w13, w2, 2, False, None, 0, 6, "torch"))
+    torch.library.opcheck(torch.ops.dinfer.moe.default,
+                          (hidden, router, None, w13, w2, 2, False, 0, None, 1, 1, 1.0, 0, 6, "torch"))
 
 
 def test_model_ops_compile_fullgraph():
