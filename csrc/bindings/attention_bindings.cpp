@@ -18,35 +18,6 @@ using dinfer_kernels::ScalarType;
 
 namespace {
 
-int64_t int_arg(py::handle o, const char* name) {
-  if (!PyLong_Check(o.ptr()) || PyBool_Check(o.ptr()))
-    throw_type_error(std::string(name) + ": expected an int, got " +
-                     std::string(py::str(py::type::of(o).attr("__name__"))));
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(o.ptr(), &overflow);
-  if (overflow) throw_value_error(std::string(name) + ": out of the int64 range");
-  return v;
-}
-
-bool bool_arg(py::handle o, const char* name) {
-  if (!PyBool_Check(o.ptr()))
-    throw_type_error(std::string(name) + ": expected a bool, got " +
-                     std::string(py::str(py::type::of(o).attr("__name__"))));
-  return o.ptr() == Py_True;
-}
-
-double float_arg(py::handle o, const char* name) {
-  if (!(PyFloat_Check(o.ptr()) || PyLong_Check(o.ptr())) || PyBool_Check(o.ptr()))
-    throw_type_error(std::string(name) + ": expected a number, got " +
-                     std::string(py::str(py::type::of(o).attr("__name__"))));
-  const double v = PyFloat_AsDouble(o.ptr());
-  if (v == -1.0 && PyErr_Occurred()) {
-    PyErr_Clear();
-    throw_value_error(std::string(name) + ": not representable as a double");
-  }
-  return v;
-}
-
 // The [.., D] arrays the kernels copy in 16-byte vectors: last dimension contiguous, the other
 // strides multiples of 8 elements (strides of size-1 dimensions are never used), data 16-byte
 // aligned. Writes the three leading strides to `out`.

@@ -16,29 +16,6 @@ using dinfer_kernels::ScalarType;
 
 namespace {
 
-// Scalars arrive as Python objects so that a wrong type is reported with the argument's name.
-int64_t as_int(py::handle o, const char* name) {
-  if (!PyLong_Check(o.ptr()) || PyBool_Check(o.ptr()))
-    throw_type_error(std::string(name) + ": expected an int, got " +
-                     std::string(py::str(py::type::of(o).attr("__name__"))));
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(o.ptr(), &overflow);
-  if (overflow) throw_value_error(std::string(name) + ": out of the int64 range");
-  return v;
-}
-
-double as_float(py::handle o, const char* name) {
-  if (!(PyFloat_Check(o.ptr()) || PyLong_Check(o.ptr())) || PyBool_Check(o.ptr()))
-    throw_type_error(std::string(name) + ": expected a number, got " +
-                     std::string(py::str(py::type::of(o).attr("__name__"))));
-  const double v = PyFloat_AsDouble(o.ptr());
-  if (v == -1.0 && PyErr_Occurred()) {
-    PyErr_Clear();
-    throw_value_error(std::string(name) + ": not representable as a double");
-  }
-  return v;
-}
-
 void check_finite(float v, const char* name) {
   if (!std::isfinite(v)) throw_value_error(std::string(name) + ": must be finite, got " + std::to_string(v));
 }
@@ -82,12 +59,12 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
                  py::handle low_threshold_o, py::handle temperature_o, py::handle seed_o,
                  py::handle offset_o, py::handle alpha_o, py::handle beta_o, py::handle gamma_o,
                  py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
-  const int64_t mask_id = as_int(mask_id_o, "mask_id"), seed = as_int(seed_o, "seed"),
-                offset = as_int(offset_o, "offset"), stream = as_int(stream_o, "stream");
-  const int64_t rule = as_int(rule_o, "rule"), num_threads = as_int(num_threads_o, "num_threads");
-  const double low_threshold = as_float(low_threshold_o, "low_threshold"),
-               temperature = as_float(temperature_o, "temperature"), alpha = as_float(alpha_o, "credit_alpha"),
-               beta = as_float(beta_o, "credit_beta"), gamma = as_float(gamma_o, "credit_gamma");
+  const int64_t mask_id = int_arg(mask_id_o, "mask_id"), seed = int_arg(seed_o, "seed"),
+                offset = int_arg(offset_o, "offset"), stream = int_arg(stream_o, "stream");
+  const int64_t rule = int_arg(rule_o, "rule"), num_threads = int_arg(num_threads_o, "num_threads");
+  const double low_threshold = float_arg(low_threshold_o, "low_threshold"),
+               temperature = float_arg(temperature_o, "temperature"), alpha = float_arg(alpha_o, "credit_alpha"),
+               beta = float_arg(beta_o, "credit_beta"), gamma = float_arg(gamma_o, "credit_gamma");
   if (num_threads < 0 || num_threads > 4096) throw_value_error("num_threads: must be in [0, 4096]");
   TensorArg logits(logits_o, "logits"), tokens(tokens_o, "tokens"), offsets(offsets_o, "seq_offsets"),
       threshold(threshold_o, "threshold"), num_commit(num_commit_o, "num_commit"),

@@ -23,32 +23,6 @@ namespace {
 
 std::string type_name(py::handle o) { return std::string(py::str(py::type::of(o).attr("__name__"))); }
 
-// Scalars arrive as Python objects so that a wrong type is reported with the argument's name.
-int64_t int_arg(py::handle o, const char* name) {
-  if (!PyLong_Check(o.ptr()) || PyBool_Check(o.ptr()))
-    throw_type_error(std::string(name) + ": expected an int, got " + type_name(o));
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(o.ptr(), &overflow);
-  if (overflow) throw_value_error(std::string(name) + ": out of the int64 range");
-  return v;
-}
-
-double float_arg(py::handle o, const char* name) {
-  if (!(PyFloat_Check(o.ptr()) || PyLong_Check(o.ptr())) || PyBool_Check(o.ptr()))
-    throw_type_error(std::string(name) + ": expected a number, got " + type_name(o));
-  const double v = PyFloat_AsDouble(o.ptr());
-  if (v == -1.0 && PyErr_Occurred()) {
-    PyErr_Clear();
-    throw_value_error(std::string(name) + ": not representable as a double");
-  }
-  return v;
-}
-
-bool bool_arg(py::handle o, const char* name) {
-  if (!PyBool_Check(o.ptr())) throw_type_error(std::string(name) + ": expected a bool, got " + type_name(o));
-  return o.ptr() == Py_True;
-}
-
 MoeScoring scoring_arg(py::handle o) {
   if (!PyUnicode_Check(o.ptr())) throw_type_error("scoring: expected a str, got " + type_name(o));
   const std::string s = o.cast<std::string>();

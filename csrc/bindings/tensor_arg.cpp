@@ -7,6 +7,35 @@ namespace dinfer_bindings {
 void throw_value_error(const std::string& msg) { throw py::value_error(msg); }
 void throw_type_error(const std::string& msg) { throw py::type_error(msg); }
 
+namespace {
+std::string type_name(py::handle o) { return py::str(py::type::of(o).attr("__name__")); }
+}  // namespace
+
+int64_t int_arg(py::handle o, const char* name) {
+  if (!PyLong_Check(o.ptr()) || PyBool_Check(o.ptr()))
+    throw_type_error(std::string(name) + ": expected an int, got " + type_name(o));
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(o.ptr(), &overflow);
+  if (overflow) throw_value_error(std::string(name) + ": out of the int64 range");
+  return v;
+}
+
+double float_arg(py::handle o, const char* name) {
+  if (!(PyFloat_Check(o.ptr()) || PyLong_Check(o.ptr())) || PyBool_Check(o.ptr()))
+    throw_type_error(std::string(name) + ": expected a number, got " + type_name(o));
+  const double v = PyFloat_AsDouble(o.ptr());
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw_value_error(std::string(name) + ": not representable as a double");
+  }
+  return v;
+}
+
+bool bool_arg(py::handle o, const char* name) {
+  if (!PyBool_Check(o.ptr())) throw_type_error(std::string(name) + ": expected a bool, got " + type_name(o));
+  return o.ptr() == Py_True;
+}
+
 const char* dtype_name(DType t) {
   switch (t) {
     case DType::kFloat32: return "float32";

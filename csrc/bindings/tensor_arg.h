@@ -58,4 +58,9 @@ class TensorArg {
 [[noreturn]] void throw_value_error(const std::string& msg);
 [[noreturn]] void throw_type_error(const std::string& msg);
 
+// Scalars arrive as Python objects so that a wrong type is reported with the argument's name.
+int64_t int_arg(py::handle o, const char* name);
+double float_arg(py::handle o, const char* name);
+bool bool_arg(py::handle o, const char* name);
+
 }  // namespace dinfer_bindings
