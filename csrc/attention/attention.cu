@@ -28,6 +28,7 @@
 
 #include "dinfer_kernels/attention.h"
 #include "dinfer_kernels/attention_math.h"
+#include "dinfer_kernels/scalar.h"
 
 namespace dinfer_kernels {
 namespace {
@@ -214,16 +215,7 @@ DINFER_DEV uint32_t pack2(float lo, float hi, F16Tag) {
 #endif
 }
 
-// 2^x with MUFU.EX2 (2 ulp; ex2(-inf) = +0, which the masking relies on).
-DINFER_DEV float fast_exp2(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return exp2f(x);
-#endif
-}
+using scalar::fast_exp2;  // ex2(-inf) = +0: the masking relies on it
 
 DINFER_DEV int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
 

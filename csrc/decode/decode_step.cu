@@ -56,28 +56,14 @@ struct F16Tag {
   static constexpr int kVec = 8;
 };
 
-DINFER_HD float bits_to_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
+using scalar::bits_to_float;
+using scalar::fast_exp2;
+using scalar::fast_log2;
 
 // Exact conversions (every bf16/fp16 value, subnormals included, is an fp32 value). Not sanitised.
 DINFER_HD float to_float(float x, F32Tag) { return x; }
-DINFER_HD float to_float(uint16_t x, BF16Tag) { return bits_to_float(static_cast<uint32_t>(x) << 16); }
-DINFER_HD float to_float(uint16_t x, F16Tag) {
-#if defined(__CUDA_ARCH__)
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
-#else
-  return decode_math::fp16_to_float(x);
-#endif
-}
+DINFER_HD float to_float(uint16_t x, BF16Tag) { return scalar::bf16_to_float(x); }
+DINFER_HD float to_float(uint16_t x, F16Tag) { return scalar::fp16_to_float(x); }
 
 DINFER_HD void unpack(const uint4& q, float (&z)[4], F32Tag) {
   z[0] = bits_to_float(q.x);
@@ -119,33 +105,10 @@ DINFER_HD uint4 load_stream(const uint4* p) {
 #endif
 }
 
-// 2^x with MUFU.EX2 alone (<= 2 ulp; results below 2^-126 flush to 0, which cannot change a sum
-// that holds exp(0) = 1). expf would cost ~8 instructions per element, the budget at full HBM rate
-// is ~14 in total.
-DINFER_HD float fast_exp2(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return exp2f(x);
-#endif
-}
-
-// log2 for the sampling prune bound only (its error is covered by the bound's margin).
-DINFER_HD float fast_log2(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return log2f(x);
-#endif
-}
-
 // exp(z - ms) for z <= ms (ms finite, or 0 while nothing finite was seen). The terms that dominate
 // the sum have z close to ms, where z - ms is exact (Sterbenz) and the product is off by <= 0.5 ulp
-// of a small argument: the sum stays within ~2 ulp of an expf-based one.
+// of a small argument: the sum stays within ~2 ulp of an expf-based one. MUFU.EX2 alone, because
+// expf would cost ~8 instructions per element and the budget at full HBM rate is ~14 in total.
 DINFER_HD float exp_shifted(float z, float ms) { return fast_exp2((z - ms) * kLog2e); }
 
 // ---- per-thread scan -----------------------------------------------------------------------------

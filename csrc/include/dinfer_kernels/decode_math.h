@@ -8,9 +8,9 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "dinfer_kernels/decode.h"
+#include "dinfer_kernels/scalar.h"
 
 #if defined(__CUDACC__)
 #define DINFER_HD __host__ __device__ __forceinline__
@@ -30,30 +30,8 @@ DINFER_HD float sanitize(float z) {  // NaN -> -inf, +inf -> FLT_MAX (reference 
   return z != z ? -INFINITY : fminf(z, FLT_MAX);
 }
 
-DINFER_HD float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-DINFER_HD float fp16_to_float(uint16_t h) {  // exact IEEE half -> float, subnormals included
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
-  if (exp == 0x1Fu) {
-    u = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    u = sign;
-  } else {
-    float f = static_cast<float>(man) * 5.9604644775390625e-8f;  // man * 2^-24
-    return sign ? -f : f;
-  }
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
+using scalar::bf16_to_float;
+using scalar::fp16_to_float;
 
 // Element v of a row, as sanitised fp32.
 DINFER_HD float load_logit(const void* row, ScalarType t, int64_t v) {
