@@ -35,17 +35,6 @@ import torch.nn.functional as F  # noqa: E402
 Q_BLOCK = KV_BLOCK = 128
 
 
-def matmul_rate(device, dtype, quick):
-    """Measured dense matmul rate (TFLOP/s) of `dtype` on a square problem."""
-    n = (8192 if not quick else 4096) if device == "cuda" else 512
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    res = common.measure(common.Case(f"matmul {n}^3", lambda i: a @ b), device, quick=quick)
-    res["TFLOPs"] = 2.0 * n ** 3 / res["median_s"] / 1e12
-    res["n"] = n
-    return res
-
-
 def flex_available():
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
@@ -197,7 +186,7 @@ def run(args):
     print(f"# bench_attention  device={device} ({env.get('gpu') or env['cpu']})  dtype={args.dtype}  "
           f"heads={args.heads}/{args.kv_heads}x{args.head_dim}  commit={env['commit']}")
     bw = common.copy_bandwidth(device, quick=args.quick)
-    mm = matmul_rate(device, common.torch_dtype(args.dtype), args.quick)
+    mm = common.matmul_rate(device, common.torch_dtype(args.dtype), args.quick)
     print(f"copy bandwidth: {bw['GBps']:.1f} GB/s; {args.dtype} matmul: {mm['TFLOPs']:.1f} TFLOP/s")
     flex_on = flex_available() and not args.no_flex and (device == "cuda" or args.flex)
     if not flex_available():

@@ -131,17 +131,6 @@ def make_plain_triton(hidden, router, w13, w2, top_k):
 
 
 # --------------------------------------------------------------------------------------- helpers
-def matmul_rate(device, dtype, quick):
-    """Measured dense matmul rate (TFLOP/s) of `dtype` on a square problem."""
-    n = (8192 if not quick else 4096) if device == "cuda" else 512
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    res = common.measure(common.Case(f"matmul {n}^3", lambda i: a @ b), device, quick=quick)
-    res["TFLOPs"] = 2.0 * n ** 3 / res["median_s"] / 1e12
-    res["n"] = n
-    return res
-
-
 def touched_experts(hidden, router, top_k):
     return int(torch.unique(torch_route(hidden, router, top_k)[1]).numel())
 
@@ -176,7 +165,7 @@ def run(args):
     print(f"# bench_moe  device={device} ({env.get('gpu') or env['cpu']})  E={E} top-{k} H={H} I={inter}  "
           f"dtype={args.dtype}  T={tokens}  commit={env['commit']}")
     bw = common.copy_bandwidth(device, quick=args.quick)
-    mm = matmul_rate(device, dtype, args.quick)
+    mm = common.matmul_rate(device, dtype, args.quick)
     print(f"copy bandwidth: {bw['GBps']:.1f} GB/s   {args.dtype} matmul ({mm['n']}^3): "
           f"{mm['TFLOPs']:.3g} TFLOP/s")
 

@@ -214,6 +214,19 @@ def copy_bandwidth(device, nbytes=None, quick=False):
     return res
 
 
+def matmul_rate(device, dtype, quick):
+    """Measured dense matmul rate (TFLOP/s) of `dtype` on a square problem."""
+    import torch
+
+    n = (8192 if not quick else 4096) if device == "cuda" else 512
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    res = measure(Case(f"matmul {n}^3", lambda i: a @ b), device, quick=quick)
+    res["TFLOPs"] = 2.0 * n ** 3 / res["median_s"] / 1e12
+    res["n"] = n
+    return res
+
+
 def sync(device):
     import torch
 
