@@ -1,0 +1,92 @@
+"""The synthetic task suite the embedded models are trained and evaluated on.
+
+Every task draws a (prompt, answer) pair of plain text from a `random.Random`; answers are checked by
+exact match. The tasks are chosen so that answer tokens depend on each other (a carry, a running
+value, a rank, a position counted from the end), which is what makes parallel decoding hard:
+
+    add      multi-digit addition with carries     add:48213+937           -> 49150
+    sort     sort letters (repeats allowed)        sort:qmbxam             -> abmmqx
+    reverse  reverse a string of letters/digits    reverse:ab3kz           -> zk3ba
+    recall   look up keys in a key=value list      recall:a=37,k=70,x=13?k,a -> 70,37
+    chain    running value of +/- steps, mod 10    chain:7+3-5+8           -> 053
+
+Held-out split: a problem whose prompt hashes to 0 mod HELDOUT_MOD is never trained on and is the
+only kind evaluated, so evaluation never sees a training problem whatever the seeds.
+"""
+import random
+import string
+import zlib
+from typing import Callable, Dict, List, Tuple
+
+Problem = Tuple[str, str]
+HELDOUT_MOD = 10
+LETTERS = string.ascii_lowercase
+ALNUM = string.ascii_lowercase + string.digits
+CHARS = string.digits + string.ascii_lowercase + ":+-=,?"  # every character a task writes
+
+
+def _add(rng: random.Random) -> Problem:
+    a, b = (rng.randrange(10 ** (n - 1), 10 ** n) for n in (rng.randint(3, 6), rng.randint(3, 6)))
+    return f"add:{a}+{b}", str(a + b)
+
+
+def _sort(rng: random.Random) -> Problem:
+    s = "".join(rng.choice(LETTERS) for _ in range(rng.randint(5, 12)))
+    return f"sort:{s}", "".join(sorted(s))
+
+
+def _reverse(rng: random.Random) -> Problem:
+    s = "".join(rng.choice(ALNUM) for _ in range(rng.randint(5, 14)))
+    return f"reverse:{s}", s[::-1]
+
+
+def _recall(rng: random.Random) -> Problem:
+    keys = rng.sample(LETTERS, rng.randint(3, 6))
+    values = {k: f"{rng.randrange(100):02d}" for k in keys}
+    asked = rng.sample(keys, rng.randint(2, min(4, len(keys))))
+    pairs = ",".join(f"{k}={values[k]}" for k in keys)
+    return f"recall:{pairs}?{','.join(asked)}", ",".join(values[k] for k in asked)
+
+
+def _chain(rng: random.Random) -> Problem:
+    value = rng.randrange(10)
+    text, out = str(value), []
+    for _ in range(rng.randint(5, 12)):
+        op, d = rng.choice("+-"), rng.randint(1, 9)
+        value = (value + d if op == "+" else value - d) % 10
+        text += f"{op}{d}"
+        out.append(str(value))
+    return f"chain:{text}", "".join(out)
+
+
+TASKS: Dict[str, Callable[[random.Random], Problem]] = {
+    "add": _add, "sort": _sort, "reverse": _reverse, "recall": _recall, "chain": _chain,
+}
+
+
+def is_heldout(prompt: str) -> bool:
+    return zlib.crc32(prompt.encode()) % HELDOUT_MOD == 0
+
+
+def check_tasks(names) -> List[str]:
+    """`names` (a list or a comma-separated string) as a list; ValueError naming an unknown task."""
+    names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise ValueError(f"tasks: unknown task {unknown[0] if unknown else '(none given)'!r}; "
+                         f"expected some of {', '.join(TASKS)}")
+    return names
+
+
+def sample(task: str, rng: random.Random, heldout: bool) -> Problem:
+    """One problem of `task` from the training (heldout=False) or the evaluation split."""
+    while True:
+        prompt, answer = TASKS[task](rng)
+        if is_heldout(prompt) == heldout:
+            return prompt, answer
+
+
+def eval_problems(task: str, n: int, seed: int = 0) -> List[Problem]:
+    """n held-out problems of `task`, the same for the same (task, n, seed)."""
+    rng = random.Random(f"eval/{task}/{seed}")
+    return [sample(task, rng, heldout=True) for _ in range(n)]

@@ -1,0 +1,70 @@
+"""The synthetic task suite: answers checked by an independent computation, the held-out split,
+determinism and the size limits the embedded models were trained for."""
+import random
+import re
+
+import pytest
+
+from dinfer.tasks import TASKS, check_tasks, eval_problems, is_heldout, sample
+
+
+def solve(prompt: str) -> str:
+    """Each task solved from its prompt text alone, without the generator's code path."""
+    task, body = prompt.split(":", 1)
+    if task == "add":
+        a, b = body.split("+")
+        return str(int(a) + int(b))
+    if task == "sort":
+        return "".join(sorted(body))
+    if task == "reverse":
+        return body[::-1]
+    if task == "recall":
+        pairs, asked = body.split("?")
+        table = dict(p.split("=") for p in pairs.split(","))
+        return ",".join(table[k] for k in asked.split(","))
+    if task == "chain":
+        value, out = int(body[0]), []
+        for op, d in re.findall(r"([+-])(\d)", body[1:]):
+            value = (value + int(d) if op == "+" else value - int(d)) % 10
+            out.append(str(value))
+        return "".join(out)
+    raise AssertionError(task)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_answers_and_split(task):
+    rng = random.Random(task)
+    for heldout in (False, True):
+        for _ in range(300):
+            prompt, answer = sample(task, rng, heldout)
+            assert prompt.startswith(task + ":")
+            assert answer == solve(prompt)
+            assert is_heldout(prompt) == heldout
+            # Prompt and answer fit the embedded models' canvas: the answer plus at least one EOS in
+            # the default gen_length 32, and the whole sequence in a few blocks.
+            assert 1 <= len(answer) <= 31 and len(prompt) + 2 + 32 <= 128
+
+
+def test_carries_and_dependencies_occur():
+    rng = random.Random(0)
+    adds = [sample("add", rng, False) for _ in range(200)]
+    carries = [p for p, a in adds if len(a) > max(len(x) for x in p[4:].split("+"))]
+    assert len(carries) > 20  # a final carry; inner carries are more common still
+    chains = [sample("chain", rng, False)[1] for _ in range(50)]
+    assert all(len(c) >= 5 for c in chains)
+
+
+def test_eval_problems_deterministic_and_heldout():
+    a, b = eval_problems("sort", 25, seed=3), eval_problems("sort", 25, seed=3)
+    assert a == b and all(is_heldout(p) for p, _ in a)
+    assert eval_problems("sort", 25, seed=4) != a
+    assert len({p for p, _ in eval_problems("add", 200)}) > 190
+
+
+def test_check_tasks():
+    assert check_tasks("add, sort") == ["add", "sort"]
+    assert check_tasks(["chain"]) == ["chain"]
+    with pytest.raises(ValueError, match="'mul'"):
+        check_tasks("add,mul")
+    with pytest.raises(ValueError, match="none given"):
+        check_tasks([])
