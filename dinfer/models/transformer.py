@@ -8,6 +8,8 @@ W = S therefore *fills* the cache); with False the cache is left as it was (dInf
 The LM head runs only on the rows the caller asks for (`logits_rows`).
 
 Weights use the canonical names of dinfer.models.checkpoint (embed, layers.{i}.q, ..., lm_head).
+The ops (rms_norm, rope, attention, moe) come from `ops`: dinfer_kernels for inference, the
+differentiable stand-ins of dinfer.train.ops for training, so both run this one forward.
 """
 from dataclasses import dataclass
 from typing import List, Optional
@@ -32,9 +34,10 @@ class KVCache:
 
 
 class DiffusionLM:
-    def __init__(self, config: ModelConfig, weights: dict):
+    def __init__(self, config: ModelConfig, weights: dict, ops=dk):
         self.config = config
         self.w = weights
+        self.ops = ops
         self.dtype = weights["embed"].dtype
         self.device = weights["embed"].device
 
@@ -74,32 +77,32 @@ class DiffusionLM:
         rows = h.reshape(B * W, H)
         if logits_rows is not None:
             rows = rows.index_select(0, logits_rows)
-        return dk.rms_norm(rows, self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
+        return self.ops.rms_norm(rows, self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
 
     def _attention(self, i, h, positions, cache, seq_lens, write_back, attn_mask):
         c, w = self.config, self.w
         p = f"layers.{i}."
         B, W, _ = h.shape
-        a = dk.rms_norm(h, w[p + "attn_norm"], c.rms_eps)
+        a = self.ops.rms_norm(h, w[p + "attn_norm"], c.rms_eps)
         q = (a @ w[p + "q"].t()).view(B, W, c.num_heads, c.head_dim)
         k = (a @ w[p + "k"].t()).view(B, W, c.num_kv_heads, c.head_dim)
         v = (a @ w[p + "v"].t()).view(B, W, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = dk.rms_norm(q, w[p + "q_norm"], c.rms_eps)
-            k = dk.rms_norm(k, w[p + "k_norm"], c.rms_eps)
-        q = dk.rope(q, positions, c.rope_theta, c.rotary_dim)
-        k = dk.rope(k, positions, c.rope_theta, c.rotary_dim)
-        o = dk.attention(q, k, v, cache.keys[i], cache.values[i], positions, seq_lens,
+            q = self.ops.rms_norm(q, w[p + "q_norm"], c.rms_eps)
+            k = self.ops.rms_norm(k, w[p + "k_norm"], c.rms_eps)
+        q = self.ops.rope(q, positions, c.rope_theta, c.rotary_dim)
+        k = self.ops.rope(k, positions, c.rope_theta, c.rotary_dim)
+        o = self.ops.attention(q, k, v, cache.keys[i], cache.values[i], positions, seq_lens,
                          write_back=write_back, attn_mask=attn_mask)
         return o.reshape(B, W, c.num_heads * c.head_dim) @ w[p + "o"].t()
 
     def _mlp(self, i, h):
         c, w = self.config, self.w
         p = f"layers.{i}."
-        m = dk.rms_norm(h, w[p + "mlp_norm"], c.rms_eps)
+        m = self.ops.rms_norm(h, w[p + "mlp_norm"], c.rms_eps)
         if c.family == "llada":
             return (F.silu(m @ w[p + "gate"].t()) * (m @ w[p + "up"].t())) @ w[p + "down"].t()
         B, W, H = m.shape
-        out = dk.moe(m.reshape(B * W, H), w[p + "router"], w[p + "w13"], w[p + "w2"], c.top_k,
+        out = self.ops.moe(m.reshape(B * W, H), w[p + "router"], w[p + "w13"], w[p + "w2"], c.top_k,
                      renormalize=c.router_renormalize, expert_bias=w.get(p + "expert_bias"))
         return out.view(B, W, H)

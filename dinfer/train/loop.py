@@ -1,0 +1,156 @@
+"""Training one embedded model with LLaDA's objective, on the synthetic task suite.
+
+Each sequence is `<|bos|>` prompt `<|assistant|>` answer `<|endoftext|>`... : a canvas of the answer
+followed by EOS up to a random length (so the model learns where answers end, for any gen_length).
+The prompt stays clean; each canvas token is masked with probability p = (1 - eps) t + eps,
+t ~ U(0, 1) per sequence, and the loss is the cross-entropy on masked tokens weighted by 1 / p and
+divided by the canvas length (LLaDA's SFT loss). Everything is drawn from one seeded generator, so
+a run is reproducible for a given seed, step count and torch build.
+"""
+import functools
+import json
+import math
+import os
+import random
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from ..models.checkpoint import expected_shapes, save_checkpoint
+from ..models.transformer import DiffusionLM, KVCache
+from ..tasks import TASKS, sample
+from . import ops
+from .presets import BLOCK_LENGTH, GEN_LENGTH, PRESETS, TrainPreset
+from .tokenizer import ASSISTANT, BOS, save_tokenizer, special_ids
+
+EPS = 1e-3
+
+
+def init_weights(preset: TrainPreset, gen: torch.Generator) -> Dict[str, torch.Tensor]:
+    """Norms at 1, projections N(0, 0.02^2), the residual outputs scaled down by sqrt(2 * layers)."""
+    c = preset.config
+    out_std = 0.02 / math.sqrt(2 * c.num_layers)
+    weights = {}
+    for name, shape in expected_shapes(c).items():
+        if name.endswith("norm"):
+            w = torch.ones(shape)
+        else:
+            std = out_std if name.endswith((".o", ".down", ".w2")) else 0.02
+            w = torch.randn(shape, generator=gen) * std
+        weights[name] = w.requires_grad_()
+    return weights
+
+
+class Batches:
+    """Token batches of training problems, every task equally often."""
+
+    def __init__(self, preset: TrainPreset, tokenizer, seed: int):
+        self.preset, self.tok = preset, tokenizer
+        self.rng = random.Random(f"train/{seed}")
+        ids = special_ids()
+        self.bos, self.sep = ids[BOS], ids[ASSISTANT]
+        self.eos, self.mask = preset.config.eos_id, preset.config.mask_id
+
+    def prompt_ids(self, prompt: str) -> List[int]:
+        """What the chat template + tokenizer give for `prompt` (tests check they agree)."""
+        return [self.bos] + self.tok.encode(prompt).ids + [self.sep]
+
+    def __call__(self, progress: float = 1.0):
+        """(tokens [B, T], canvas [B, T] bool, lengths [B] int32, canvas length [B]) at `progress`
+        (0..1) of the run. Sequences are padded to T with EOS that nothing attends to and no loss reads."""
+        rows, starts = [], []
+        tasks = list(TASKS)
+        for _ in range(self.preset.batch_size):
+            prompt, answer = sample(self.rng.choice(tasks), self.rng, heldout=False)
+            p, a = self.prompt_ids(prompt), self.tok.encode(answer).ids
+            rows.append(p + a + [self.eos] * self.rng.randint(1, self.max_fill(len(a), progress)))
+            starts.append(len(p))
+        T = max(len(r) for r in rows)
+        tokens = torch.tensor([r + [self.eos] * (T - len(r)) for r in rows])
+        start, length = torch.tensor(starts), torch.tensor([len(r) for r in rows])
+        pos = torch.arange(T)[None, :]
+        canvas = (pos >= start[:, None]) & (pos < length[:, None])
+        return tokens, canvas, length.to(torch.int32), (length - start).float()
+
+    def max_fill(self, answer_len: int, progress: float) -> int:
+        """EOS after the answer: up to the full canvas (max_canvas) from `fill_ramp` of the run on,
+        fewer before. Long runs of [MASK] slow down learning to read the prompt several-fold, so
+        the model first learns the tasks on short canvases, then where answers end on long ones."""
+        full = max(self.preset.max_canvas - answer_len, 1)
+        ramp = min(progress / self.preset.fill_ramp, 1.0) if self.preset.fill_ramp > 0 else 1.0
+        return max(1, round(min(4, full) + ramp * (full - min(4, full))))
+
+
+def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.Generator):
+    B, T = tokens.shape
+    c = model.config
+    # t ~ U(0, 1) for every sequence, stratified over the batch (one uniform shifted by b / B): the
+    # same objective with less variance from batches that happen to hold only small or large t.
+    t = ((torch.rand(1, generator=gen) + torch.arange(B) / B) % 1)[:, None]
+    p = (1 - EPS) * t + EPS
+    masked = canvas & (torch.rand(B, T, generator=gen) < p)
+    inputs = torch.where(masked, torch.full_like(tokens, c.mask_id), tokens)
+    positions = torch.arange(T).expand(B, T)
+    rows = masked.flatten().nonzero().flatten()
+    no_cache = KVCache([None] * c.num_layers, [None] * c.num_layers)
+    # bf16 autocast: the host's bf16 GEMMs are ~4x its fp32 ones; master weights and the loss stay fp32.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.forward(model.embed(inputs), positions, no_cache, lengths, logits_rows=rows)
+    ce = F.cross_entropy(logits.float(), tokens.flatten()[rows], reduction="none")
+    weight = (1 / (p * canvas_len[:, None])).expand(B, T).flatten()[rows]
+    return (ce * weight).sum() / B
+
+
+def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 250,
+          log: Callable[[str], None] = functools.partial(print, flush=True)) -> dict:
+    """Train preset `name` and write its checkpoint folder `out`; returns the training record."""
+    if name not in PRESETS:
+        raise ValueError(f"model: expected one of {', '.join(PRESETS)}, got {name!r}")
+    preset = PRESETS[name]
+    steps = preset.steps if steps is None else steps
+    if steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {steps}")
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    out = os.fspath(out)
+    save_tokenizer(out)
+    from tokenizers import Tokenizer
+    batches = Batches(preset, Tokenizer.from_file(os.path.join(out, "tokenizer.json")), seed)
+    weights = init_weights(preset, gen)
+    model = DiffusionLM(preset.config, weights, ops=ops)
+    decay = [w for n, w in weights.items() if w.dim() >= 2 and n != "embed"]
+    rest = [w for n, w in weights.items() if not (w.dim() >= 2 and n != "embed")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": preset.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=preset.lr, betas=(0.9, 0.98))
+    schedule = lambda s: min(1.0, (s + 1) / preset.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))  # noqa: E731
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    t0, running = time.perf_counter(), None
+    for step in range(steps):
+        loss = loss_fn(model, *batches(step / steps), gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(weights.values()), 1.0)
+        opt.step()
+        lr_sched.step()
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            log(f"{name} step {step + 1}/{steps} loss {running:.4f} ({time.perf_counter() - t0:.0f} s)")
+        if (step + 1) % save_every == 0 or step + 1 == steps:  # a usable checkpoint while training runs
+            record = {"model": name, "seed": seed, "steps": step + 1, "of_steps": steps,
+                      "batch_size": preset.batch_size, "lr": preset.lr, "final_loss": round(running, 4),
+                      "train_seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__,
+                      "threads": torch.get_num_threads()}
+            _save(out, preset, weights, record)
+    return record
+
+
+def _save(out: str, preset: TrainPreset, weights, record: dict) -> None:
+    c = preset.config
+    save_checkpoint(out, c, {n: w.detach() for n, w in weights.items()}, dtype=torch.bfloat16)
+    with open(os.path.join(out, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"max_new_tokens": GEN_LENGTH, "block_length": BLOCK_LENGTH, "eos_token_id": c.eos_id,
+                   "pad_token_id": c.pad_id, "mask_token_id": c.mask_id}, f, indent=2)
+    with open(os.path.join(out, "training.json"), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)

@@ -1,0 +1,48 @@
+"""The two embedded models: architecture, training schedule and generation defaults.
+
+Both are small enough to train on a 2-core CPU in well under 45 minutes and to ship in the package
+(bf16 weights, < 20 MB each): tiny-llada-moe (the default model; LLaDA-MoE: QK-norm, 8 experts,
+top-2, no renormalisation) and tiny-llada (the dense LLaDA block: SwiGLU MLP, no QK-norm).
+"""
+from dataclasses import dataclass
+
+from ..models.config import DENSE, DENSE_ARCH, MOE, MOE_ARCH, ModelConfig
+from .tokenizer import EOS, MASK, special_ids, vocab_size
+
+DEFAULT_MODEL = "tiny-llada-moe"
+# Generation defaults written to generation_config.json: the canvas covers every task's answer and
+# is decoded in 4 blocks.
+GEN_LENGTH, BLOCK_LENGTH = 32, 8
+
+
+@dataclass(frozen=True)
+class TrainPreset:
+    config: ModelConfig
+    steps: int                         # sized to ~40 minutes on a 2-core CPU, one thread per model
+    batch_size: int = 64
+    lr: float = 5e-4                   # 2e-3 and up delay, or stop, the heads that read the prompt
+    warmup: int = 100
+    weight_decay: float = 0.01
+    max_canvas: int = GEN_LENGTH + 2   # training canvases are answer + EOS fill, up to this long
+    fill_ramp: float = 0.3             # fraction of the run over which the EOS fill grows to max_canvas
+
+
+def _config(family: str, **kw) -> ModelConfig:
+    ids = special_ids()
+    hidden, heads = 256, 8
+    common = dict(hidden_size=hidden, num_layers=4, num_heads=heads, num_kv_heads=heads,
+                  head_dim=hidden // heads, vocab_size=vocab_size(), rope_theta=10000.0,
+                  rotary_dim=hidden // heads, rms_eps=1e-5, max_positions=256, mask_id=ids[MASK],
+                  eos_id=ids[EOS], pad_id=ids[EOS], tie_embeddings=False, router_renormalize=False,
+                  expert_bias=False)
+    return ModelConfig(family=family, **common, **kw)
+
+
+PRESETS = {
+    "tiny-llada-moe": TrainPreset(_config(
+        MOE, intermediate_size=None, num_experts=8, top_k=2, expert_intermediate_size=256, qk_norm=True,
+        architectures=(MOE_ARCH,)), steps=3500),
+    "tiny-llada": TrainPreset(_config(
+        DENSE, intermediate_size=768, num_experts=0, top_k=0, expert_intermediate_size=None, qk_norm=False,
+        architectures=(DENSE_ARCH,)), steps=5500),
+}

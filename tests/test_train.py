@@ -1,0 +1,139 @@
+"""dinfer.train: the differentiable ops equal the kernels, the tokenizer equals the chat template,
+LLaDA's objective on well-formed batches, and a reproducible run that writes a loadable checkpoint."""
+import dataclasses
+import filecmp
+import json
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+
+from dinfer import LLM
+from dinfer.models.checkpoint import random_weights
+from dinfer.models.tokenizer import Tokenizer
+from dinfer.models.transformer import DiffusionLM, KVCache
+from dinfer.tasks import TASKS, sample
+from dinfer.train import PRESETS, ops, train
+from dinfer.train.loop import Batches, loss_fn
+from dinfer.train.tokenizer import UNK, save_tokenizer, special_ids
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    save_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_training_ops_match_kernel_ops(name):
+    """Training's forward (references + SDPA, no cache) is the inference forward (kernels + cache)."""
+    config = PRESETS[name].config
+    weights = random_weights(config, seed=1)
+    for w in weights.values():
+        w.mul_(3)  # lively enough that attention and routing are not uniform
+    B, T = 3, 29
+    tokens = torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(T).expand(B, T)
+    lengths = torch.tensor([T, 17, 1], dtype=torch.int32)  # ragged: rows past a length are padding
+    valid = (torch.arange(T)[None, :] < lengths[:, None]).flatten()
+    infer = DiffusionLM(config, weights)
+    expected = infer.forward(infer.embed(tokens), positions, infer.new_cache(B, T), lengths)[valid]
+    trainable = DiffusionLM(config, weights, ops=ops)
+    no_cache = KVCache([None] * config.num_layers, [None] * config.num_layers)
+    got = trainable.forward(trainable.embed(tokens), positions, no_cache, lengths)[valid]
+    # fp32 both ways, summed in different orders through 4 layers of amplifying weights: ~1e-5 of the
+    # logits' scale. A real difference (here: causal instead of bidirectional attention) is ~1e-1.
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * scale)
+    full = DiffusionLM(config, weights, ops=ops).forward(trainable.embed(tokens), positions, no_cache, None)
+    assert (full[valid] - expected).abs().max() > 1e-2 * scale  # padding keys do matter when attended
+
+    class Causal:
+        rms_norm, rope, moe = ops.rms_norm, ops.rope, ops.moe
+
+        @staticmethod
+        def attention(q, k, v, *args, **kwargs):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            return o.transpose(1, 2)
+
+    wrong = DiffusionLM(config, weights, ops=Causal).forward(trainable.embed(tokens), positions, no_cache, lengths)
+    assert (wrong[valid] - expected).abs().max() > 1e-2 * scale
+
+
+def test_tokenizer_is_the_chat_template(tok_dir):
+    tok = Tokenizer(tok_dir)
+    batches = Batches(PRESETS["tiny-llada"], HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), 0)
+    rng = random.Random(0)
+    for task in TASKS:
+        prompt, answer = sample(task, rng, heldout=False)
+        ids = tok.encode(tok.apply_chat_template(prompt))
+        assert ids == batches.prompt_ids(prompt)
+        assert tok.decode(ids) == prompt  # special tokens dropped, characters fused
+        assert tok.decode(tok.encode(answer) + [tok.eos_id] + tok.encode("junk")) == answer
+    assert tok.encode("ADD") == tok.encode("add")
+    assert tok.encode("~") == [special_ids()[UNK]]
+
+
+@pytest.mark.parametrize("progress", [0.0, 1.0])
+def test_batches_are_prompt_then_answer_then_eos(tok_dir, progress):
+    preset = PRESETS["tiny-llada-moe"]
+    batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=5)
+    tok = Tokenizer(tok_dir, eos_id=preset.config.eos_id)
+    replay = random.Random("train/5")  # the problems the batch drew, drawn again
+    tokens, canvas, lengths, canvas_len = batches(progress)
+    assert tokens.shape[0] == preset.batch_size
+    fills = []
+    for b in range(tokens.shape[0]):
+        prompt, answer = sample(replay.choice(list(TASKS)), replay, heldout=False)
+        fill = replay.randint(1, batches.max_fill(len(answer), progress))
+        start, end = len(batches.prompt_ids(prompt)), int(lengths[b])
+        assert end == start + len(answer) + fill and canvas_len[b] == end - start
+        assert not canvas[b, :start].any() and canvas[b, start:end].all() and not canvas[b, end:].any()
+        assert tokens[b, :start].tolist() == batches.prompt_ids(prompt)
+        body = tokens[b, start:end].tolist()
+        assert tok.decode(body) == answer and body[len(answer):] == [tok.eos_id] * fill
+        fills.append(fill)
+    # Short EOS fills at the start of a run, up to the whole canvas once the ramp is over.
+    assert max(fills) <= 4 if progress == 0 else max(fills) > 4
+    assert batches.max_fill(10, 1.0) == preset.max_canvas - 10 and batches.max_fill(40, 1.0) == 1
+
+
+def test_loss_is_llada_objective_and_learns(tok_dir):
+    preset = dataclasses.replace(PRESETS["tiny-llada"], batch_size=8)
+    batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=0)
+    weights = {n: w.requires_grad_() for n, w in random_weights(preset.config, seed=0).items()}
+    model = DiffusionLM(preset.config, weights, ops=ops)
+    batch = batches()
+    gen = torch.Generator().manual_seed(0)
+    first = loss_fn(model, *batch, gen).item()
+    assert first > 1.0  # random weights: about ln(vocab) per masked token, before the 1/p weights
+    opt = torch.optim.Adam(weights.values(), lr=3e-3)
+    for _ in range(40):
+        loss = loss_fn(model, *batch, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        last = sum(loss_fn(model, *batch, torch.Generator().manual_seed(s)).item() for s in range(4)) / 4
+    assert last < 0.5 * first
+
+
+def test_train_is_reproducible_and_loadable(tmp_path):
+    records = [train("tiny-llada", tmp_path / run, steps=2, seed=7, log=lambda _: None) for run in "ab"]
+    assert records[0]["steps"] == 2 and records[0]["model"] == "tiny-llada"
+    assert filecmp.cmp(tmp_path / "a" / "model.safetensors", tmp_path / "b" / "model.safetensors", shallow=False)
+    assert json.loads((tmp_path / "a" / "training.json").read_text())["seed"] == 7
+    llm = LLM(tmp_path / "a", device="cpu")
+    assert llm.defaults == {"gen_length": 32, "block_length": 8}  # from generation_config.json
+    out = llm.generate(["add:12+34"])
+    assert len(out.token_ids) == 1 and out.stats["forwards"] >= 1
+
+
+def test_train_errors(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        train("big-llada", tmp_path)
+    with pytest.raises(ValueError, match="steps"):
+        train("tiny-llada", tmp_path, steps=0)
