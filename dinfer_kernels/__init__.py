@@ -9,7 +9,7 @@ Ops (each a torch.library custom op with backend="auto"|"cuda"|"triton"|"cpu"|"t
   moe             routed mixture of experts (router, top-k, SwiGLU experts, weighted combine)
 Contracts: dinfer_kernels/reference/.
 """
-from ._backend import available_backends
+from ._backend import available_backends, prefer_backend
 from .ops.attention import BlockMask, attention
 from .ops.decode import CreditState, decode_step
 from .ops.moe import moe
@@ -21,4 +21,4 @@ from .reference.decode import DecodeOutput
 __version__ = "0.1.0"
 
 __all__ = ["BlockMask", "CreditState", "DecodeOutput", "attention", "available_backends", "decode_step",
-           "moe", "rms_norm", "rope", "soft_embedding", "__version__"]
+           "moe", "prefer_backend", "rms_norm", "rope", "soft_embedding", "__version__"]

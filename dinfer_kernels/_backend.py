@@ -4,6 +4,7 @@ Backends: "cuda" (compiled CUDA kernels), "triton", "cpu" (compiled C++ kernels)
 reference; runs anywhere, not CUDA-graph capturable). "auto" picks the fastest available for the
 tensor's device: cuda > triton > torch on a GPU, cpu > torch on the host.
 """
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -78,11 +79,30 @@ def available_backends(device, op: str = "decode_step") -> list:
     return [b for b in IMPLEMENTED[op] if b in usable]
 
 
+_preferred = None  # set by prefer_backend()
+
+
+@contextlib.contextmanager
+def prefer_backend(backend: str):
+    """Inside the block, backend="auto" resolves to `backend` for every op that `backend` can run
+    (others keep their usual choice): e.g. prefer_backend("torch") runs a model on the references."""
+    global _preferred
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    before, _preferred = _preferred, (None if backend == "auto" else backend)
+    try:
+        yield
+    finally:
+        _preferred = before
+
+
 def resolve(backend: str, device, op: str) -> str:
     """Validates `backend` and turns "auto" into a concrete backend for `device`."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     avail = available_backends(device, op)
+    if backend == "auto" and _preferred in avail:
+        return _preferred
     if backend == "auto":
         # Under the interpreter Triton is a correctness tool, never the fast choice on the host.
         return next(b for b in avail if not (b == "triton" and str(device).startswith("cpu")))

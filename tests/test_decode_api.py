@@ -40,6 +40,23 @@ def test_auto_backend_on_host():
     assert resolve("auto", torch.device("cpu"), "decode_step") == expected
 
 
+def test_prefer_backend():
+    from dinfer_kernels._backend import resolve
+    cpu = torch.device("cpu")
+    usual = resolve("auto", cpu, "decode_step")
+    with dk.prefer_backend("torch"):
+        assert resolve("auto", cpu, "decode_step") == "torch"
+        assert resolve("auto", cpu, "rms_norm") == "torch"
+        with dk.prefer_backend("cuda"):  # cannot run on the host: the usual choice stays
+            assert resolve("auto", cpu, "decode_step") == usual
+        assert resolve("auto", cpu, "decode_step") == "torch"
+        assert resolve(usual, cpu, "decode_step") == usual  # an explicit backend wins
+    assert resolve("auto", cpu, "decode_step") == usual
+    with pytest.raises(ValueError, match="backend"):
+        with dk.prefer_backend("fast"):
+            pass
+
+
 def test_opcheck():
     logits, tokens, offsets = case()
     ids = torch.full((6, 4), -1, dtype=torch.int32)
