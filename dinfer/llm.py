@@ -2,7 +2,8 @@
 generation loop (dinfer.generate) on batches of prompts.
 
 Every generation setting is a field of GenerationConfig or DecoderConfig, whose defaults are dInfer's
-published LLaDA-MoE settings; LLM(..., **defaults) and generate(..., **options) only override them.
+published LLaDA-MoE settings; a checkpoint's generation_config.json (gen_length, block_length),
+LLM(..., **defaults) and generate(..., **options) override them, in that order.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .decoders import DecoderConfig
 from .generate import GenerationConfig, generate
 from .models.checkpoint import load_weights
 from .models.config import ModelConfig
+from .models.embedded import generation_defaults, model_dir
 from .models.tokenizer import Tokenizer
 from .models.transformer import DiffusionLM
 from .stats import Stats
@@ -54,17 +56,19 @@ def generation_config(**options) -> GenerationConfig:
 
 
 class LLM:
-    """A diffusion LLM ready to generate: LLM("path/to/LLaDA-MoE-7B-A1B-Instruct").generate("Hi")."""
+    """A diffusion LLM ready to generate: LLM("path/to/LLaDA-MoE-7B-A1B-Instruct").generate("Hi").
+
+    model_path: a checkpoint folder, or the name of an embedded model ("tiny-llada-moe", the default
+    when None, or "tiny-llada").
+    """
 
     def __init__(self, model_path=None, device=None, dtype=None, **defaults):
-        if model_path is None:
-            raise ValueError("model_path: no default model is embedded yet; pass model_path=<checkpoint "
-                             "folder> (config.json, safetensors weights, tokenizer.json)")
-        path = os.fspath(model_path)
+        path = model_dir(model_path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model_path: checkpoint directory {path!r} does not exist")
         generation_config(**defaults)  # unknown names and bad values fail here, not at the first call
-        self.defaults = defaults
+        self.path = path
+        self.defaults = {**generation_defaults(path), **defaults}
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         config = ModelConfig.from_dir(path)

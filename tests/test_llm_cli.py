@@ -177,8 +177,6 @@ def test_generate_bad_prompts(llm, prompts, match):
 
 
 def test_llm_errors(ckpt, tmp_path):
-    with pytest.raises(ValueError, match="model_path"):
-        LLM()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="config.json"):
@@ -234,3 +232,17 @@ def test_cli_errors(ckpt, args, match):
 def test_cli_missing_checkpoint(tmp_path):
     r = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "hello")
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generation_config_json_defaults(ckpt, tmp_path):
+    for f in os.listdir(ckpt):
+        (tmp_path / f).write_bytes(open(os.path.join(ckpt, f), "rb").read())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 8, "block_length": 4,
+                                                                 "temperature": 0.6}))
+    llm = LLM(tmp_path, device="cpu")
+    assert llm.defaults == {"gen_length": 8, "block_length": 4}  # AR sampling keys do not apply
+    assert max(len(t) for t in llm.generate(["hello", "two"]).token_ids) <= 8
+    assert LLM(tmp_path, device="cpu", gen_length=16).defaults["gen_length"] == 16
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        LLM(tmp_path, device="cpu")
