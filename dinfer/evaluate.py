@@ -76,6 +76,8 @@ def markdown_table(result: dict, title: Optional[str] = None) -> str:
     rows: List[str] = []
     if title:
         rows += [f"### {title}", ""]
+    # forwards are batch forwards: at batch size > 1 TPF counts every sequence's tokens per forward
+    rows += [f"batch size {result['batch_size']}, {result['num_problems']} held-out problems per task", ""]
     rows += ["| task | accuracy | TPF | TPS | forwards | tokens | wall s |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in list(result["tasks"].items()) + [("**all**", result["overall"])]:

@@ -1,11 +1,11 @@
 """Training one embedded model with LLaDA's objective, on the synthetic task suite.
 
 Each sequence is `<|bos|>` prompt `<|assistant|>` answer `<|endoftext|>`... : a canvas of the answer
-followed by EOS up to a random length (so the model learns where answers end, for any gen_length).
-The prompt stays clean; each canvas token is masked with probability p = (1 - eps) t + eps,
-t ~ U(0, 1) per sequence, and the loss is the cross-entropy on masked tokens weighted by 1 / p and
-divided by the canvas length (LLaDA's SFT loss). Everything is drawn from one seeded generator, so
-a run is reproducible for a given seed, step count and torch build.
+followed by EOS up to a random length (so the model learns where answers end, for any gen_length up
+to the preset's max_canvas). The prompt stays clean; each canvas token is masked with probability
+p = (1 - eps) t + eps, t ~ U(0, 1) per sequence, and the loss is the cross-entropy on masked tokens
+weighted by 1 / p and divided by the canvas length (LLaDA's SFT loss). Everything is drawn from
+seeded generators, so a run is reproducible for a given seed, step count and torch build.
 """
 import functools
 import json
@@ -17,6 +17,7 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 
 from ..models.checkpoint import expected_shapes, save_checkpoint
 from ..models.transformer import DiffusionLM, KVCache
@@ -116,7 +117,6 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
     gen = torch.Generator().manual_seed(seed)
     out = os.fspath(out)
     save_tokenizer(out)
-    from tokenizers import Tokenizer
     batches = Batches(preset, Tokenizer.from_file(os.path.join(out, "tokenizer.json")), seed)
     weights = init_weights(preset, gen)
     model = DiffusionLM(preset.config, weights, ops=ops)
@@ -124,8 +124,7 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
     rest = [w for n, w in weights.items() if not (w.dim() >= 2 and n != "embed")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": preset.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=preset.lr, betas=(0.9, 0.98))
-    schedule = lambda s: min(1.0, (s + 1) / preset.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))  # noqa: E731
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, preset.warmup))
     t0, running = time.perf_counter(), None
     for step in range(steps):
         loss = loss_fn(model, *batches(step / steps), gen)
@@ -144,6 +143,11 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
                       "threads": torch.get_num_threads()}
             _save(out, preset, weights, record)
     return record
+
+
+def _lr_factor(step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up, then a cosine from 1 down to 0.1 at the last step."""
+    return min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
 
 
 def _save(out: str, preset: TrainPreset, weights, record: dict) -> None:

@@ -1,0 +1,141 @@
+"""End to end: accuracy, tokens/forward and tokens/s of the published decoding recipes on an embedded
+model, in one process, on the same held-out prompts of the task suite.
+
+    python bench_kernels/bench_e2e.py [--model tiny-llada-moe] [--num-problems 40] [--device cpu]
+                                      [--quick] [--json out.json] [--plot out.png]
+
+Recipes (dinfer.generate options; every one decodes the same canvas of the model's gen_length):
+  vanilla      LLaDA: one token per step (lowest-confidence remasking), no cache, no early stop
+  fast-dllm    Fast-dLLM: threshold 0.9, dual cache refreshed at each block, no early stop
+  dinfer       threshold 0.9 + vicinity refresh + unrolled loop + early stop
+  dinfer-full  credit decoding + iteration smoothing + vicinity refresh + unrolled loop + early stop
+  hierarchy    hierarchical decoding (0.9 / 0.6) + vicinity refresh + unrolled loop + early stop
+Each runs with our kernels (backend "auto") and on the pure-torch references ("/torch"), and
+dinfer-full also at batch 8. Speedups are tokens/s over vanilla and over fast-dllm, both with kernels.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import dinfer_kernels as dk  # noqa: E402
+from dinfer.evaluate import evaluate  # noqa: E402
+from dinfer.llm import LLM  # noqa: E402
+from dinfer.tasks import TASKS  # noqa: E402
+
+RECIPES = {
+    "vanilla": dict(decoder="fixed", steps_per_block=0, cache="none", early_stop=False, align_blocks=False,
+                    unroll=1),
+    "fast-dllm": dict(decoder="threshold", threshold=0.9, cache="dual", early_stop=False, unroll=1),
+    "dinfer": dict(decoder="threshold", threshold=0.9, cache="vicinity", write_back=False, unroll=4),
+    "dinfer-full": dict(decoder="credit", threshold=0.9, smoothing=True, cache="vicinity", write_back=False,
+                        unroll=4),
+    "hierarchy": dict(decoder="hierarchy", threshold=0.9, low_threshold=0.6, cache="vicinity",
+                      write_back=False, unroll=4),
+}
+
+
+def run(llm, recipe, backend, batch, args):
+    options = RECIPES[recipe]
+    with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
+        evaluate(llm, args.tasks, num_problems=1, batch_size=1, problem_seed=1, **options)  # warm-up
+        r = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch, **options)
+    o = r["overall"]
+    return {"recipe": recipe, "backend": backend, "batch": batch, "accuracy": o["accuracy"],
+            "tokens_per_forward": o["tokens_per_forward"], "tokens_per_second": o["tokens_per_second"],
+            "forwards": o["forwards"], "tokens": o["tokens"], "seconds": o["seconds"],
+            "per_task_accuracy": {t: v["accuracy"] for t, v in r["tasks"].items()}, "options": options}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)")
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--num-problems", type=int, default=40, help="held-out problems per task")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--quick", action="store_true", help="4 problems per task (the GPU check script)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of accuracy against tokens/s (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_problems = min(args.num_problems, 4)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(args.model, device=args.device)
+    results = []
+    for recipe in RECIPES:
+        for backend in ("auto", "torch"):
+            results.append(run(llm, recipe, backend, 1, args))
+            print(_row(results[-1]), flush=True)
+    results.append(run(llm, "dinfer-full", "auto", 8, args))
+    print(_row(results[-1]), flush=True)
+
+    get = {(r["recipe"], r["backend"], r["batch"]): r for r in results}
+    van, fast = get["vanilla", "auto", 1], get["fast-dllm", "auto", 1]
+    for r in results:
+        r["speedup_vs_vanilla"] = round(r["tokens_per_second"] / van["tokens_per_second"], 2)
+        r["speedup_vs_fast_dllm"] = round(r["tokens_per_second"] / fast["tokens_per_second"], 2)
+    full, thr, full8 = get["dinfer-full", "auto", 1], get["dinfer", "auto", 1], get["dinfer-full", "auto", 8]
+    checks = {
+        "dinfer-full TPS / vanilla (target >= 10)": full["speedup_vs_vanilla"],
+        "dinfer-full TPS / fast-dllm (target >= 2)": full["speedup_vs_fast_dllm"],
+        "dinfer-full accuracy - vanilla, points (target >= -1)": round(100 * (full["accuracy"] - van["accuracy"]), 1),
+        "credit+smoothing TPF / threshold-only TPF (target >= 1.2)":
+            round(full["tokens_per_forward"] / thr["tokens_per_forward"], 2),
+        "credit+smoothing accuracy - threshold-only, points": round(100 * (full["accuracy"] - thr["accuracy"]), 1),
+        "batch 8 TPS / batch 1 TPS, dinfer-full (target >= 3)":
+            round(full8["tokens_per_second"] / full["tokens_per_second"], 2),
+    }
+    columns = [("recipe", "recipe", None), ("backend", "backend", None), ("batch", "batch", None),
+               ("accuracy", "accuracy", ".3f"), ("TPF", "tokens_per_forward", ".2f"),
+               ("TPS", "tokens_per_second", ".1f"), ("x vanilla", "speedup_vs_vanilla", ".2f"),
+               ("x fast-dllm", "speedup_vs_fast_dllm", ".2f"), ("forwards", "forwards", None)]
+    table = common.markdown_table(results, columns)
+    print(table)
+    for k, v in checks.items():
+        print(f"{k}: {v}")
+    env = common.environment(args.device)
+    env["model"] = llm.path
+    notes = [f"{k}: {v}" for k, v in checks.items()]
+    common.finish("e2e", env, args, None, results, [table], notes)
+    if args.plot:
+        plot(results, args.plot, os.path.basename(llm.path))
+
+
+def _row(r):
+    return (f"{r['recipe']:<12} {r['backend']:<6} b{r['batch']}  acc {100 * r['accuracy']:5.1f}%  "
+            f"TPF {r['tokens_per_forward']:5.2f}  TPS {r['tokens_per_second']:8.1f}")
+
+
+def plot(results, path, model):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install -e '.[bench]'); no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        marker = "o" if r["backend"] == "auto" else "x"
+        label = f"{r['recipe']}{'' if r['backend'] == 'auto' else ' (torch)'}{'' if r['batch'] == 1 else ' b8'}"
+        ax.scatter(r["tokens_per_second"], 100 * r["accuracy"], marker=marker)
+        ax.annotate(label, (r["tokens_per_second"], 100 * r["accuracy"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens / s (log)")
+    ax.set_ylabel("exact match, %")
+    ax.set_title(f"{model}: accuracy against speed")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
