@@ -5,7 +5,7 @@
 
 Problems are the held-out split of dinfer.tasks (never trained on), the same for the same seed, so
 two decoding configurations are always compared on the same prompts. TPF counts every forward
-(refreshes included, as dInfer does); TPS is generated non-EOS tokens over the wall time of the
+(refreshes included, as dInfer does) a sequence ran, so it means the same at any batch size; TPS is generated non-EOS tokens over the wall time of the
 generate calls (tokenisation and scoring excluded).
 """
 import sys
@@ -50,16 +50,17 @@ def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, prob
     per_task = {}
     for task in tasks:
         problems = eval_problems(task, num_problems, problem_seed)
-        counts = {"correct": 0, "forwards": 0, "tokens": 0, "seconds": 0.0}
+        counts = {"correct": 0, "forwards": 0, "sequence_forwards": 0, "tokens": 0, "seconds": 0.0}
         for start in range(0, len(problems), batch_size):
             part = problems[start:start + batch_size]
             out = llm.generate([p for p, _ in part], **options)
             counts["correct"] += sum(text == answer for text, (_, answer) in zip(out.texts, part))
-            for key in ("forwards", "tokens", "seconds"):
+            for key in ("forwards", "sequence_forwards", "tokens", "seconds"):
                 counts[key] += out.stats[key]
             bar.update(len(part), task)
         per_task[task] = _rates(counts, len(problems))
-    total = {k: sum(per_task[t][k] for t in tasks) for k in ("correct", "forwards", "tokens", "seconds")}
+    total = {k: sum(per_task[t][k] for t in tasks)
+             for k in ("correct", "forwards", "sequence_forwards", "tokens", "seconds")}
     return {"options": {k: v for k, v in options.items() if v is not None}, "batch_size": batch_size,
             "num_problems": num_problems, "problem_seed": problem_seed, "tasks": per_task,
             "overall": _rates(total, num_problems * len(tasks))}
@@ -67,8 +68,9 @@ def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, prob
 
 def _rates(c: Dict[str, float], n: int) -> dict:
     return {"problems": n, "correct": c["correct"], "accuracy": round(c["correct"] / n, 4),
-            "forwards": c["forwards"], "tokens": c["tokens"], "seconds": round(c["seconds"], 4),
-            "tokens_per_forward": round(c["tokens"] / max(c["forwards"], 1), 3),
+            "forwards": c["forwards"], "sequence_forwards": c["sequence_forwards"], "tokens": c["tokens"],
+            "seconds": round(c["seconds"], 4),
+            "tokens_per_forward": round(c["tokens"] / max(c["sequence_forwards"], 1), 3),
             "tokens_per_second": round(c["tokens"] / c["seconds"], 1) if c["seconds"] else 0.0}
 
 
@@ -76,7 +78,7 @@ def markdown_table(result: dict, title: Optional[str] = None) -> str:
     rows: List[str] = []
     if title:
         rows += [f"### {title}", ""]
-    # forwards are batch forwards: at batch size > 1 TPF counts every sequence's tokens per forward
+    # forwards are batch forwards; TPF is per sequence (tokens / forwards each sequence ran), as at batch 1
     rows += [f"batch size {result['batch_size']}, {result['num_problems']} held-out problems per task", ""]
     rows += ["| task | accuracy | TPF | TPS | forwards | tokens | wall s |",
              "|---|---:|---:|---:|---:|---:|---:|"]

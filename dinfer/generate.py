@@ -162,6 +162,7 @@ class Generator:
                 kinds = tuple(self._is_refresh(step + j) for j in range(chunk))
                 self.graphs.run(self.iteration, st, kinds)
                 self.stats.forwards += chunk
+                self.stats.sequence_forwards += chunk * batch.size
                 self.stats.refreshes += sum(kinds)
                 step += chunk
                 left = st.masked(self.mask_id)

@@ -148,6 +148,7 @@ def _merge(parts: List[Stats]) -> Stats:
     total = Stats(timed=parts[0].timed)
     for p in parts:
         total.forwards += p.forwards
+        total.sequence_forwards += p.sequence_forwards
         total.refreshes += p.refreshes
         total.tokens += p.tokens
         total.seconds += p.seconds

@@ -20,6 +20,7 @@ def nvtx_range(name: str):
 class Stats:
     forwards: int = 0          # model forwards, refreshes and no-op unrolled steps included (dInfer's TPF)
     refreshes: int = 0         # full-sequence forwards that rebuilt the KV cache
+    sequence_forwards: int = 0  # forwards times the sequences they ran for: per-sequence TPF at any batch
     tokens: int = 0            # generated tokens that are not EOS
     seconds: float = 0.0
     phase_seconds: dict = field(default_factory=lambda: {"forward": 0.0, "decode": 0.0, "smoothing": 0.0})
@@ -43,6 +44,8 @@ class Stats:
         d = {"forwards": self.forwards, "refreshes": self.refreshes, "tokens": self.tokens,
              "seconds": round(self.seconds, 6),
              "tokens_per_forward": round(self.tokens / max(self.forwards, 1), 4),
+             "sequence_forwards": self.sequence_forwards,
+             "tokens_per_sequence_forward": round(self.tokens / max(self.sequence_forwards, 1), 4),
              "tokens_per_second": round(self.tokens / self.seconds, 3) if self.seconds else 0.0}
         if self.timed:
             inside = sum(self.phase_seconds.values())

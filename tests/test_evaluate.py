@@ -9,7 +9,7 @@ from dinfer.tasks import eval_problems
 
 
 class ScriptedLLM:
-    """Answers every third problem wrongly; 2 forwards, 3 tokens and 0.5 s per prompt."""
+    """Answers every third problem wrongly; 2 batch forwards per call, 3 tokens and 0.5 s per prompt."""
 
     def __init__(self):
         self.answers = {p: a for t in ("add", "chain") for p, a in eval_problems(t, 7, seed=2)}
@@ -20,7 +20,7 @@ class ScriptedLLM:
         texts = [self.answers[p] if sum(map(ord, p)) % 3 else "wrong" for p in prompts]
         n = len(prompts)
         return GenerateResult(texts, [[0] * 3 for _ in prompts],
-                              {"forwards": 2 * n, "tokens": 3 * n, "seconds": 0.5 * n})
+                              {"forwards": 2, "sequence_forwards": 2 * n, "tokens": 3 * n, "seconds": 0.5 * n})
 
 
 def test_scores_and_rates():
@@ -32,9 +32,10 @@ def test_scores_and_rates():
         expected = sum(sum(map(ord, p)) % 3 != 0 for p, _ in eval_problems(task, 7, seed=2))
         t = r["tasks"][task]
         assert t["correct"] == expected and t["accuracy"] == round(expected / 7, 4)
-        assert t["forwards"] == 14 and t["tokens"] == 21 and t["tokens_per_forward"] == 1.5
+        assert t["forwards"] == 6 and t["sequence_forwards"] == 14 and t["tokens"] == 21
+        assert t["tokens_per_forward"] == 1.5
         assert t["tokens_per_second"] == 6.0
-    assert r["overall"]["problems"] == 14 and r["overall"]["forwards"] == 28
+    assert r["overall"]["problems"] == 14 and r["overall"]["sequence_forwards"] == 28
     assert r["options"] == {"decoder": "credit"}
     table = markdown_table(r, title="scripted")
     assert table.startswith("### scripted") and table.count("\n| ") == 4 and "| **all** |" in table

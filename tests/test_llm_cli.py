@@ -129,8 +129,12 @@ def test_generate_batch_and_batch_size_splitting(llm):
     assert len({tuple(t) for t in whole.token_ids}) == 4
     split = llm.generate(prompts, batch_size=3)
     assert split.token_ids == whole.token_ids and split.texts == whole.texts
-    singles = [llm.generate(p).token_ids[0] for p in prompts]
-    assert singles == whole.token_ids
+    singles = [llm.generate(p) for p in prompts]
+    assert [s.token_ids[0] for s in singles] == whole.token_ids
+    # Per-sequence forwards: equal to forwards alone; in a batch, between the singles' sum (a batch
+    # also steps sequences whose block is already done) and every sequence on every forward.
+    assert all(s.stats["sequence_forwards"] == s.stats["forwards"] for s in singles)
+    assert sum(s.stats["forwards"] for s in singles) <= whole.stats["sequence_forwards"] <= 4 * whole.stats["forwards"]
     assert split.stats["forwards"] > whole.stats["forwards"]  # two runs: the second batch's forwards add up
 
 
