@@ -25,6 +25,7 @@ import common  # noqa: E402
 import dinfer_kernels as dk  # noqa: E402
 from dinfer.evaluate import evaluate  # noqa: E402
 from dinfer.llm import LLM  # noqa: E402
+from dinfer.models.embedded import DEFAULT  # noqa: E402
 from dinfer.tasks import TASKS  # noqa: E402
 
 RECIPES = {
@@ -100,7 +101,7 @@ def main(argv=None):
     for k, v in checks.items():
         print(f"{k}: {v}")
     env = common.environment(args.device)
-    env["model"] = llm.path
+    env["model"] = args.model or DEFAULT  # the name or path given, not this machine's install path
     notes = [f"{k}: {v}" for k, v in checks.items()]
     common.finish("e2e", env, args, None, results, [table], notes)
     if args.plot:

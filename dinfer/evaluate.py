@@ -5,8 +5,8 @@
 
 Problems are the held-out split of dinfer.tasks (never trained on), the same for the same seed, so
 two decoding configurations are always compared on the same prompts. TPF counts every forward
-(refreshes included, as dInfer does) a sequence ran, so it means the same at any batch size; TPS is generated non-EOS tokens over the wall time of the
-generate calls (tokenisation and scoring excluded).
+(refreshes included, as dInfer does) a sequence ran, so it means the same at any batch size; TPS is
+generated non-EOS tokens over the wall time of the generate calls (tokenisation and scoring excluded).
 """
 import sys
 import time

@@ -1,8 +1,9 @@
 """The models shipped inside the package (trained by `python -m dinfer.train`), and how a model
 argument — a checkpoint folder, an embedded model's name, or nothing — becomes a folder."""
-import json
 import os
 from typing import Optional
+
+from .tokenizer import read_json
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 EMBEDDED = ("tiny-llada-moe", "tiny-llada")
@@ -26,13 +27,7 @@ def generation_defaults(path) -> dict:
     gen_length, `block_length` the block length. Other keys (sampling settings of AR generation)
     do not apply to diffusion decoding and are ignored."""
     file = os.path.join(os.fspath(path), GENERATION_CONFIG)
-    if not os.path.isfile(file):
-        return {}
-    with open(file, encoding="utf-8") as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: not valid JSON ({e})") from e
+    d = read_json(file)
     out = {}
     for key, option in (("max_new_tokens", "gen_length"), ("block_length", "block_length")):
         value: Optional[int] = d.get(key)

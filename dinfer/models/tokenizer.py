@@ -33,7 +33,7 @@ class Tokenizer:
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no {TOKENIZER_FILE} in checkpoint directory {path!r}")
         self._tok = _HFTokenizer.from_file(file)
-        config = _read_json(os.path.join(path, CONFIG_FILE))
+        config = read_json(os.path.join(path, CONFIG_FILE))
         self.special_tokens = {k: _token_text(v) for k, v in config.items()
                                if k.endswith("_token") and _token_text(v) is not None}
         self.eos_id = eos_id if eos_id is not None else self._token_id(self.special_tokens.get("eos_token"))
@@ -66,7 +66,7 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
 
-def _read_json(file: str) -> dict:
+def read_json(file: str) -> dict:
     """The JSON object in `file`, or {} when the optional file is absent."""
     if not os.path.isfile(file):
         return {}

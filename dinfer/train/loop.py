@@ -52,7 +52,7 @@ class Batches:
         self.rng = random.Random(f"train/{seed}")
         ids = special_ids()
         self.bos, self.sep = ids[BOS], ids[ASSISTANT]
-        self.eos, self.mask = preset.config.eos_id, preset.config.mask_id
+        self.eos = preset.config.eos_id
 
     def prompt_ids(self, prompt: str) -> List[int]:
         """What the chat template + tokenizer give for `prompt` (tests check they agree)."""
