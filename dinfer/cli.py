@@ -46,6 +46,8 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unroll", type=int, help="iterations per host check")
     p.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=None,
                    help="decode every block even after EOS")
+    p.add_argument("--no-compact", dest="compact", action="store_false", default=None,
+                   help="sequences whose block is done keep running its forwards (dInfer's batches)")
     p.add_argument("--no-align-blocks", dest="align_blocks", action="store_false", default=None,
                    help="block 0 starts right after the prompt (LLaDA's sampler), not at a block boundary")
 

@@ -6,6 +6,7 @@ hierarchy   best of each masked run above tau_low, everything above tau_high, pl
 fixed       LLaDA's fixed-steps schedule: n_k = floor(m / S) + [k < m mod S] tokens at step k of a
             block with m masked positions and S steps (lowest-confidence remasking)
 """
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,15 @@ class Decoder:
             self.credit.reset_()
         self.step.zero_()
         self.masked_at_start.copy_((block_tokens == self.mask_id).sum(1))
+
+    def select(self, keep: torch.Tensor) -> "Decoder":
+        """The state of sequences `keep` (indices) only, mid-block."""
+        new = copy.copy(self)
+        new.offsets = self.offsets[:keep.numel() + 1]
+        if self.credit is not None:
+            new.credit = dk.CreditState(*(t.view(-1, self.bl, t.shape[1])[keep].flatten(0, 1) for t in self.credit))
+        new.step, new.masked_at_start = self.step[keep], self.masked_at_start[keep]
+        return new
 
     def _num_commit(self):
         steps = self.cfg.steps_per_block or self.bl

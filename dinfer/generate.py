@@ -2,6 +2,7 @@
 
     for each block k (every unfinished sequence on its own k-th block):
         repeat until the block holds no [MASK] (one host check per chunk of <= `unroll` iterations):
+            compact: sequences whose block is done leave the block's remaining iterations
             iteration: forward (a full refresh at the block's start, else the cache mode's window)
                        + decode_step on the block's rows (+ soft embeddings for the next forward)
         early stop: a sequence whose block holds EOS is finished, the rest of it EOS, and leaves
@@ -10,6 +11,7 @@ Every iteration is one model forward and one decode_step. Commits, thresholds, s
 stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU).
 All state an iteration writes is updated in place, which is what lets a captured chunk replay.
 """
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import List
@@ -41,6 +43,7 @@ class GenerationConfig:
     unroll: int = 4                # iterations per host check
     expected_tpf: int = 8          # chunk size = clamp(masked // expected_tpf, 1, unroll), as dInfer
     early_stop: bool = True
+    compact: bool = True           # a sequence whose block is done skips the block's remaining forwards
     align_blocks: bool = True      # dInfer's start_block_align; False: block 0 starts after the prompt
     cuda_graphs: bool = True
     time_phases: bool = False      # synchronise around phases to time them (always on the host)
@@ -84,9 +87,22 @@ class BlockState:
         cur = self.batch.x.gather(1, self.block_pos)
         self.batch.x.scatter_(1, self.block_pos, torch.where(self.valid, tokens.view(cur.shape), cur))
 
-    def masked(self, mask_id) -> int:
-        """[MASK] tokens left in the block (a host sync: once per chunk)."""
-        return int((self.block_tokens() == mask_id).sum())
+    def masked(self, mask_id) -> torch.Tensor:
+        """[B] [MASK] tokens left in each sequence's block, on the host (a sync: once per chunk)."""
+        return (self.block_tokens().view(self.batch.size, -1) == mask_id).sum(1).cpu()
+
+    def select(self, keep: torch.Tensor) -> "BlockState":
+        """The state of sequences `keep` (indices) only. Their cache rows are copied: nothing a block's
+        iterations write into the cache is read after the block, whose successor starts with a refresh."""
+        new = copy.copy(self)
+        bl = self.batch.block_length
+        new.batch = self.batch.select(keep)
+        new.cache = type(self.cache)([t[keep] for t in self.cache.keys], [t[keep] for t in self.cache.values])
+        new.valid, new.block_pos, new.pad_token = self.valid[keep], self.block_pos[keep], self.pad_token[keep]
+        new.window_lo, new.iters = self.window_lo[keep], self.iters[keep]
+        new.decoder = self.decoder.select(keep)
+        new.soft = self.soft.view(self.batch.size, bl, -1)[keep].flatten(0, 1)
+        return new
 
 
 class Generator:
@@ -151,38 +167,44 @@ class Generator:
         cache = model.new_cache(full.size, full.max_len)
         rng_offset = 0
         for k in range(full.num_blocks):
-            rows = torch.nonzero(~done).flatten().to(model.device)
-            if rows.numel() == 0:
+            block_rows = torch.nonzero(~done).flatten().to(model.device)
+            if block_rows.numel() == 0:
                 break
-            batch = full.select(rows)
-            st = BlockState(batch, k, cfg, model, cache, iters[rows], rng_offset)
+            rows = block_rows
+            st = BlockState(full.select(rows), k, cfg, model, cache, iters[rows], rng_offset)
             step, left = 0, st.masked(self.mask_id)
-            while left > 0:
-                chunk = max(1, min(left // cfg.expected_tpf, cfg.unroll))
+            while left.any():
+                if cfg.compact and not left.all():
+                    full.x[rows], iters[rows] = st.batch.x, st.iters
+                    keep = left.nonzero().flatten()
+                    st, rows, left = st.select(keep.to(model.device)), rows[keep.to(rows.device)], left[keep]
+                # The slowest sequence sets the chunk: a chunk never outruns the last block to finish.
+                chunk = max(1, min(int(left.max()) // cfg.expected_tpf, cfg.unroll))
                 kinds = tuple(self._is_refresh(step + j) for j in range(chunk))
                 self.graphs.run(self.iteration, st, kinds)
                 self.stats.forwards += chunk
-                self.stats.sequence_forwards += chunk * batch.size
+                self.stats.sequence_forwards += chunk * st.batch.size
                 self.stats.refreshes += sum(kinds)
                 step += chunk
                 left = st.masked(self.mask_id)
-            full.x[rows] = batch.x
-            iters[rows] = st.iters
+            full.x[rows], iters[rows] = st.batch.x, st.iters
             rng_offset = st.rng_offset
             if cfg.early_stop:
-                self._early_stop(full, st, rows, done)
+                self._early_stop(full, k, block_rows, done)
         self.stats.seconds = time.perf_counter() - t0
         out = [full.x[b, int(full.prompt_len[b]):int(full.total_len[b])].cpu() for b in range(full.size)]
         self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in out)
         return out
 
-    def _early_stop(self, full: Batch, st: BlockState, rows, done):
+    def _early_stop(self, full: Batch, k: int, rows, done):
         """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS."""
-        hit = ((st.block_tokens().view(st.batch.size, -1) == self.eos_id) & st.valid).any(1).cpu()
+        pos = full.block_positions(k)[rows]
+        valid = pos < full.total_len[rows, None].to(torch.int64)
+        tokens = full.x[rows].gather(1, pos.clamp(max=full.max_len - 1))
+        hit = ((tokens == self.eos_id) & valid).any(1).cpu()
         for b in torch.nonzero(hit).flatten().tolist():
             row = int(rows[b])
-            end = int(st.block_pos[b, -1]) + 1
-            full.x[row, end:int(full.total_len[row])] = self.eos_id
+            full.x[row, int(pos[b, -1]) + 1:int(full.total_len[row])] = self.eos_id
             done[row] = True
 
 

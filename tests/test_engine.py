@@ -182,6 +182,23 @@ def test_batch_invariance(cache):
     assert batch[3] == alone[0]
 
 
+@pytest.mark.parametrize("cache", ["none", "vicinity"])
+@pytest.mark.parametrize("decoder", ["threshold", "credit", "fixed"])
+def test_compaction_skips_finished_blocks_without_changing_tokens(cache, decoder):
+    """Sequences whose block is done leave its remaining iterations: the same tokens (credit slots,
+    fixed schedules and soft embeddings follow their sequences), fewer sequence-forwards."""
+    model = model_of(MOE, seed=5, scale=20)
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 58, (int(n),)).tolist() for n in torch.randint(1, 20, (6,))]
+    dec = DecoderConfig(name=decoder, threshold=0.7, steps_per_block=3)
+    kw = dict(cache=cache, decoder=dec, smoothing=True, gen_length=24, unroll=2)
+    compact, on = run(model, prompts, **kw)
+    lockstep, off = run(model, prompts, compact=False, **kw)
+    alone = [run(model, [p], **kw)[0][0] for p in prompts]
+    assert compact == lockstep == alone
+    assert on.forwards == off.forwards and on.sequence_forwards < off.sequence_forwards
+
+
 class ScriptedModel:
     """A stand-in model whose logits favour a chosen token per position: drives the loop's
     early-stop and progress paths deterministically. Records the batch size of each forward."""
