@@ -9,7 +9,11 @@ Recipes (dinfer.generate options; every one decodes the same canvas of the model
   fast-dllm    Fast-dLLM: threshold 0.9, dual cache refreshed at each block, no early stop
   dinfer       threshold 0.9 + vicinity refresh + unrolled loop + early stop
   dinfer-full  credit decoding + iteration smoothing + vicinity refresh + unrolled loop + early stop
+  dinfer-credit  dinfer-full without iteration smoothing (smoothing lowers TPF on the embedded models)
   hierarchy    hierarchical decoding (0.9 / 0.6) + vicinity refresh + unrolled loop + early stop
+Every recipe decodes the same block layout, LLaDA's: block 0 starts right after the prompt (dInfer's
+start_block_align, the engine's default, starts it at the block boundary below the prompt's end,
+which on these models costs accuracy and tokens/forward alike; see RESULTS.md).
 Each runs with our kernels (backend "auto") and on the pure-torch references ("/torch"), and
 dinfer-full also at batch 8. Speedups are tokens/s over vanilla and over fast-dllm, both with kernels.
 """
@@ -29,19 +33,19 @@ from dinfer.models.embedded import DEFAULT  # noqa: E402
 from dinfer.tasks import TASKS  # noqa: E402
 
 RECIPES = {
-    "vanilla": dict(decoder="fixed", steps_per_block=0, cache="none", early_stop=False, align_blocks=False,
-                    unroll=1),
+    "vanilla": dict(decoder="fixed", steps_per_block=0, cache="none", early_stop=False, unroll=1),
     "fast-dllm": dict(decoder="threshold", threshold=0.9, cache="dual", early_stop=False, unroll=1),
     "dinfer": dict(decoder="threshold", threshold=0.9, cache="vicinity", write_back=False, unroll=4),
     "dinfer-full": dict(decoder="credit", threshold=0.9, smoothing=True, cache="vicinity", write_back=False,
                         unroll=4),
+    "dinfer-credit": dict(decoder="credit", threshold=0.9, cache="vicinity", write_back=False, unroll=4),
     "hierarchy": dict(decoder="hierarchy", threshold=0.9, low_threshold=0.6, cache="vicinity",
                       write_back=False, unroll=4),
 }
 
 
 def run(llm, recipe, backend, batch, args):
-    options = RECIPES[recipe]
+    options = dict(RECIPES[recipe], align_blocks=False)
     with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
         evaluate(llm, args.tasks, num_problems=1, batch_size=1, problem_seed=1, **options)  # warm-up
         r = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch, **options)
@@ -59,6 +63,7 @@ def main(argv=None):
     p.add_argument("--num-problems", type=int, default=40, help="held-out problems per task")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dtype", default=None, help="model dtype (default: bf16 on a GPU, fp32 on the host)")
     p.add_argument("--quick", action="store_true", help="4 problems per task (the GPU check script)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG of accuracy against tokens/s (needs matplotlib)")
@@ -67,7 +72,7 @@ def main(argv=None):
         args.num_problems = min(args.num_problems, 4)
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, device=args.device)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
     results = []
     for recipe in RECIPES:
         for backend in ("auto", "torch"):
@@ -82,10 +87,15 @@ def main(argv=None):
         r["speedup_vs_vanilla"] = round(r["tokens_per_second"] / van["tokens_per_second"], 2)
         r["speedup_vs_fast_dllm"] = round(r["tokens_per_second"] / fast["tokens_per_second"], 2)
     full, thr, full8 = get["dinfer-full", "auto", 1], get["dinfer", "auto", 1], get["dinfer-full", "auto", 8]
+    credit = get["dinfer-credit", "auto", 1]
     checks = {
         "dinfer-full TPS / vanilla (target >= 10)": full["speedup_vs_vanilla"],
         "dinfer-full TPS / fast-dllm (target >= 2)": full["speedup_vs_fast_dllm"],
         "dinfer-full accuracy - vanilla, points (target >= -1)": round(100 * (full["accuracy"] - van["accuracy"]), 1),
+        "dinfer-credit TPS / vanilla": credit["speedup_vs_vanilla"],
+        "dinfer-credit TPS / fast-dllm": credit["speedup_vs_fast_dllm"],
+        "dinfer-credit accuracy - vanilla, points": round(100 * (credit["accuracy"] - van["accuracy"]), 1),
+        "credit TPF / threshold-only TPF": round(credit["tokens_per_forward"] / thr["tokens_per_forward"], 2),
         "credit+smoothing TPF / threshold-only TPF (target >= 1.2)":
             round(full["tokens_per_forward"] / thr["tokens_per_forward"], 2),
         "credit+smoothing accuracy - threshold-only, points": round(100 * (full["accuracy"] - thr["accuracy"]), 1),
