@@ -15,7 +15,7 @@ from dinfer.models.tokenizer import Tokenizer
 from dinfer.models.transformer import DiffusionLM, KVCache
 from dinfer.tasks import TASKS, sample
 from dinfer.train import PRESETS, ops, train
-from dinfer.train.loop import Batches, loss_fn
+from dinfer.train.loop import SOFT_WEIGHT, Batches, _smoothing_inputs, loss_fn
 from dinfer.train.tokenizer import UNK, save_tokenizer, special_ids
 
 
@@ -119,6 +119,36 @@ def test_loss_is_llada_objective_and_learns(tok_dir):
     with torch.no_grad():
         last = sum(loss_fn(model, *batch, torch.Generator().manual_seed(s)).item() for s in range(4)) / 4
     assert last < 0.5 * first
+
+
+def test_smoothing_inputs_are_what_inference_adds(tok_dir):
+    """Self-conditioning batches: masked rows get w * softmax(z) @ E with z the logits of the same
+    input and w in the smoothing schedule's range (one w per sequence); other rows get nothing."""
+    preset = dataclasses.replace(PRESETS["tiny-llada-moe"], batch_size=4)
+    tokens, canvas, lengths, canvas_len = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), 1)()
+    model = DiffusionLM(preset.config, random_weights(preset.config, seed=1), ops=ops)
+    B, T = tokens.shape
+    masked = canvas & (torch.rand(B, T, generator=torch.Generator().manual_seed(2)) < 0.5)
+    inputs = torch.where(masked, torch.full_like(tokens, preset.config.mask_id), tokens)
+    emb, positions = model.embed(inputs), torch.arange(T).expand(B, T)
+    rows = masked.flatten().nonzero().flatten()
+    cache = KVCache([None] * preset.config.num_layers, [None] * preset.config.num_layers)
+    add = _smoothing_inputs(model, emb, positions, lengths, rows, cache, torch.Generator().manual_seed(3))
+    assert add.view(B * T, -1)[~masked.flatten()].abs().max() == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = model.forward(emb, positions, cache, lengths, logits_rows=rows)
+    expected = (torch.softmax(z.float(), -1) @ model.embedding.float()).view(-1)
+    got = add.view(B * T, -1)[rows].view(-1)
+    seq = rows.repeat_interleave(add.shape[-1]) // T
+    for b in masked.any(1).nonzero().flatten().tolist():
+        w = (got[seq == b] @ expected[seq == b]) / (expected[seq == b] @ expected[seq == b])
+        assert SOFT_WEIGHT[0] <= w <= SOFT_WEIGHT[1]
+        torch.testing.assert_close(got[seq == b], w * expected[seq == b], rtol=1e-4, atol=1e-6)
+    weights = {n: t.requires_grad_() for n, t in model.w.items()}
+    hard = loss_fn(model, tokens, canvas, lengths, canvas_len, torch.Generator().manual_seed(4))
+    soft = loss_fn(model, tokens, canvas, lengths, canvas_len, torch.Generator().manual_seed(4), soft=True)
+    soft.backward()
+    assert soft.item() != hard.item() and weights["embed"].grad.abs().sum() > 0
 
 
 def test_train_is_reproducible_and_loadable(tmp_path):

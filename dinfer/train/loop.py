@@ -4,7 +4,10 @@ Each sequence is `<|bos|>` prompt `<|assistant|>` answer `<|endoftext|>`... : a 
 followed by EOS up to a random length (so the model learns where answers end, for any gen_length up
 to the preset's max_canvas). The prompt stays clean; each canvas token is masked with probability
 p = (1 - eps) t + eps, t ~ U(0, 1) per sequence, and the loss is the cross-entropy on masked tokens
-weighted by 1 / p and divided by the canvas length (LLaDA's SFT loss). Everything is drawn from
+weighted by 1 / p and divided by the canvas length (LLaDA's SFT loss). A fraction of the batches
+(`soft_fraction`) also sees what iteration smoothing feeds a model at inference: each masked row's
+input gets w * softmax(z) @ E added, z from a no-grad forward of the same input and w drawn from the
+smoothing schedule's range (self-conditioning). Everything is drawn from
 seeded generators, so a run is reproducible for a given seed, step count and torch build.
 """
 import functools
@@ -27,6 +30,7 @@ from .presets import BLOCK_LENGTH, GEN_LENGTH, PRESETS, TrainPreset
 from .tokenizer import ASSISTANT, BOS, save_tokenizer, special_ids
 
 EPS = 1e-3
+SOFT_WEIGHT = (0.15, 0.3)  # the range of the smoothing weight w_n = min(0.15 + 0.02 n, 0.3) at inference
 
 
 def init_weights(preset: TrainPreset, gen: torch.Generator) -> Dict[str, torch.Tensor]:
@@ -84,7 +88,7 @@ class Batches:
         return max(1, round(min(4, full) + ramp * (full - min(4, full))))
 
 
-def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.Generator):
+def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.Generator, soft: bool = False):
     B, T = tokens.shape
     c = model.config
     # t ~ U(0, 1) for every sequence, stratified over the batch (one uniform shifted by b / B): the
@@ -96,12 +100,29 @@ def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.
     positions = torch.arange(T).expand(B, T)
     rows = masked.flatten().nonzero().flatten()
     no_cache = KVCache([None] * c.num_layers, [None] * c.num_layers)
+    emb = model.embed(inputs)
+    if soft:
+        emb = emb + _smoothing_inputs(model, emb, positions, lengths, rows, no_cache, gen)
     # bf16 autocast: the host's bf16 GEMMs are ~4x its fp32 ones; master weights and the loss stay fp32.
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model.forward(model.embed(inputs), positions, no_cache, lengths, logits_rows=rows)
+        logits = model.forward(emb, positions, no_cache, lengths, logits_rows=rows)
     ce = F.cross_entropy(logits.float(), tokens.flatten()[rows], reduction="none")
     weight = (1 / (p * canvas_len[:, None])).expand(B, T).flatten()[rows]
     return (ce * weight).sum() / B
+
+
+def _smoothing_inputs(model: DiffusionLM, emb, positions, lengths, rows, cache, gen) -> torch.Tensor:
+    """[B, T, H]: w * softmax(z) @ E on the masked rows `rows` (zero elsewhere), the term iteration
+    smoothing adds to the [MASK] embedding, from a no-grad forward of the same input."""
+    B, T, H = emb.shape
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        z = model.forward(emb, positions, cache, lengths, logits_rows=rows)
+    lo, hi = SOFT_WEIGHT
+    w = (lo + (hi - lo) * torch.rand(B, generator=gen)).repeat_interleave(T)[rows]
+    expected = torch.softmax(z.float(), -1) @ model.embedding.detach().float()
+    add = torch.zeros(B * T, H, dtype=emb.dtype)
+    add[rows] = (w[:, None] * expected).to(emb.dtype)
+    return add.view(B, T, H)
 
 
 def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 250,
@@ -127,7 +148,8 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, preset.warmup))
     t0, running = time.perf_counter(), None
     for step in range(steps):
-        loss = loss_fn(model, *batches(step / steps), gen)
+        soft = preset.soft_fraction > 0 and torch.rand(1, generator=gen).item() < preset.soft_fraction
+        loss = loss_fn(model, *batches(step / steps), gen, soft=soft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(weights.values()), 1.0)
@@ -138,7 +160,8 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
             log(f"{name} step {step + 1}/{steps} loss {running:.4f} ({time.perf_counter() - t0:.0f} s)")
         if (step + 1) % save_every == 0 or step + 1 == steps:  # a usable checkpoint while training runs
             record = {"model": name, "seed": seed, "steps": step + 1, "of_steps": steps,
-                      "batch_size": preset.batch_size, "lr": preset.lr, "final_loss": round(running, 4),
+                      "batch_size": preset.batch_size, "lr": preset.lr,
+                      "soft_fraction": preset.soft_fraction, "final_loss": round(running, 4),
                       "train_seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__,
                       "threads": torch.get_num_threads()}
             _save(out, preset, weights, record)

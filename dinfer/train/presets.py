@@ -25,6 +25,7 @@ class TrainPreset:
     weight_decay: float = 0.01
     max_canvas: int = GEN_LENGTH + 2   # training canvases are answer + EOS fill, up to this long
     fill_ramp: float = 0.3             # fraction of the run over which the EOS fill grows to max_canvas
+    soft_fraction: float = 0.25        # batches that also train on iteration-smoothing inputs
 
 
 def _config(family: str, **kw) -> ModelConfig:
