@@ -43,6 +43,10 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-write-back", dest="write_back", action="store_false", default=None,
                    help="window steps leave the KV cache as it was (dInfer's vicinity step)")
     p.add_argument("--smoothing", action="store_true", default=None, help="iteration smoothing")
+    p.add_argument("--smoothing-threshold-start", type=float,
+                   help="smoothing's threshold warm-up tau_n = max(start - decay * n, tau): start (default 1.0; "
+                        "<= --threshold: no warm-up)")
+    p.add_argument("--smoothing-threshold-decay", type=float, help="... and its decay per iteration (default 0.02)")
     p.add_argument("--unroll", type=int, help="iterations per host check")
     p.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=None,
                    help="decode every block even after EOS")

@@ -39,7 +39,11 @@ class GenerationConfig:
     write_back: bool = True        # window steps write their fresh K/V into the cache (dInfer: no)
     smoothing: bool = False        # iteration smoothing: soft embeddings of the block's masked rows
     smoothing_weight: tuple = (0.15, 0.02, 0.3)    # w_n = min(w0 + dw * n, w_max)
-    smoothing_threshold_decay: float = 0.02        # tau_n = max(1 - decay * n, tau)
+    # The threshold warm-up that comes with smoothing: tau_n = max(start - decay * n, tau). dInfer's
+    # (1.0, 0.02) spends a request's first ~5 forwards above tau = 0.9, most of a short request;
+    # start <= tau turns the warm-up off.
+    smoothing_threshold_start: float = 1.0
+    smoothing_threshold_decay: float = 0.02
     unroll: int = 4                # iterations per host check
     expected_tpf: int = 8          # chunk size = clamp(masked // expected_tpf, 1, unroll), as dInfer
     early_stop: bool = True
@@ -57,6 +61,10 @@ class GenerationConfig:
         for name in ("prefix_look", "after_look", "warmup_steps", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.smoothing_threshold_start <= 1:
+            raise ValueError(f"smoothing_threshold_start: must be in [0, 1], got {self.smoothing_threshold_start}")
+        if self.smoothing_threshold_decay < 0:
+            raise ValueError(f"smoothing_threshold_decay: must be >= 0, got {self.smoothing_threshold_decay}")
 
 
 class BlockState:
@@ -139,7 +147,7 @@ class Generator:
             n = st.iters.float()
             tau = torch.full_like(n, cfg.decoder.threshold)
             if cfg.smoothing:
-                tau = torch.maximum(1 - cfg.smoothing_threshold_decay * n, tau)
+                tau = torch.maximum(cfg.smoothing_threshold_start - cfg.smoothing_threshold_decay * n, tau)
             st.decoder(logits, tokens, tau, offset=st.rng_offset)
             st.rng_offset += 1                      # host-side: sampling runs eagerly (no graphs)
             st.store_block_tokens(tokens)

@@ -169,6 +169,21 @@ def test_unroll_does_not_change_tokens(cache, decoder):
     assert all(len(t) == 16 for t in b)
 
 
+@pytest.mark.parametrize("cache", ["none", "vicinity"])
+def test_smoothing_threshold_warmup(cache):
+    """Smoothing with a zero weight is threshold decoding plus the warm-up tau_n = max(start - decay n,
+    tau): with start <= tau it is threshold decoding exactly; dInfer's start 1.0 holds commits back."""
+    model = model_of(MOE, seed=2, scale=20)
+    prompts = [[3, 4, 5, 6, 7, 8, 9]]
+    kw = dict(cache=cache, decoder=DecoderConfig(threshold=0.5), gen_length=24)
+    zero = dict(smoothing=True, smoothing_weight=(0.0, 0.0, 0.0))
+    plain, plain_stats = run(model, prompts, **kw)
+    off, off_stats = run(model, prompts, **kw, **zero, smoothing_threshold_start=0.5)
+    warm, warm_stats = run(model, prompts, **kw, **zero)
+    assert off == plain and off_stats.forwards == plain_stats.forwards
+    assert warm_stats.forwards > plain_stats.forwards
+
+
 @pytest.mark.parametrize("cache", ["none", "dual", "vicinity"])
 def test_batch_invariance(cache):
     model = model_of(MOE, seed=4, scale=20)
@@ -251,6 +266,8 @@ def test_progress_guarantee_when_everything_predicts_mask():
     ([[1]], {"gen_length": 0}, "gen_length"),
     ([[1]], {"cache": "paged"}, "cache"),
     ([], {}, "prompts"),
+    ([[1]], {"smoothing_threshold_start": 1.5}, "smoothing_threshold_start"),
+    ([[1]], {"smoothing_threshold_decay": -0.1}, "smoothing_threshold_decay"),
 ])
 def test_bad_generation_input(prompts, kw, match):
     with pytest.raises(ValueError, match=match):
