@@ -26,6 +26,9 @@ from .graphs import StepGraphs
 from .stats import Stats
 
 
+SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)   # dInfer's w_n = min(w0 + dw * n, w_max)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     gen_length: int = 1024
@@ -38,7 +41,7 @@ class GenerationConfig:
     refresh_every: int = 0         # also refresh every k iterations of a block (0: at block starts)
     write_back: bool = True        # window steps write their fresh K/V into the cache (dInfer: no)
     smoothing: bool = False        # iteration smoothing: soft embeddings of the block's masked rows
-    smoothing_weight: tuple = (0.15, 0.02, 0.3)    # w_n = min(w0 + dw * n, w_max)
+    smoothing_weight: tuple = SMOOTHING_WEIGHT
     # The threshold warm-up that comes with smoothing: tau_n = max(start - decay * n, tau). dInfer's
     # (1.0, 0.02) spends a request's first ~5 forwards above tau = 0.9, most of a short request;
     # start <= tau turns the warm-up off.

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from ..generate import SMOOTHING_WEIGHT
 from ..models.checkpoint import expected_shapes, save_checkpoint
 from ..models.transformer import DiffusionLM, KVCache
 from ..tasks import TASKS, sample
@@ -30,7 +31,7 @@ from .presets import BLOCK_LENGTH, GEN_LENGTH, PRESETS, TrainPreset
 from .tokenizer import ASSISTANT, BOS, save_tokenizer, special_ids
 
 EPS = 1e-3
-SOFT_WEIGHT = (0.15, 0.3)  # the range of the smoothing weight w_n = min(0.15 + 0.02 n, 0.3) at inference
+SOFT_WEIGHT = (SMOOTHING_WEIGHT[0], SMOOTHING_WEIGHT[2])  # the range of w_n at inference
 
 
 def init_weights(preset: TrainPreset, gen: torch.Generator) -> Dict[str, torch.Tensor]:
