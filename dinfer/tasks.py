@@ -8,7 +8,7 @@ value, a rank, a position counted from the end), which is what makes parallel de
     sort     sort letters (repeats allowed)               sort:qmbxam        -> abmmqx
     reverse  reverse a string of letters/digits           reverse:ab3kz      -> zk3ba
     recall   look up keys in a key=value list             recall:a=37,k=70,x=13?ka -> 7037
-    chain    running sum of digits, mod 10                chain:7358         -> 7053
+    chain    a counter mod 10 stepped up or down 8 times  chain:7++-+---+    -> 89898767
 
 Fixed-width operands and one character per query or step keep every answer position a fixed distance
 from the prompt characters it reads, so small models learn the tasks in minutes on a CPU; carries,
@@ -26,6 +26,7 @@ Problem = Tuple[str, str]
 HELDOUT_MOD = 10
 LETTERS = string.ascii_lowercase
 ALNUM = string.ascii_lowercase + string.digits
+CHAIN_STEPS = 8
 CHARS = string.digits + string.ascii_lowercase + ":+-=,?"  # every character a task writes
 
 
@@ -53,12 +54,16 @@ def _recall(rng: random.Random) -> Problem:
 
 
 def _chain(rng: random.Random) -> Problem:
-    digits = [rng.randrange(10) for _ in range(rng.randint(5, 12))]
-    sums, total = [], 0
-    for d in digits:
-        total = (total + d) % 10
-        sums.append(str(total))
-    return f"chain:{''.join(map(str, digits))}", "".join(sums)
+    # A +-1 counter rather than a running digit sum: each answer digit still depends on the previous
+    # one, but a step is one of two moves, which a 4-layer model learns; the mod-10 digit sum it does
+    # not learn in the training budget (0% exact after 600 single-task steps; RESULTS.md).
+    start, values = rng.randrange(10), []
+    ops = "".join(rng.choice("+-") for _ in range(CHAIN_STEPS))
+    value = start
+    for op in ops:
+        value = (value + (1 if op == "+" else -1)) % 10
+        values.append(str(value))
+    return f"chain:{start}{ops}", "".join(values)
 
 
 TASKS: Dict[str, Callable[[random.Random], Problem]] = {

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from dinfer.tasks import TASKS, check_tasks, eval_problems, is_heldout, sample
+from dinfer.tasks import CHAIN_STEPS, TASKS, check_tasks, eval_problems, is_heldout, sample
 
 
 def solve(prompt: str) -> str:
@@ -23,7 +23,8 @@ def solve(prompt: str) -> str:
         table = dict(p.split("=") for p in pairs.split(","))
         return "".join(table[k] for k in asked)
     if task == "chain":
-        return "".join(str(sum(map(int, body[:i + 1])) % 10) for i in range(len(body)))
+        start, ops = int(body[0]), body[1:]
+        return "".join(str((start + ops[:i + 1].count("+") - ops[:i + 1].count("-")) % 10) for i in range(len(ops)))
     raise AssertionError(task)
 
 
@@ -47,8 +48,11 @@ def test_carries_and_dependencies_occur():
     # A carry: some digit of the sum differs from the digit-wise sum mod 10.
     carries = [p for p, a in adds if a[1:] != "".join(str((int(x) + int(y)) % 10) for x, y in zip(p[4:10], p[11:]))]
     assert len(carries) > 100
-    chains = [sample("chain", rng, False)[1] for _ in range(50)]
-    assert all(len(c) >= 5 for c in chains)
+    # A chain wraps around 0 <-> 9 in some problems, and goes both up and down in most.
+    chains = [sample("chain", rng, False) for _ in range(200)]
+    assert all(len(a) == CHAIN_STEPS == len(p) - len("chain:") - 1 for p, a in chains)
+    assert sum("90" in p[6] + a or "09" in p[6] + a for p, a in chains) > 20
+    assert sum("+" in p[7:] and "-" in p[7:] for p, _ in chains) > 180
 
 
 def test_eval_problems_deterministic_and_heldout():
