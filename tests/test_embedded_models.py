@@ -55,8 +55,9 @@ def test_default_model_and_names():
 
 # (model, task) pairs measured below the bar (bench_kernels/RESULTS.md): strict, so they fail the
 # suite the day they pass and the mark must go.
-KNOWN_GAPS = {(m, t): "below 90% after the preset's training run (issue #4 open)"
-              for m in EMBEDDED for t in ("sort", "recall")}
+KNOWN_GAPS = {**{(m, "recall"): "the key lookup does not form in the training budget (issue #4 open)"
+                 for m in EMBEDDED},
+              ("tiny-llada", "add"): "88% on these 50 problems, 91% on 100 (issue #4 open)"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -86,8 +86,9 @@ def test_batches_are_prompt_then_answer_then_eos(tok_dir, progress):
     tokens, canvas, lengths, canvas_len = batches(progress)
     assert tokens.shape[0] == preset.batch_size
     fills = []
-    for b in range(tokens.shape[0]):
-        prompt, answer = sample(replay.choice(list(TASKS)), replay, heldout=False)
+    names, weights = zip(*preset.task_weights)
+    for b, task in enumerate(replay.choices(names, weights, k=preset.batch_size)):
+        prompt, answer = sample(task, replay, heldout=False)
         fill = replay.randint(1, batches.max_fill(len(answer), progress))
         start, end = len(batches.prompt_ids(prompt)), int(lengths[b])
         assert end == start + len(answer) + fill and canvas_len[b] == end - start
@@ -99,6 +100,23 @@ def test_batches_are_prompt_then_answer_then_eos(tok_dir, progress):
     # Short EOS fills at the start of a run, up to the whole canvas once the ramp is over.
     assert max(fills) <= 4 if progress == 0 else max(fills) > 4
     assert batches.max_fill(10, 1.0) == preset.max_canvas - 10 and batches.max_fill(40, 1.0) == 1
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_task_weights_cover_the_suite(tok_dir, name):
+    """Every task is trained (a task added to the suite without a weight fails here), at the share the
+    preset gives it."""
+    preset = PRESETS[name]
+    weights = dict(preset.task_weights)
+    assert sorted(weights) == sorted(TASKS) and len(weights) == len(preset.task_weights)
+    assert all(w > 0 for w in weights.values())
+    batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=1)
+    tok = Tokenizer(tok_dir, eos_id=preset.config.eos_id)
+    drawn = [tok.decode(row.tolist()[1:]).split(":")[0] for _ in range(8) for row in batches(0.0)[0]]
+    for task, w in weights.items():
+        share = w / sum(weights.values())
+        n = len(drawn)  # 512 rows: the share within 4 binomial standard deviations
+        assert abs(drawn.count(task) / n - share) <= 4 * (share * (1 - share) / n) ** 0.5, task
 
 
 def test_loss_is_llada_objective_and_learns(tok_dir):

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from ..generate import SMOOTHING_WEIGHT
 from ..models.checkpoint import expected_shapes, save_checkpoint
 from ..models.transformer import DiffusionLM, KVCache
-from ..tasks import TASKS, sample
+from ..tasks import sample
 from . import ops
 from .presets import BLOCK_LENGTH, GEN_LENGTH, PRESETS, TrainPreset
 from .tokenizer import ASSISTANT, BOS, save_tokenizer, special_ids
@@ -50,7 +50,7 @@ def init_weights(preset: TrainPreset, gen: torch.Generator) -> Dict[str, torch.T
 
 
 class Batches:
-    """Token batches of training problems, every task equally often."""
+    """Token batches of training problems, tasks drawn by the preset's task_weights."""
 
     def __init__(self, preset: TrainPreset, tokenizer, seed: int):
         self.preset, self.tok = preset, tokenizer
@@ -67,9 +67,9 @@ class Batches:
         """(tokens [B, T], canvas [B, T] bool, lengths [B] int32, canvas length [B]) at `progress`
         (0..1) of the run. Sequences are padded to T with EOS that nothing attends to and no loss reads."""
         rows, starts = [], []
-        tasks = list(TASKS)
-        for _ in range(self.preset.batch_size):
-            prompt, answer = sample(self.rng.choice(tasks), self.rng, heldout=False)
+        tasks, weights = zip(*self.preset.task_weights)
+        for task in self.rng.choices(tasks, weights, k=self.preset.batch_size):
+            prompt, answer = sample(task, self.rng, heldout=False)
             p, a = self.prompt_ids(prompt), self.tok.encode(answer).ids
             rows.append(p + a + [self.eos] * self.rng.randint(1, self.max_fill(len(a), progress)))
             starts.append(len(p))
@@ -162,7 +162,8 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
         if (step + 1) % save_every == 0 or step + 1 == steps:  # a usable checkpoint while training runs
             record = {"model": name, "seed": seed, "steps": step + 1, "of_steps": steps,
                       "batch_size": preset.batch_size, "lr": preset.lr,
-                      "soft_fraction": preset.soft_fraction, "final_loss": round(running, 4),
+                      "soft_fraction": preset.soft_fraction, "task_weights": dict(preset.task_weights),
+                      "final_loss": round(running, 4),
                       "train_seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__,
                       "threads": torch.get_num_threads()}
             _save(out, preset, weights, record)
