@@ -57,9 +57,9 @@ def _chain(rng: random.Random) -> Problem:
     # A +-1 counter rather than a running digit sum: each answer digit still depends on the previous
     # one, but a step is one of two moves, which a 4-layer model learns; the mod-10 digit sum it does
     # not learn in the training budget (0% exact after 600 single-task steps; RESULTS.md).
-    start, values = rng.randrange(10), []
+    start = rng.randrange(10)
     ops = "".join(rng.choice("+-") for _ in range(CHAIN_STEPS))
-    value = start
+    value, values = start, []
     for op in ops:
         value = (value + (1 if op == "+" else -1)) % 10
         values.append(str(value))
