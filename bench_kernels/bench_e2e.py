@@ -133,13 +133,17 @@ def plot(results, path, model):
     except ImportError:
         print("note: matplotlib is not installed (pip install -e '.[bench]'); no plot written")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # Recipes often land on the same point (equal accuracy, close speeds), so a legend names them
+    # rather than labels that would overprint: one colour per recipe, the marker says which run.
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colours = {recipe: f"C{i}" for i, recipe in enumerate(RECIPES)}
     for r in results:
-        marker = "o" if r["backend"] == "auto" else "x"
-        label = f"{r['recipe']}{'' if r['backend'] == 'auto' else ' (torch)'}{'' if r['batch'] == 1 else ' b8'}"
-        ax.scatter(r["tokens_per_second"], 100 * r["accuracy"], marker=marker)
-        ax.annotate(label, (r["tokens_per_second"], 100 * r["accuracy"]), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
+        marker = "s" if r["batch"] > 1 else ("o" if r["backend"] == "auto" else "x")
+        label = f"{r['recipe']}{'' if r['backend'] == 'auto' else ' (torch)'}" + \
+            ("" if r["batch"] == 1 else f" batch {r['batch']}")
+        ax.scatter(r["tokens_per_second"], 100 * r["accuracy"], marker=marker, s=40,
+                   color=colours[r["recipe"]], label=label, alpha=0.8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     ax.set_xscale("log")
     ax.set_xlabel("tokens / s (log)")
     ax.set_ylabel("exact match, %")
