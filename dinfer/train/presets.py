@@ -14,6 +14,20 @@ DEFAULT_MODEL = "tiny-llada-moe"
 # Generation defaults written to generation_config.json: the canvas covers every task's answer and
 # is decoded in 4 blocks.
 GEN_LENGTH, BLOCK_LENGTH = 32, 8
+# How often each task is drawn, relative to the others. Sort (ranks with repeats) learns slowest of
+# the learnable tasks, so it gets twice a share. Chain needs a full share, not for vanilla decoding
+# (99% at half a share) but so that late digits are right when several are committed from one
+# forward. Recall's key lookup does not form in this budget at any share or format tried
+# (RESULTS.md), so it keeps a quarter share: enough to be in the data, little taken from the rest.
+TASK_WEIGHTS = (("add", 1.0), ("sort", 2.0), ("reverse", 1.0), ("recall", 0.25), ("chain", 1.0))
+
+
+def _reweighted(**shares: float) -> Tuple[Tuple[str, float], ...]:
+    """TASK_WEIGHTS with the named tasks' shares replaced (a preset that differs only there)."""
+    unknown = set(shares) - {task for task, _ in TASK_WEIGHTS}
+    if unknown:
+        raise ValueError(f"task_weights: unknown task {sorted(unknown)[0]!r}")
+    return tuple((task, shares.get(task, weight)) for task, weight in TASK_WEIGHTS)
 
 
 @dataclass(frozen=True)
@@ -27,13 +41,7 @@ class TrainPreset:
     max_canvas: int = GEN_LENGTH + 2   # training canvases are answer + EOS fill, up to this long
     fill_ramp: float = 0.3             # fraction of the run over which the EOS fill grows to max_canvas
     soft_fraction: float = 0.25        # batches that also train on iteration-smoothing inputs
-    # How often each task is drawn, relative to the others. Sort (ranks with repeats) learns slowest of
-    # the learnable tasks, so it gets twice a share. Chain needs a full share, not for vanilla decoding
-    # (99% at half a share) but so that late digits are right when several are committed from one
-    # forward. Recall's key lookup does not form in this budget at any share or format tried
-    # (RESULTS.md), so it keeps a quarter share: enough to be in the data, little taken from the rest.
-    task_weights: Tuple[Tuple[str, float], ...] = (("add", 1.0), ("sort", 2.0), ("reverse", 1.0),
-                                                   ("recall", 0.25), ("chain", 1.0))
+    task_weights: Tuple[Tuple[str, float], ...] = TASK_WEIGHTS
 
 
 def _config(family: str, **kw) -> ModelConfig:
@@ -56,5 +64,5 @@ PRESETS = {
         architectures=(DENSE_ARCH,)), steps=3000,
         # The dense model's add fell from 99% to 91% when sort's share doubled; it only serves the
         # quality bar, not the parallel-decoding benchmark, so chain gives add a quarter share.
-        task_weights=(("add", 1.25), ("sort", 2.0), ("reverse", 1.0), ("recall", 0.25), ("chain", 0.75))),
+        task_weights=_reweighted(add=1.25, chain=0.75)),
 }
