@@ -4,7 +4,9 @@ Sequence b holds its prompt (length Lp_b) and gen_length [MASK] tokens: total_b 
 positions. Nothing is padded into the sequence: positions >= total_b are padding, never attended
 (seq_lens) and never decoded. Blocks are aligned as dInfer's benchmarks do: the first block starts at
 floor(Lp_b / bl) * bl (so it may overlap the prompt's tail, whose tokens are not masked) and the last
-block may be partial. All sequences of a batch work on their k-th block at the same time.
+block may be partial. Each sequence has its own number of blocks and, in a batch, may be on another
+block than its neighbours (a slot refilled with a new prompt starts at block 0): block indices are
+per sequence everywhere.
 """
 from dataclasses import dataclass
 
@@ -19,7 +21,6 @@ class Batch:
     total_len: torch.Tensor    # [B] int32: attended keys per sequence
     first_block: torch.Tensor  # [B] int64: start of block 0
     prompt_len: torch.Tensor   # [B] int64
-    num_blocks: int
     block_length: int
 
     @property
@@ -30,14 +31,23 @@ class Batch:
     def max_len(self) -> int:
         return self.x.shape[1]
 
-    def block_positions(self, k: int) -> torch.Tensor:
-        """[B, bl] positions of block k (rows past a sequence's end are padding)."""
+    def num_blocks(self) -> torch.Tensor:
+        """[B] int64 blocks of each sequence (the last may be partial)."""
+        span = self.total_len.to(torch.int64) - self.first_block
+        return (span + self.block_length - 1) // self.block_length
+
+    def block_start(self, k: torch.Tensor) -> torch.Tensor:
+        """[B] first position of each sequence's block k[b]."""
+        return self.first_block + k * self.block_length
+
+    def block_positions(self, k: torch.Tensor) -> torch.Tensor:
+        """[B, bl] positions of each sequence's block k[b] (rows past a sequence's end are padding)."""
         ar = torch.arange(self.block_length, device=self.x.device)
-        return self.first_block[:, None] + k * self.block_length + ar
+        return self.block_start(k)[:, None] + ar
 
     def select(self, rows: torch.Tensor) -> "Batch":
         return Batch(self.x[rows], self.total_len[rows], self.first_block[rows], self.prompt_len[rows],
-                     self.num_blocks, self.block_length)
+                     self.block_length)
 
 
 def make_batch(prompts, gen_length: int, block_length: int, mask_id: int, pad_id: int, device,
@@ -57,27 +67,27 @@ def make_batch(prompts, gen_length: int, block_length: int, mask_id: int, pad_id
     lp = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
     first = lp // block_length * block_length if align_blocks else lp.clone()
     total = lp + gen_length
-    nblocks = int(((total - first + block_length - 1) // block_length).max())
     # Room for every block and its after-look window, plus one padding row that clamped window rows
     # can point at: windows then depend on a sequence's own positions only, never on the batch.
-    S = int((first + nblocks * block_length).max()) + after_look + 1
+    blocks = (total - first + block_length - 1) // block_length
+    S = int((first + blocks * block_length).max()) + after_look + 1
     x = torch.full((len(prompts), S), pad_id, dtype=torch.int64)
     for b, p in enumerate(prompts):
         x[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
         x[b, len(p):int(total[b])] = mask_id
     return Batch(x.to(device), total.to(torch.int32).to(device), first.to(device), lp.to(device),
-                 nblocks, block_length)
+                 block_length)
 
 
-def window(batch: Batch, k: int, mode: str, prefix_look: int, after_look: int):
-    """(start [B], W) of the rows a window step recomputes for block k under `mode`.
+def window(batch: Batch, k: torch.Tensor, mode: str, prefix_look: int, after_look: int):
+    """(start [B], W) of the rows a window step recomputes for each sequence's block k[b] under `mode`.
 
     none: everything; dual: the block; vicinity: [block - P, block + A) (moved right at position 0);
     prefix: from the block to the sequence's end. A window's start depends only on its own sequence,
     and rows past a sequence's end are padding, so a sequence computes the same alone or in a batch.
     """
     bl, S = batch.block_length, batch.max_len
-    start = batch.first_block + k * bl
+    start = batch.block_start(k)
     if mode == "none":
         return torch.zeros_like(start), S
     if mode == "dual":

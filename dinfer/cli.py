@@ -26,7 +26,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                                    f"default {DEFAULT})")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", help="bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on the host)")
-    p.add_argument("--batch-size", type=int, help="prompts per generation run")
+    p.add_argument("--batch-size", type=int,
+                   help="most prompts decoded at once; a finished one's place goes to the next (default: all)")
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
@@ -106,7 +107,7 @@ def _eval(args: argparse.Namespace) -> None:
     from .evaluate import evaluate, markdown_table
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    result = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=args.batch_size or 1,
+    result = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=1 if args.batch_size is None else args.batch_size,
                       problem_seed=args.problem_seed, progress=args.progress, **_options(args))
     result["model"] = llm.path
     table = markdown_table(result, title=f"{llm.path} {json.dumps(result['options'])}")

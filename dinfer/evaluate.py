@@ -50,14 +50,10 @@ def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, prob
     per_task = {}
     for task in tasks:
         problems = eval_problems(task, num_problems, problem_seed)
-        counts = {"correct": 0, "forwards": 0, "sequence_forwards": 0, "tokens": 0, "seconds": 0.0}
-        for start in range(0, len(problems), batch_size):
-            part = problems[start:start + batch_size]
-            out = llm.generate([p for p, _ in part], **options)
-            counts["correct"] += sum(text == answer for text, (_, answer) in zip(out.texts, part))
-            for key in ("forwards", "sequence_forwards", "tokens", "seconds"):
-                counts[key] += out.stats[key]
-            bar.update(len(part), task)
+        out = llm.generate([p for p, _ in problems], batch_size=batch_size,
+                           on_finish=lambda n, task=task: bar.update(n, task), **options)
+        counts = {key: out.stats[key] for key in ("forwards", "sequence_forwards", "tokens", "seconds")}
+        counts["correct"] = sum(text == answer for text, (_, answer) in zip(out.texts, problems))
         per_task[task] = _rates(counts, len(problems))
     total = {k: sum(per_task[t][k] for t in tasks)
              for k in ("correct", "forwards", "sequence_forwards", "tokens", "seconds")}

@@ -1,11 +1,18 @@
-"""The diffusion generation loop: blocks, cache refreshes, window steps, decoding, smoothing, early stop.
+"""The diffusion generation loop: blocks, cache refreshes, window steps, decoding, smoothing, early stop,
+continuous batching.
 
-    for each block k (every unfinished sequence on its own k-th block):
-        repeat until the block holds no [MASK] (one host check per chunk of <= `unroll` iterations):
-            compact: sequences whose block is done leave the block's remaining iterations
-            iteration: forward (a full refresh at the block's start, else the cache mode's window)
-                       + decode_step on the block's rows (+ soft embeddings for the next forward)
-        early stop: a sequence whose block holds EOS is finished, the rest of it EOS, and leaves
+    until every prompt is finished:
+        fill: up to `batch_size` sequences in flight; a finished one's slot goes to the next prompt
+        one round: every sequence in flight decodes its own next block
+            repeat until the block holds no [MASK] (one host check per chunk of <= `unroll` iterations):
+                compact: sequences whose block is done leave the block's remaining iterations
+                iteration: forward (a full refresh at the block's start, else the cache mode's window)
+                           + decode_step on the block's rows (+ soft embeddings for the next forward)
+        early stop: a sequence whose block holds EOS is finished, the rest of it EOS, and leaves;
+        so is one whose last block is done
+
+Refills happen at block boundaries because every block starts with a full refresh: the newcomer's
+first forward builds its cache rows along with everyone's, so nothing is prefilled apart.
 
 Every iteration is one model forward and one decode_step. Commits, thresholds, schedules and the
 stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU).
@@ -13,8 +20,9 @@ All state an iteration writes is updated in place, which is what lets a captured
 """
 import copy
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -73,7 +81,7 @@ class GenerationConfig:
 class BlockState:
     """What the iterations of one block read and write. Tensors keep their addresses all block long."""
 
-    def __init__(self, batch: Batch, k: int, cfg: GenerationConfig, model, cache, iters, rng_offset):
+    def __init__(self, batch: Batch, k: torch.Tensor, cfg: GenerationConfig, model, cache, iters, rng_offset):
         c = model.config
         self.batch = batch
         B, bl, S = batch.size, batch.block_length, batch.max_len
@@ -163,55 +171,80 @@ class Generator:
                 soft = dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, 1.0)
                 st.soft.copy_(hard + w.to(hard.dtype) * (soft - hard))
 
-    def _is_refresh(self, step: int) -> bool:
+    def _is_refresh(self, step: int, ran: int) -> bool:
+        """Whether the block's iteration `step` is a full refresh; `ran`: the fewest forwards any
+        sequence in it has run before (the warm-up is per sequence: a newcomer gets its own)."""
         c = self.cfg
-        return (step == 0 or c.cache == "none" or self.stats.forwards < c.warmup_steps
+        return (step == 0 or c.cache == "none" or ran < c.warmup_steps
                 or (c.refresh_every > 0 and step % c.refresh_every == 0))
 
-    def run(self, prompts: List[List[int]]) -> List[torch.Tensor]:
+    def run(self, prompts: List[List[int]], batch_size: Optional[int] = None,
+            on_finish: Optional[Callable[[int], None]] = None) -> List[torch.Tensor]:
+        """batch_size: the most sequences in flight (default: all); on_finish(n) is called as n
+        sequences finish, at block boundaries."""
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
         full = make_batch(prompts, cfg.gen_length, cfg.block_length, self.mask_id, self.eos_id,
                           model.device, model.config.max_positions, cfg.align_blocks, cfg.after_look)
+        slots = full.size if batch_size is None else min(batch_size, full.size)
+        if slots < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        # Host-side schedule: each sequence's next block, its block count and its forwards so far.
+        next_block = torch.zeros(full.size, dtype=torch.int64)
+        blocks = full.num_blocks().cpu()
+        ran = torch.zeros(full.size, dtype=torch.int64)
         done = torch.zeros(full.size, dtype=torch.bool)
         iters = torch.zeros(full.size, dtype=torch.int64, device=model.device)
-        cache = model.new_cache(full.size, full.max_len)
-        rng_offset = 0
-        for k in range(full.num_blocks):
-            block_rows = torch.nonzero(~done).flatten().to(model.device)
-            if block_rows.numel() == 0:
+        cache = model.new_cache(slots, full.max_len)
+        rng_offset, queue, flight = 0, deque(range(full.size)), []
+        while True:
+            flight = [r for r in flight if not done[r]]
+            while len(flight) < slots and queue:
+                flight.append(queue.popleft())
+            if not flight:
                 break
-            rows = block_rows
-            st = BlockState(full.select(rows), k, cfg, model, cache, iters[rows], rng_offset)
-            step, left = 0, st.masked(self.mask_id)
+            round_rows = torch.tensor(flight)
+            k = next_block[round_rows]
+            rows = round_rows.to(model.device)
+            st = BlockState(full.select(rows), k.to(model.device), cfg, model, cache, iters[rows], rng_offset)
+            step, left, host_rows = 0, st.masked(self.mask_id), round_rows
             while left.any():
                 if cfg.compact and not left.all():
                     full.x[rows], iters[rows] = st.batch.x, st.iters
                     keep = left.nonzero().flatten()
                     st, rows, left = st.select(keep.to(model.device)), rows[keep.to(rows.device)], left[keep]
+                    host_rows = host_rows[keep]
                 # The slowest sequence sets the chunk: a chunk never outruns the last block to finish.
                 chunk = max(1, min(int(left.max()) // cfg.expected_tpf, cfg.unroll))
-                kinds = tuple(self._is_refresh(step + j) for j in range(chunk))
+                first = int(ran[host_rows].min())
+                kinds = tuple(self._is_refresh(step + j, first + j) for j in range(chunk))
                 self.graphs.run(self.iteration, st, kinds)
                 self.stats.forwards += chunk
                 self.stats.sequence_forwards += chunk * st.batch.size
                 self.stats.refreshes += sum(kinds)
+                ran[host_rows] += chunk
                 step += chunk
                 left = st.masked(self.mask_id)
             full.x[rows], iters[rows] = st.batch.x, st.iters
             rng_offset = st.rng_offset
             if cfg.early_stop:
-                self._early_stop(full, k, block_rows, done)
+                self._early_stop(full, k, round_rows, done)
+            next_block[round_rows] += 1
+            done[round_rows] |= next_block[round_rows] >= blocks[round_rows]
+            if on_finish is not None and int(done[round_rows].sum()):
+                on_finish(int(done[round_rows].sum()))
         self.stats.seconds = time.perf_counter() - t0
         out = [full.x[b, int(full.prompt_len[b]):int(full.total_len[b])].cpu() for b in range(full.size)]
         self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in out)
         return out
 
-    def _early_stop(self, full: Batch, k: int, rows, done):
-        """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS."""
-        pos = full.block_positions(k)[rows]
-        valid = pos < full.total_len[rows, None].to(torch.int64)
-        tokens = full.x[rows].gather(1, pos.clamp(max=full.max_len - 1))
+    def _early_stop(self, full: Batch, k: torch.Tensor, rows: torch.Tensor, done: torch.Tensor):
+        """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS.
+        rows (host) were on their blocks k (host)."""
+        part = full.select(rows.to(full.x.device))
+        pos = part.block_positions(k.to(full.x.device))
+        valid = pos < part.total_len[:, None].to(torch.int64)
+        tokens = part.x.gather(1, pos.clamp(max=full.max_len - 1))
         hit = ((tokens == self.eos_id) & valid).any(1).cpu()
         for b in torch.nonzero(hit).flatten().tolist():
             row = int(rows[b])
@@ -219,7 +252,9 @@ class Generator:
             done[row] = True
 
 
-def generate(model, prompts: List[List[int]], cfg: GenerationConfig):
-    """Token ids of each prompt's generated region, and the run's Stats."""
+def generate(model, prompts: List[List[int]], cfg: GenerationConfig, batch_size: Optional[int] = None,
+             on_finish: Optional[Callable[[int], None]] = None):
+    """Token ids of each prompt's generated region, and the run's Stats. batch_size: the most
+    sequences in flight (continuous batching: a finished sequence's slot goes to the next prompt)."""
     gen = Generator(model, cfg)
-    return gen.run(prompts), gen.stats
+    return gen.run(prompts, batch_size, on_finish), gen.stats

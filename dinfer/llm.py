@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -21,7 +21,6 @@ from .models.config import ModelConfig
 from .models.embedded import generation_defaults, model_dir
 from .models.tokenizer import Tokenizer
 from .models.transformer import DiffusionLM
-from .stats import Stats
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -37,7 +36,7 @@ Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
 class GenerateResult:
     texts: List[str]            # one per prompt, up to the first EOS, special tokens dropped
     token_ids: List[List[int]]  # the generated tokens of each prompt, up to the first EOS
-    stats: dict                 # Stats.as_dict() summed over the batches
+    stats: dict                 # Stats.as_dict() of the run
 
 
 def generation_config(**options) -> GenerationConfig:
@@ -78,27 +77,25 @@ class LLM:
 
     def generate(self, prompts: Prompts, gen_length: Optional[int] = None, block_length: Optional[int] = None,
                  decoder: Union[str, DecoderConfig, None] = None, cache: Optional[str] = None, chat: bool = True,
-                 batch_size: Optional[int] = None, **options) -> GenerateResult:
+                 batch_size: Optional[int] = None, on_finish: Optional[Callable[[int], None]] = None,
+                 **options) -> GenerateResult:
         """Generate for a prompt or a list of prompts (strings, or token-id lists taken as they are).
 
         chat: wrap string prompts in the checkpoint's chat template (when it has one).
-        batch_size: prompts per generation run (default: all at once).
+        batch_size: the most prompts decoded at once (default: all); when one finishes, the next
+            waiting prompt takes its place at the next block boundary (continuous batching).
+        on_finish: called with the number of prompts that just finished (progress bars).
         options: GenerationConfig / DecoderConfig fields (threshold=0.9, smoothing=True, ...).
         """
         given = dict(options, gen_length=gen_length, block_length=block_length, decoder=decoder, cache=cache)
         cfg = generation_config(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
         ids = self._prompt_ids(prompts, chat)
-        batch_size = len(ids) if batch_size is None else batch_size
-        if batch_size < 1:
+        if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        outputs, parts = [], []
-        for start in range(0, len(ids), batch_size):
-            out, stats = generate(self.model, ids[start:start + batch_size], cfg)
-            outputs += out
-            parts.append(stats)
+        outputs, stats = generate(self.model, ids, cfg, batch_size, on_finish)
         token_ids = [self._until_eos(o.tolist()) for o in outputs]
         texts = [self.tokenizer.decode(t) for t in token_ids]
-        return GenerateResult(texts, token_ids, _merge(parts).as_dict())
+        return GenerateResult(texts, token_ids, stats.as_dict())
 
     def _prompt_ids(self, prompts: Prompts, chat: bool) -> List[List[int]]:
         if isinstance(prompts, str):
@@ -142,16 +139,3 @@ def _dtype(dtype, device: torch.device) -> torch.dtype:
         return _DTYPES[dtype.lower()]
     raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)} (or the torch dtype), got {dtype!r}")
 
-
-def _merge(parts: List[Stats]) -> Stats:
-    """One Stats for several runs: counters and times add up; rates follow in as_dict()."""
-    total = Stats(timed=parts[0].timed)
-    for p in parts:
-        total.forwards += p.forwards
-        total.sequence_forwards += p.sequence_forwards
-        total.refreshes += p.refreshes
-        total.tokens += p.tokens
-        total.seconds += p.seconds
-        for name, seconds in p.phase_seconds.items():
-            total.phase_seconds[name] = total.phase_seconds.get(name, 0.0) + seconds
-    return total

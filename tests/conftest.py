@@ -1,4 +1,6 @@
-"""Shared test setup: which backends can run here, and the precision-tied comparison helpers."""
+"""Shared test setup: which backends can run here, the precision-tied comparison helpers, and a loader
+for the bench_kernels scripts (a folder of scripts, not a package)."""
+import importlib.util
 import os
 
 import torch
@@ -61,3 +63,12 @@ def assert_precision(out, same_precision, truth, name):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+def load_bench(name):
+    """bench_kernels/<name>.py as a module (its main(argv) runs the benchmark)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "bench_kernels", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

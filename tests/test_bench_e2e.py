@@ -1,20 +1,15 @@
 """bench_kernels/bench_e2e.py end to end on a tiny run: every recipe and backend, the batch-8 row, the
 issue's ratios computed from the rows, one block layout for all recipes, and the JSON it writes."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "bench_kernels", "bench_e2e.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_e2e")
 
 
 def test_bench_e2e_quick_run(bench, tmp_path):

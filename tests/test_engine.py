@@ -253,6 +253,28 @@ def test_early_stop_ends_a_sequence_and_its_compute():
     assert full_stats.forwards > stats.forwards
 
 
+
+def test_continuous_batching_refills_a_finished_slot():
+    """With 2 slots, a prompt that waits takes the place of one that finished, next to a sequence on
+    its second block; tokens are those of each prompt alone."""
+    eos_from_12 = lambda p: torch.where(p >= 12, MOE.eos_id, 5)  # noqa: E731
+    long, short = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2]       # EOS in block 0 / in block 1
+    prompts = [long, short, [3, 1], long[::-1]]
+    finished, cfg = [], GenerationConfig(gen_length=32, block_length=8, cache="dual")
+    model = ScriptedModel(eos_from_12)
+    out, stats = generate(model, prompts, cfg, batch_size=2, on_finish=finished.append)
+    alone = [generate(ScriptedModel(eos_from_12), [p], cfg)[0][0].tolist() for p in prompts]
+    assert [o.tolist() for o in out] == alone
+    # Rounds: {long, short} -> {short on block 1, [3, 1] on block 0} -> {[3, 1] on block 1, long[::-1]}.
+    # Two runs of two prompts each would take four forwards, of batch sizes 2, 1, 2, 1.
+    assert model.batch_sizes == [2, 2, 2] and stats.forwards == 3
+    assert finished == [1, 1, 2]
+
+
+def test_batch_size_must_be_positive():
+    with pytest.raises(ValueError, match="batch_size"):
+        generate(model_of(MOE), [[1, 2]], GenerationConfig(gen_length=8, block_length=8), batch_size=0)
+
 def test_progress_guarantee_when_everything_predicts_mask():
     model = ScriptedModel(lambda p: torch.full_like(p, MOE.mask_id))
     out, stats = run(model, [[1, 2, 3]], gen_length=16, cache="dual", early_stop=False)
@@ -281,7 +303,7 @@ def test_unknown_decoder_and_partial_last_block():
     out, _ = run(model, [[1, 2, 3]], gen_length=13, block_length=8)   # 13 = 8 + a partial block of 5
     assert len(out[0]) == 13 and MOE.mask_id not in out[0]
     batch = make_batch([[1, 2, 3]], 13, 8, MOE.mask_id, MOE.eos_id, "cpu", 256)
-    assert batch.num_blocks == 2 and int(batch.first_block[0]) == 0
+    assert batch.num_blocks().tolist() == [2] and int(batch.first_block[0]) == 0
 
 
 def test_loop_overhead_is_measured():

@@ -9,25 +9,33 @@ from dinfer.tasks import eval_problems
 
 
 class ScriptedLLM:
-    """Answers every third problem wrongly; 2 batch forwards per call, 3 tokens and 0.5 s per prompt."""
+    """Answers every third problem wrongly; 2 batch forwards per batch_size prompts, 3 tokens and 0.5 s
+    per prompt; reports each prompt finished through on_finish."""
 
     def __init__(self):
         self.answers = {p: a for t in ("add", "chain") for p, a in eval_problems(t, 7, seed=2)}
         self.calls = []
 
-    def generate(self, prompts, **options):
-        self.calls.append((len(prompts), options))
+    def generate(self, prompts, batch_size=None, on_finish=None, **options):
+        self.calls.append((len(prompts), batch_size, options))
         texts = [self.answers[p] if sum(map(ord, p)) % 3 else "wrong" for p in prompts]
         n = len(prompts)
+        for _ in prompts:
+            on_finish(1)
         return GenerateResult(texts, [[0] * 3 for _ in prompts],
-                              {"forwards": 2, "sequence_forwards": 2 * n, "tokens": 3 * n, "seconds": 0.5 * n})
+                              {"forwards": 2 * -(-n // batch_size), "sequence_forwards": 2 * n, "tokens": 3 * n,
+                               "seconds": 0.5 * n})
 
 
-def test_scores_and_rates():
+def test_scores_and_rates(capsys):
     llm = ScriptedLLM()
-    r = evaluate(llm, "add,chain", num_problems=7, batch_size=3, problem_seed=2, decoder="credit", unroll=None)
-    assert [n for n, _ in llm.calls] == [3, 3, 1, 3, 3, 1]
-    assert all(o == {"decoder": "credit", "unroll": None} for _, o in llm.calls)
+    r = evaluate(llm, "add,chain", num_problems=7, batch_size=3, problem_seed=2, decoder="credit", unroll=None,
+                 progress=True)
+    bar = capsys.readouterr().err
+    # One call per task: the LLM keeps batch_size prompts in flight (continuous batching).
+    assert [(n, b) for n, b, _ in llm.calls] == [(7, 3), (7, 3)]
+    assert all(o == {"decoder": "credit", "unroll": None} for _, _, o in llm.calls)
+    assert "add" in bar and "7/14" in bar and "chain" in bar and "14/14" in bar
     for task in ("add", "chain"):
         expected = sum(sum(map(ord, p)) % 3 != 0 for p, _ in eval_problems(task, 7, seed=2))
         t = r["tasks"][task]

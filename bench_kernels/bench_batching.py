@@ -1,0 +1,89 @@
+"""Continuous batching against fixed runs, on one stream of prompts from every task, interleaved.
+
+    python bench_kernels/bench_batching.py [--model tiny-llada-moe] [--num-problems 30] [--batch 8]
+                                           [--device cpu] [--quick] [--json out.json]
+
+Rows (all dInfer full's recipe, the embedded model, the same prompts in the same order):
+  batch 1     one prompt at a time
+  runs        `batch` prompts at a time; the next run starts when the last of the run is done
+              (a finished sequence leaves its run, so the run shrinks)
+  continuous  at most `batch` in flight; a finished sequence's slot goes to the next prompt at the next
+              block boundary (dinfer.generate's batch_size)
+Prints accuracy, forwards, sequence-forwards, TPS and the ratios to batch 1 and of continuous to runs.
+Tasks differ in answer length, so sequences finish on different blocks: that is what refills use.
+"""
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from bench_e2e import RECIPES  # noqa: E402
+
+from dinfer.llm import LLM  # noqa: E402
+from dinfer.models.embedded import DEFAULT  # noqa: E402
+from dinfer.tasks import TASKS, check_tasks, eval_problems  # noqa: E402
+
+LEARNED = "add,sort,reverse,chain"   # recall is not learned by the embedded models (RESULTS.md)
+
+
+def measure(llm, problems, batch, runs, options):
+    prompts = [p for p, _ in problems]
+    parts = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if runs else [prompts]
+    texts, forwards, seq_forwards, tokens = [], 0, 0, 0
+    t0 = time.perf_counter()
+    for part in parts:
+        out = llm.generate(part, batch_size=batch, **options)
+        texts += out.texts
+        forwards += out.stats["forwards"]
+        seq_forwards += out.stats["sequence_forwards"]
+        tokens += out.stats["tokens"]
+    seconds = time.perf_counter() - t0
+    correct = sum(t == a for t, (_, a) in zip(texts, problems))
+    return {"mode": "batch 1" if batch == 1 else ("runs" if runs else "continuous"), "batch": batch,
+            "accuracy": round(correct / len(problems), 4), "forwards": forwards,
+            "sequence_forwards": seq_forwards, "tokens": tokens, "seconds": round(seconds, 4),
+            "tokens_per_second": round(tokens / seconds, 1)}
+
+
+def main(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)")
+    p.add_argument("--tasks", default=LEARNED, help=f"some of {','.join(TASKS)}")
+    p.add_argument("--num-problems", type=int, default=30, help="held-out problems per task")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_problems = min(args.num_problems, 8)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # --dtype is the logits dtype of the kernel benches; the model runs in its device's default here.
+    llm = LLM(args.model, device=args.device)
+    per_task = [eval_problems(t, args.num_problems) for t in check_tasks(args.tasks)]
+    problems = [prob for group in zip(*per_task) for prob in group]   # add, sort, ..., add, sort, ...
+    options = dict(RECIPES["dinfer-full"], align_blocks=False)
+    llm.generate([q for q, _ in problems[:args.batch]], batch_size=args.batch, **options)   # warm-up
+    results = [measure(llm, problems, 1, False, options),
+               measure(llm, problems, args.batch, True, options),
+               measure(llm, problems, args.batch, False, options)]
+    one, runs, cont = results
+    for r in results:
+        r["speedup_vs_batch1"] = round(r["tokens_per_second"] / one["tokens_per_second"], 2)
+    columns = [("mode", "mode", None), ("batch", "batch", None), ("accuracy", "accuracy", ".3f"),
+               ("forwards", "forwards", None), ("sequence forwards", "sequence_forwards", None),
+               ("TPS", "tokens_per_second", ".1f"), ("x batch 1", "speedup_vs_batch1", ".2f")]
+    table = common.markdown_table(results, columns)
+    print(table)
+    notes = [f"continuous / runs, tokens/s: {cont['tokens_per_second'] / runs['tokens_per_second']:.2f}",
+             f"continuous / runs, forwards: {cont['forwards'] / runs['forwards']:.2f}",
+             f"batch {args.batch} continuous / batch 1, tokens/s: {cont['speedup_vs_batch1']}"]
+    env = common.environment(args.device)
+    env["model"] = args.model or DEFAULT
+    common.finish("batching", env, args, None, results, [table], notes)
+
+
+if __name__ == "__main__":
+    main()
