@@ -7,7 +7,8 @@
 #   2. build in place, no network: pip install --no-build-isolation --no-deps -e .
 #      with DINFER_CUDA=1 DINFER_CUDA_ARCHS=90a (fallback: setup.py build_ext --inplace)
 #   3. tests: pytest -m "not slow" tests --junitxml OUT_DIR/junit.xml
-#   4. every bench_kernels/bench_*.py --quick --device cuda --json OUT_DIR/<name>.json (discovered)
+#   4. every bench_kernels/bench_*.py --quick --device cuda --json OUT_DIR/<name>.json (discovered;
+#      the kernels' benchmarks first)
 #   5. OUT_DIR/report.md + report.json (python bench_kernels/common.py report OUT_DIR)
 # The whole run stays inside GPU_CHECK_BUDGET_S seconds (default 450): each step's timeout is its
 # default or what is left of the budget, whichever is smaller.
@@ -81,9 +82,12 @@ run_step tests "${TEST_TIMEOUT_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -
   --junitxml "$OUT_DIR/junit.xml" -o junit_family=xunit2
 
 # 4. benchmarks (discovered) ---------------------------------------------------------------------
-for f in bench_kernels/bench_*.py; do
+# The kernels' benchmarks first (their targets need a GPU), then the engine-level ones, so that a
+# budget that runs out cuts the least GPU-specific ones.
+FIRST="bench_attention bench_moe bench_decode bench_soft_embedding"
+for name in $FIRST $(ls bench_kernels/bench_*.py | xargs -n1 basename | sed 's/\.py$//' | grep -v -x -F -f <(tr ' ' '\n' <<<"$FIRST")); do
+  f=bench_kernels/$name.py
   [ -f "$f" ] || continue
-  name=$(basename "$f" .py)
   run_step "$name" "${BENCH_TIMEOUT_S:-120}" "$PY" "$f" --quick --device cuda --json "$OUT_DIR/$name.json"
 done
 
