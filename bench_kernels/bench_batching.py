@@ -16,14 +16,10 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from bench_e2e import RECIPES  # noqa: E402
 
-from dinfer.llm import LLM  # noqa: E402
-from dinfer.models.embedded import DEFAULT  # noqa: E402
 from dinfer.tasks import TASKS, check_tasks, eval_problems  # noqa: E402
 
 LEARNED = "add,sort,reverse,chain"   # recall is not learned by the embedded models (RESULTS.md)
@@ -49,19 +45,12 @@ def measure(llm, problems, batch, runs, options):
 
 
 def main(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)")
-    p.add_argument("--tasks", default=LEARNED, help=f"some of {','.join(TASKS)}")
-    p.add_argument("--num-problems", type=int, default=30, help="held-out problems per task")
+    p = common.engine_parser(__doc__.splitlines()[0], LEARNED, 30)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
     if args.quick:
         args.num_problems = min(args.num_problems, 8)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    # --dtype is the logits dtype of the kernel benches; the model runs in its device's default here.
-    llm = LLM(args.model, device=args.device)
+    llm = common.engine_llm(args)
     per_task = [eval_problems(t, args.num_problems) for t in check_tasks(args.tasks)]
     problems = [prob for group in zip(*per_task) for prob in group]   # add, sort, ..., add, sort, ...
     options = dict(RECIPES["dinfer-full"], align_blocks=False)
@@ -75,14 +64,10 @@ def main(argv=None):
     columns = [("mode", "mode", None), ("batch", "batch", None), ("accuracy", "accuracy", ".3f"),
                ("forwards", "forwards", None), ("sequence forwards", "sequence_forwards", None),
                ("TPS", "tokens_per_second", ".1f"), ("x batch 1", "speedup_vs_batch1", ".2f")]
-    table = common.markdown_table(results, columns)
-    print(table)
     notes = [f"continuous / runs, tokens/s: {cont['tokens_per_second'] / runs['tokens_per_second']:.2f}",
              f"continuous / runs, forwards: {cont['forwards'] / runs['forwards']:.2f}",
              f"batch {args.batch} continuous / batch 1, tokens/s: {cont['speedup_vs_batch1']}"]
-    env = common.environment(args.device)
-    env["model"] = args.model or DEFAULT
-    common.finish("batching", env, args, None, results, [table], notes)
+    common.finish_engine("batching", args, results, common.markdown_table(results, columns), notes)
 
 
 if __name__ == "__main__":

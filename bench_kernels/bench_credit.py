@@ -15,15 +15,11 @@ expected_tpf sizing) never sets a floor of its own.
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from bench_batching import LEARNED  # noqa: E402
 from bench_e2e import RECIPES  # noqa: E402
 
-from dinfer.llm import LLM  # noqa: E402
-from dinfer.models.embedded import DEFAULT  # noqa: E402
 from dinfer.tasks import TASKS, check_tasks, eval_problems  # noqa: E402
 
 COMPARED = {"threshold": "dinfer", "credit": "dinfer-credit", "credit+smoothing": "dinfer-full"}
@@ -38,20 +34,14 @@ def measure(llm, problems, options):
 
 
 def main(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)")
-    p.add_argument("--tasks", default=LEARNED, help=f"some of {','.join(TASKS)}")
-    p.add_argument("--num-problems", type=int, default=30, help="held-out problems per task")
+    p = common.engine_parser(__doc__.splitlines()[0], LEARNED, 30)
     p.add_argument("--thresholds", default="0.9,0.95,0.99,0.999")
     p.add_argument("--block-lengths", default=None, help="default: the model's and the whole canvas")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
     thresholds = [float(t) for t in args.thresholds.split(",")]
     if args.quick:
         args.num_problems, thresholds = min(args.num_problems, 4), [thresholds[0], thresholds[-1]]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    llm = LLM(args.model, device=args.device)
+    llm = common.engine_llm(args)
     gen_length = llm.defaults["gen_length"]
     block_lengths = (common.parse_ints(args.block_lengths) if args.block_lengths
                      else sorted({llm.defaults["block_length"], gen_length}))
@@ -78,14 +68,10 @@ def main(argv=None):
                ("accuracy", "accuracy", ".3f"), ("forwards", "forwards", None), ("blocks", "blocks", None),
                ("TPF", "tokens_per_forward", ".2f"), ("x threshold", "tpf_vs_threshold", ".2f"),
                ("ceiling", "ceiling", ".2f")]
-    table = common.markdown_table(results, columns)
-    print(table)
     best = max((r for r in results if r["decoder"] == "credit+smoothing"), key=lambda r: r["tpf_vs_threshold"])
     notes = [f"credit+smoothing TPF / threshold-only, best: x{best['tpf_vs_threshold']} at block "
              f"{best['block_length']}, tau {best['threshold']}"]
-    env = common.environment(args.device)
-    env["model"] = args.model or DEFAULT
-    common.finish("credit", env, args, None, results, [table], notes)
+    common.finish_engine("credit", args, results, common.markdown_table(results, columns), notes)
 
 
 if __name__ == "__main__":

@@ -19,19 +19,14 @@ which on these models costs accuracy and tokens/forward alike; see RESULTS.md).
 Each runs with our kernels (backend "auto") and on the pure-torch references ("/torch"), and
 dinfer-full also at batch 8. Speedups are tokens/s over vanilla and over fast-dllm, both with kernels.
 """
-import argparse
 import os
 import sys
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import dinfer_kernels as dk  # noqa: E402
 from dinfer.evaluate import evaluate  # noqa: E402
-from dinfer.llm import LLM  # noqa: E402
-from dinfer.models.embedded import DEFAULT  # noqa: E402
 from dinfer.tasks import TASKS  # noqa: E402
 
 RECIPES = {
@@ -59,22 +54,12 @@ def run(llm, recipe, backend, batch, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)")
-    p.add_argument("--tasks", default=",".join(TASKS))
-    p.add_argument("--num-problems", type=int, default=40, help="held-out problems per task")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--dtype", default=None, help="model dtype (default: bf16 on a GPU, fp32 on the host)")
-    p.add_argument("--quick", action="store_true", help="4 problems per task (the GPU check script)")
-    p.add_argument("--json", default=None)
+    p = common.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 40)
     p.add_argument("--plot", default=None, help="PNG of accuracy against tokens/s (needs matplotlib)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_problems = min(args.num_problems, 4)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = common.engine_llm(args)
     results = []
     for recipe in RECIPES:
         for backend in ("auto", "torch"):
@@ -108,14 +93,8 @@ def main(argv=None):
                ("accuracy", "accuracy", ".3f"), ("TPF", "tokens_per_forward", ".2f"),
                ("TPS", "tokens_per_second", ".1f"), ("x vanilla", "speedup_vs_vanilla", ".2f"),
                ("x fast-dllm", "speedup_vs_fast_dllm", ".2f"), ("forwards", "forwards", None)]
-    table = common.markdown_table(results, columns)
-    print(table)
-    for k, v in checks.items():
-        print(f"{k}: {v}")
-    env = common.environment(args.device)
-    env["model"] = args.model or DEFAULT  # the name or path given, not this machine's install path
     notes = [f"{k}: {v}" for k, v in checks.items()]
-    common.finish("e2e", env, args, None, results, [table], notes)
+    common.finish_engine("e2e", args, results, common.markdown_table(results, columns), notes)
     if args.plot:
         plot(results, args.plot, os.path.basename(llm.path))
 

@@ -54,6 +54,40 @@ def base_parser(description):
     return p
 
 
+def engine_parser(description, tasks, num_problems):
+    """The options of the benchmarks that run an embedded model end to end (bench_e2e and friends)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)")
+    p.add_argument("--tasks", default=tasks)
+    p.add_argument("--num-problems", type=int, default=num_problems, help="held-out problems per task")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dtype", default=None, help="model dtype (default: bf16 on a GPU, fp32 on the host)")
+    p.add_argument("--quick", action="store_true", help="a few problems per task (the GPU check script)")
+    p.add_argument("--json", default=None)
+    return p
+
+
+def engine_llm(args):
+    """The model an engine benchmark runs, on args.threads CPU threads when given."""
+    import torch
+    from dinfer.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return LLM(args.model, device=args.device, dtype=args.dtype)
+
+
+def finish_engine(bench, args, results, table, notes):
+    """finish() for an engine benchmark: prints the table, records the model's name (not its path)."""
+    from dinfer.models.embedded import DEFAULT
+
+    print(table)
+    env = environment(args.device)
+    env["model"] = args.model or DEFAULT   # the name or path given, not this machine's install path
+    return finish(bench, env, args, None, results, [table], notes)
+
+
 def torch_dtype(name):
     import torch
 
