@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from bench_e2e import RECIPES  # noqa: E402
 
-from dinfer.tasks import TASKS, check_tasks, eval_problems  # noqa: E402
+from dinfer.tasks import check_tasks, eval_problems  # noqa: E402
 
 LEARNED = "add,sort,reverse,chain"   # recall is not learned by the embedded models (RESULTS.md)
 

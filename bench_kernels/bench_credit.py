@@ -20,7 +20,7 @@ import common  # noqa: E402
 from bench_batching import LEARNED  # noqa: E402
 from bench_e2e import RECIPES  # noqa: E402
 
-from dinfer.tasks import TASKS, check_tasks, eval_problems  # noqa: E402
+from dinfer.tasks import check_tasks, eval_problems  # noqa: E402
 
 COMPARED = {"threshold": "dinfer", "credit": "dinfer-credit", "credit+smoothing": "dinfer-full"}
 

@@ -58,7 +58,7 @@ def engine_parser(description, tasks, num_problems):
     """The options of the benchmarks that run an embedded model end to end (bench_e2e and friends)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)")
-    p.add_argument("--tasks", default=tasks)
+    p.add_argument("--tasks", default=tasks, help=f"comma-separated tasks of dinfer.tasks (default: {tasks})")
     p.add_argument("--num-problems", type=int, default=num_problems, help="held-out problems per task")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
