@@ -22,6 +22,7 @@ class Batch:
     first_block: torch.Tensor  # [B] int64: start of block 0
     prompt_len: torch.Tensor   # [B] int64
     block_length: int
+    room: int                  # columns kept after the last block: the after-look window + 1 padding row
 
     @property
     def size(self) -> int:
@@ -45,9 +46,19 @@ class Batch:
         ar = torch.arange(self.block_length, device=self.x.device)
         return self.block_start(k)[:, None] + ar
 
-    def select(self, rows: torch.Tensor) -> "Batch":
-        return Batch(self.x[rows], self.total_len[rows], self.first_block[rows], self.prompt_len[rows],
-                     self.block_length)
+    def span(self) -> int:
+        """Columns the sequences use: every block, its after-look window and one padding row that
+        clamped window rows can point at (a sync: the host needs the number)."""
+        return int((self.first_block + self.num_blocks() * self.block_length).max()) + self.room
+
+    def select(self, rows: torch.Tensor, trim: bool = False) -> "Batch":
+        """Sequences `rows`; trim: only the columns they use (a round of short prompts in a stream
+        that also holds long ones computes its refreshes over its own length)."""
+        part = Batch(self.x[rows], self.total_len[rows], self.first_block[rows], self.prompt_len[rows],
+                     self.block_length, self.room)
+        if trim:
+            part.x = part.x[:, :part.span()]
+        return part
 
 
 def make_batch(prompts, gen_length: int, block_length: int, mask_id: int, pad_id: int, device,
@@ -67,16 +78,16 @@ def make_batch(prompts, gen_length: int, block_length: int, mask_id: int, pad_id
     lp = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
     first = lp // block_length * block_length if align_blocks else lp.clone()
     total = lp + gen_length
-    # Room for every block and its after-look window, plus one padding row that clamped window rows
-    # can point at: windows then depend on a sequence's own positions only, never on the batch.
-    blocks = (total - first + block_length - 1) // block_length
-    S = int((first + blocks * block_length).max()) + after_look + 1
-    x = torch.full((len(prompts), S), pad_id, dtype=torch.int64)
+    # Room for every block and its after-look window, plus one padding row: windows then depend on
+    # a sequence's own positions only, never on the batch.
+    batch = Batch(torch.empty(len(prompts), 0, dtype=torch.int64), total.to(torch.int32), first, lp,
+                  block_length, after_look + 1)
+    x = torch.full((len(prompts), batch.span()), pad_id, dtype=torch.int64)
     for b, p in enumerate(prompts):
         x[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
         x[b, len(p):int(total[b])] = mask_id
-    return Batch(x.to(device), total.to(torch.int32).to(device), first.to(device), lp.to(device),
-                 block_length)
+    return Batch(x.to(device), batch.total_len.to(device), first.to(device), lp.to(device), block_length,
+                 batch.room)
 
 
 def window(batch: Batch, k: torch.Tensor, mode: str, prefix_look: int, after_look: int):

@@ -86,7 +86,9 @@ class BlockState:
         self.batch = batch
         B, bl, S = batch.size, batch.block_length, batch.max_len
         dev = batch.x.device
-        self.cache = type(cache)([t[:B] for t in cache.keys], [t[:B] for t in cache.values])
+        # The round's cache: the head of each slot buffer seen as [B, S, Hkv, D], contiguous. What a
+        # block leaves there is never read again (every block starts with a refresh).
+        self.cache = type(cache)([_head(t, B, S) for t in cache.keys], [_head(t, B, S) for t in cache.values])
         pos = batch.block_positions(k)
         # Rows past a sequence's end are padding: they read a non-mask token and are never written.
         self.valid = pos < batch.total_len[:, None].to(torch.int64)
@@ -122,6 +124,10 @@ class BlockState:
         new.decoder = self.decoder.select(keep)
         new.soft = self.soft.view(self.batch.size, bl, -1)[keep].flatten(0, 1)
         return new
+
+
+def _head(buffer: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    return buffer.view(-1)[:B * S * buffer[0, 0].numel()].view(B, S, *buffer.shape[2:])
 
 
 class Generator:
@@ -206,11 +212,12 @@ class Generator:
             round_rows = torch.tensor(flight)
             k = next_block[round_rows]
             rows = round_rows.to(model.device)
-            st = BlockState(full.select(rows), k.to(model.device), cfg, model, cache, iters[rows], rng_offset)
+            part = full.select(rows, trim=True)
+            st = BlockState(part, k.to(model.device), cfg, model, cache, iters[rows], rng_offset)
             step, left, host_rows = 0, st.masked(self.mask_id), round_rows
             while left.any():
                 if cfg.compact and not left.all():
-                    full.x[rows], iters[rows] = st.batch.x, st.iters
+                    full.x[rows, :part.max_len], iters[rows] = st.batch.x, st.iters
                     keep = left.nonzero().flatten()
                     st, rows, left = st.select(keep.to(model.device)), rows[keep.to(rows.device)], left[keep]
                     host_rows = host_rows[keep]
@@ -225,7 +232,7 @@ class Generator:
                 ran[host_rows] += chunk
                 step += chunk
                 left = st.masked(self.mask_id)
-            full.x[rows], iters[rows] = st.batch.x, st.iters
+            full.x[rows, :part.max_len], iters[rows] = st.batch.x, st.iters
             rng_offset = st.rng_offset
             if cfg.early_stop:
                 self._early_stop(full, k, round_rows, done)

@@ -216,14 +216,14 @@ def test_compaction_skips_finished_blocks_without_changing_tokens(cache, decoder
 
 class ScriptedModel:
     """A stand-in model whose logits favour a chosen token per position: drives the loop's
-    early-stop and progress paths deterministically. Records the batch size of each forward."""
+    early-stop and progress paths deterministically. Records the batch size and width of each forward."""
 
     def __init__(self, favourite):
         self.config = MOE
         self.device = torch.device("cpu")
         self.embedding = torch.zeros(MOE.vocab_size, MOE.hidden_size)
         self.favourite = favourite
-        self.batch_sizes = []
+        self.batch_sizes, self.widths = [], []
 
     def embed(self, tokens):
         return F.embedding(tokens, self.embedding)
@@ -233,6 +233,7 @@ class ScriptedModel:
 
     def forward(self, emb, pos, cache, seq_lens, write_back=True, logits_rows=None):
         self.batch_sizes.append(emb.shape[0])
+        self.widths.append(emb.shape[1])
         flat = pos.flatten() if logits_rows is None else pos.flatten()[logits_rows]
         logits = torch.zeros(flat.numel(), MOE.vocab_size)
         logits[torch.arange(flat.numel()), self.favourite(flat)] = 10.0
@@ -269,6 +270,16 @@ def test_continuous_batching_refills_a_finished_slot():
     # Two runs of two prompts each would take four forwards, of batch sizes 2, 1, 2, 1.
     assert model.batch_sizes == [2, 2, 2] and stats.forwards == 3
     assert finished == [1, 1, 2]
+
+
+def test_a_round_computes_over_its_own_sequences_length():
+    """In one stream, a short prompt's forwards span its own columns, not the longest prompt's."""
+    model = ScriptedModel(lambda p: torch.full_like(p, 5))
+    cfg = GenerationConfig(gen_length=16, block_length=8, cache="none", early_stop=False)
+    out, _ = generate(model, [[1] * 40, [1, 2]], cfg, batch_size=1)
+    # Every block + the 16-row after-look + 1 padding row: 40 + 16 + 17 = 73, and 0 + 24 + 17 = 41.
+    assert model.widths == [73, 73, 41, 41, 41]
+    assert [o.tolist() for o in out] == [[5] * 16, [5] * 16]
 
 
 def test_batch_size_must_be_positive():
