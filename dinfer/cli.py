@@ -107,7 +107,8 @@ def _eval(args: argparse.Namespace) -> None:
     from .evaluate import evaluate, markdown_table
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    result = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=1 if args.batch_size is None else args.batch_size,
+    batch_size = 1 if args.batch_size is None else args.batch_size
+    result = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch_size,
                       problem_seed=args.problem_seed, progress=args.progress, **_options(args))
     result["model"] = llm.path
     table = markdown_table(result, title=f"{llm.path} {json.dumps(result['options'])}")

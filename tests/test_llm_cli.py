@@ -229,10 +229,16 @@ def test_cli_plain_and_json(ckpt, llm):
     (["--cache", "nope"], "invalid choice"),
     (["--gen-length", "0"], "gen_length"),
     (["--dtype", "int8"], "dtype"),
+    (["--batch-size", "0"], "batch_size"),
 ])
 def test_cli_errors(ckpt, args, match):
     r = run_cli("generate", "--model", ckpt, "--prompt", "hello", *args)
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_eval_rejects_a_zero_batch_size(ckpt):
+    r = run_cli("eval", "--model", ckpt, "--tasks", "add", "--num-problems", "1", "--batch-size", "0")
+    assert r.returncode == 2 and "batch_size" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cli_missing_checkpoint(tmp_path):
