@@ -336,3 +336,8 @@ def test_cuda_graph_replay_equals_eager_on_gpu(cache):
     eager, _ = run(model, prompts, cache=cache, cuda_graphs=False, smoothing=True, gen_length=32)
     graphs, _ = run(model, prompts, cache=cache, cuda_graphs=True, smoothing=True, gen_length=32)
     assert graphs == eager
+    # Continuous batching under graphs: one slot, the second prompt takes it when the first is done.
+    cfg = GenerationConfig(gen_length=32, block_length=8, cache=cache, smoothing=True,
+                           decoder=DecoderConfig(threshold=0.5))
+    streamed, _ = generate(model, prompts, cfg, batch_size=1)
+    assert [o.tolist() for o in streamed] == eager
