@@ -49,7 +49,7 @@ def run(llm, recipe, backend, batch, args):
     o = r["overall"]
     return {"recipe": recipe, "backend": backend, "batch": batch, "accuracy": o["accuracy"],
             "tokens_per_forward": o["tokens_per_forward"], "tokens_per_second": o["tokens_per_second"],
-            "forwards": o["forwards"], "tokens": o["tokens"], "seconds": o["seconds"],
+            "forwards": o["forwards"], "refreshes": o["refreshes"], "tokens": o["tokens"], "seconds": o["seconds"],
             "per_task_accuracy": {t: v["accuracy"] for t, v in r["tasks"].items()}, "options": options}
 
 
@@ -85,6 +85,9 @@ def main(argv=None):
         "credit TPF / threshold-only TPF": round(credit["tokens_per_forward"] / thr["tokens_per_forward"], 2),
         "credit+smoothing TPF / threshold-only TPF (target >= 1.2)":
             round(full["tokens_per_forward"] / thr["tokens_per_forward"], 2),
+        # Every block costs a forward (its refresh), so no decoder can do better than this here.
+        "threshold-only forwards / blocks (the most any decoder can gain at this layout)":
+            round(thr["forwards"] / thr["refreshes"], 2),
         "credit+smoothing accuracy - threshold-only, points": round(100 * (full["accuracy"] - thr["accuracy"]), 1),
         "batch 8 TPS / batch 1 TPS, dinfer-full (target >= 3)":
             round(full8["tokens_per_second"] / full["tokens_per_second"], 2),

@@ -15,6 +15,10 @@ from typing import Dict, List, Optional
 from .llm import LLM
 from .tasks import check_tasks, eval_problems
 
+# Summed per task from the generate stats. Refreshes are full forwards; with refreshes only at block
+# starts (warmup_steps = refresh_every = 0) they count the blocks decoded: the least forwards can be.
+COUNTS = ("forwards", "sequence_forwards", "refreshes", "tokens", "seconds")
+
 
 class Progress:
     """A one-line progress bar on stderr (no dependency); silent when disabled."""
@@ -52,11 +56,11 @@ def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, prob
         problems = eval_problems(task, num_problems, problem_seed)
         out = llm.generate([p for p, _ in problems], batch_size=batch_size,
                            on_finish=lambda n, task=task: bar.update(n, task), **options)
-        counts = {key: out.stats[key] for key in ("forwards", "sequence_forwards", "tokens", "seconds")}
+        counts = {key: out.stats[key] for key in COUNTS}
         counts["correct"] = sum(text == answer for text, (_, answer) in zip(out.texts, problems))
         per_task[task] = _rates(counts, len(problems))
     total = {k: sum(per_task[t][k] for t in tasks)
-             for k in ("correct", "forwards", "sequence_forwards", "tokens", "seconds")}
+             for k in ("correct",) + COUNTS}
     return {"options": {k: v for k, v in options.items() if v is not None}, "batch_size": batch_size,
             "num_problems": num_problems, "problem_seed": problem_seed, "tasks": per_task,
             "overall": _rates(total, num_problems * len(tasks))}
@@ -64,7 +68,8 @@ def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, prob
 
 def _rates(c: Dict[str, float], n: int) -> dict:
     return {"problems": n, "correct": c["correct"], "accuracy": round(c["correct"] / n, 4),
-            "forwards": c["forwards"], "sequence_forwards": c["sequence_forwards"], "tokens": c["tokens"],
+            "forwards": c["forwards"], "sequence_forwards": c["sequence_forwards"], "refreshes": c["refreshes"],
+            "tokens": c["tokens"],
             "seconds": round(c["seconds"], 4),
             "tokens_per_forward": round(c["tokens"] / max(c["sequence_forwards"], 1), 3),
             "tokens_per_second": round(c["tokens"] / c["seconds"], 1) if c["seconds"] else 0.0}

@@ -27,3 +27,8 @@ def test_bench_e2e_quick_run(bench, tmp_path):
     full = rows["dinfer-full", "auto", 1]
     assert full["speedup_vs_fast_dllm"] == round(full["tokens_per_second"] / fast["tokens_per_second"], 2)
     assert any(n.startswith("batch 8 TPS / batch 1 TPS") for n in payload["notes"])
+    thr = rows["dinfer", "auto", 1]
+    assert thr["forwards"] >= thr["refreshes"] >= 4          # >= one block per prompt, one forward per block
+    ceiling = f"threshold-only forwards / blocks (the most any decoder can gain at this layout): " \
+              f"{round(thr['forwards'] / thr['refreshes'], 2)}"
+    assert ceiling in payload["notes"]

@@ -23,8 +23,8 @@ class ScriptedLLM:
         for _ in prompts:
             on_finish(1)
         return GenerateResult(texts, [[0] * 3 for _ in prompts],
-                              {"forwards": 2 * -(-n // batch_size), "sequence_forwards": 2 * n, "tokens": 3 * n,
-                               "seconds": 0.5 * n})
+                              {"forwards": 2 * -(-n // batch_size), "sequence_forwards": 2 * n,
+                               "refreshes": -(-n // batch_size), "tokens": 3 * n, "seconds": 0.5 * n})
 
 
 def test_scores_and_rates(capsys):
@@ -40,7 +40,7 @@ def test_scores_and_rates(capsys):
         expected = sum(sum(map(ord, p)) % 3 != 0 for p, _ in eval_problems(task, 7, seed=2))
         t = r["tasks"][task]
         assert t["correct"] == expected and t["accuracy"] == round(expected / 7, 4)
-        assert t["forwards"] == 6 and t["sequence_forwards"] == 14 and t["tokens"] == 21
+        assert t["forwards"] == 6 and t["sequence_forwards"] == 14 and t["refreshes"] == 3 and t["tokens"] == 21
         assert t["tokens_per_forward"] == 1.5
         assert t["tokens_per_second"] == 6.0
     assert r["overall"]["problems"] == 14 and r["overall"]["sequence_forwards"] == 28
