@@ -44,7 +44,6 @@ RECIPES = {
 def run(llm, recipe, backend, batch, args):
     options = dict(RECIPES[recipe], align_blocks=False)
     with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
-        evaluate(llm, args.tasks, num_problems=1, batch_size=1, problem_seed=1, **options)  # warm-up
         r = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch, **options)
     o = r["overall"]
     return {"recipe": recipe, "backend": backend, "batch": batch, "accuracy": o["accuracy"],

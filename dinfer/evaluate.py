@@ -43,13 +43,19 @@ class Progress:
 
 
 def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, problem_seed: int = 0,
-             progress: bool = False, **options) -> dict:
-    """Run every task's held-out problems through llm.generate(..., **options)."""
+             progress: bool = False, warmup: bool = True, **options) -> dict:
+    """Run every task's held-out problems through llm.generate(..., **options).
+
+    warmup: first generate for one problem, untimed, with the same options, so that one-off
+    initialisation (kernel libraries, allocator, first-call dispatch: ~1 s on the CPU) is not
+    charged to the first task's tokens/s."""
     tasks = check_tasks(tasks)
     if num_problems < 1:
         raise ValueError(f"num_problems: must be >= 1, got {num_problems}")
     if batch_size < 1:
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    if warmup:
+        llm.generate([eval_problems(tasks[0], 1, problem_seed + 1)[0][0]], **options)
     bar = Progress(num_problems * len(tasks), progress)
     per_task = {}
     for task in tasks:

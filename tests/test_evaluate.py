@@ -18,9 +18,9 @@ class ScriptedLLM:
 
     def generate(self, prompts, batch_size=None, on_finish=None, **options):
         self.calls.append((len(prompts), batch_size, options))
-        texts = [self.answers[p] if sum(map(ord, p)) % 3 else "wrong" for p in prompts]
-        n = len(prompts)
-        for _ in prompts:
+        texts = [self.answers.get(p, "wrong") if sum(map(ord, p)) % 3 else "wrong" for p in prompts]
+        n, batch_size = len(prompts), batch_size or len(prompts)
+        for _ in prompts if on_finish else ():
             on_finish(1)
         return GenerateResult(texts, [[0] * 3 for _ in prompts],
                               {"forwards": 2 * -(-n // batch_size), "sequence_forwards": 2 * n,
@@ -32,8 +32,9 @@ def test_scores_and_rates(capsys):
     r = evaluate(llm, "add,chain", num_problems=7, batch_size=3, problem_seed=2, decoder="credit", unroll=None,
                  progress=True)
     bar = capsys.readouterr().err
-    # One call per task: the LLM keeps batch_size prompts in flight (continuous batching).
-    assert [(n, b) for n, b, _ in llm.calls] == [(7, 3), (7, 3)]
+    # An untimed warm-up call, then one call per task: the LLM keeps batch_size prompts in flight
+    # (continuous batching). The warm-up counts nowhere (6 forwards per task below, not 8).
+    assert [(n, b) for n, b, _ in llm.calls] == [(1, None), (7, 3), (7, 3)]
     assert all(o == {"decoder": "credit", "unroll": None} for _, _, o in llm.calls)
     assert "add" in bar and "7/14" in bar and "chain" in bar and "14/14" in bar
     for task in ("add", "chain"):
