@@ -6,7 +6,9 @@
 Problems are the held-out split of dinfer.tasks (never trained on), the same for the same seed, so
 two decoding configurations are always compared on the same prompts. TPF counts every forward
 (refreshes included, as dInfer does) a sequence ran, so it means the same at any batch size; TPS is
-generated non-EOS tokens over the wall time of the generate calls (tokenisation and scoring excluded).
+generated non-EOS tokens over the wall time of the generate calls (tokenisation, scoring and an
+untimed warm-up call excluded). Each task's problems go to one generate call with `batch_size` in
+flight (continuous batching).
 """
 import sys
 import time
