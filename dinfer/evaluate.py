@@ -63,7 +63,7 @@ def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, prob
     for task in tasks:
         problems = eval_problems(task, num_problems, problem_seed)
         out = llm.generate([p for p, _ in problems], batch_size=batch_size,
-                           on_finish=lambda n, task=task: bar.update(n, task), **options)
+                           on_finish=lambda i, text, task=task: bar.update(1, task), **options)
         counts = {key: out.stats[key] for key in COUNTS}
         counts["correct"] = sum(text == answer for text, (_, answer) in zip(out.texts, problems))
         per_task[task] = _rates(counts, len(problems))

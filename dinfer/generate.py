@@ -185,9 +185,9 @@ class Generator:
                 or (c.refresh_every > 0 and step % c.refresh_every == 0))
 
     def run(self, prompts: List[List[int]], batch_size: Optional[int] = None,
-            on_finish: Optional[Callable[[int], None]] = None) -> List[torch.Tensor]:
-        """batch_size: the most sequences in flight (default: all); on_finish(n) is called as n
-        sequences finish, at block boundaries."""
+            on_finish: Optional[Callable[[int, torch.Tensor], None]] = None) -> List[torch.Tensor]:
+        """batch_size: the most sequences in flight (default: all); on_finish(i, tokens) is called
+        for prompt i as soon as it is finished (at a block boundary), with its generated tokens."""
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
         full = make_batch(prompts, cfg.gen_length, cfg.block_length, self.mask_id, self.eos_id,
@@ -238,12 +238,17 @@ class Generator:
                 self._early_stop(full, k, round_rows, done)
             next_block[round_rows] += 1
             done[round_rows] |= next_block[round_rows] >= blocks[round_rows]
-            if on_finish is not None and int(done[round_rows].sum()):
-                on_finish(int(done[round_rows].sum()))
+            if on_finish is not None:
+                for b in round_rows[done[round_rows]].tolist():
+                    on_finish(b, self._generated(full, b))
         self.stats.seconds = time.perf_counter() - t0
-        out = [full.x[b, int(full.prompt_len[b]):int(full.total_len[b])].cpu() for b in range(full.size)]
+        out = [self._generated(full, b) for b in range(full.size)]
         self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in out)
         return out
+
+    @staticmethod
+    def _generated(full: Batch, b: int) -> torch.Tensor:
+        return full.x[b, int(full.prompt_len[b]):int(full.total_len[b])].cpu()
 
     def _early_stop(self, full: Batch, k: torch.Tensor, rows: torch.Tensor, done: torch.Tensor):
         """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS.
@@ -260,8 +265,9 @@ class Generator:
 
 
 def generate(model, prompts: List[List[int]], cfg: GenerationConfig, batch_size: Optional[int] = None,
-             on_finish: Optional[Callable[[int], None]] = None):
+             on_finish: Optional[Callable[[int, torch.Tensor], None]] = None):
     """Token ids of each prompt's generated region, and the run's Stats. batch_size: the most
-    sequences in flight (continuous batching: a finished sequence's slot goes to the next prompt)."""
+    sequences in flight (continuous batching: a finished sequence's slot goes to the next prompt);
+    on_finish(i, tokens): prompt i is finished, before the rest are (Generator.run)."""
     gen = Generator(model, cfg)
     return gen.run(prompts, batch_size, on_finish), gen.stats

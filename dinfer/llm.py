@@ -77,14 +77,15 @@ class LLM:
 
     def generate(self, prompts: Prompts, gen_length: Optional[int] = None, block_length: Optional[int] = None,
                  decoder: Union[str, DecoderConfig, None] = None, cache: Optional[str] = None, chat: bool = True,
-                 batch_size: Optional[int] = None, on_finish: Optional[Callable[[int], None]] = None,
+                 batch_size: Optional[int] = None, on_finish: Optional[Callable[[int, str], None]] = None,
                  **options) -> GenerateResult:
         """Generate for a prompt or a list of prompts (strings, or token-id lists taken as they are).
 
         chat: wrap string prompts in the checkpoint's chat template (when it has one).
         batch_size: the most prompts decoded at once (default: all); when one finishes, the next
             waiting prompt takes its place at the next block boundary (continuous batching).
-        on_finish: called with the number of prompts that just finished (progress bars).
+        on_finish: on_finish(i, text) as soon as prompt i is finished, while others still run
+            (results as they come; progress bars).
         options: GenerationConfig / DecoderConfig fields (threshold=0.9, smoothing=True, ...).
         """
         given = dict(options, gen_length=gen_length, block_length=block_length, decoder=decoder, cache=cache)
@@ -92,7 +93,8 @@ class LLM:
         ids = self._prompt_ids(prompts, chat)
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        outputs, stats = generate(self.model, ids, cfg, batch_size, on_finish)
+        finished = None if on_finish is None else (lambda i, tokens: on_finish(i, self._text(tokens)))
+        outputs, stats = generate(self.model, ids, cfg, batch_size, finished)
         token_ids = [self._until_eos(o.tolist()) for o in outputs]
         texts = [self.tokenizer.decode(t) for t in token_ids]
         return GenerateResult(texts, token_ids, stats.as_dict())
@@ -116,6 +118,9 @@ class LLM:
         if bad:
             raise ValueError(f"prompts[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
+
+    def _text(self, tokens: torch.Tensor) -> str:
+        return self.tokenizer.decode(self._until_eos(tokens.tolist()))
 
     def _until_eos(self, ids: List[int]) -> List[int]:
         eos = self.model.config.eos_id

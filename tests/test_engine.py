@@ -277,13 +277,13 @@ def test_continuous_batching_refills_a_finished_slot():
     prompts = [long, short, [3, 1], long[::-1]]
     finished, cfg = [], GenerationConfig(gen_length=32, block_length=8, cache="dual")
     model = ScriptedModel(eos_from_12)
-    out, stats = generate(model, prompts, cfg, batch_size=2, on_finish=finished.append)
+    out, stats = generate(model, prompts, cfg, batch_size=2, on_finish=lambda i, t: finished.append((i, t.tolist())))
     alone = [generate(ScriptedModel(eos_from_12), [p], cfg)[0][0].tolist() for p in prompts]
     assert [o.tolist() for o in out] == alone
     # Rounds: {long, short} -> {short on block 1, [3, 1] on block 0} -> {[3, 1] on block 1, long[::-1]}.
     # Two runs of two prompts each would take four forwards, of batch sizes 2, 1, 2, 1.
     assert model.batch_sizes == [2, 2, 2] and stats.forwards == 3
-    assert finished == [1, 1, 2]
+    assert finished == [(i, alone[i]) for i in range(4)]   # rounds end with prompts 0 | 1 | 2, 3
 
 
 def test_a_round_computes_over_its_own_sequences_length():

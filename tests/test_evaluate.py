@@ -20,8 +20,8 @@ class ScriptedLLM:
         self.calls.append((len(prompts), batch_size, options))
         texts = [self.answers.get(p, "wrong") if sum(map(ord, p)) % 3 else "wrong" for p in prompts]
         n, batch_size = len(prompts), batch_size or len(prompts)
-        for _ in prompts if on_finish else ():
-            on_finish(1)
+        for i, text in enumerate(texts if on_finish else ()):
+            on_finish(i, text)
         return GenerateResult(texts, [[0] * 3 for _ in prompts],
                               {"forwards": 2 * -(-n // batch_size), "sequence_forwards": 2 * n,
                                "refreshes": -(-n // batch_size), "tokens": 3 * n, "seconds": 0.5 * n})

@@ -127,8 +127,10 @@ def test_generate_batch_and_batch_size_splitting(llm):
     lengths = [len(t) for t in whole.token_ids]
     assert max(lengths) == FAST["gen_length"] and min(lengths) < FAST["gen_length"]  # EOS ends some early
     assert len({tuple(t) for t in whole.token_ids}) == 4
-    split = llm.generate(prompts, batch_size=3)
+    got = {}
+    split = llm.generate(prompts, batch_size=3, on_finish=got.__setitem__)
     assert split.token_ids == whole.token_ids and split.texts == whole.texts
+    assert got == dict(enumerate(split.texts))          # every prompt reported once, with its text
     singles = [llm.generate(p) for p in prompts]
     assert [s.token_ids[0] for s in singles] == whole.token_ids
     # Per-sequence forwards: equal to forwards alone; in a batch, between the singles' sum (a batch
