@@ -203,6 +203,7 @@ class Generator:
         iters = torch.zeros(full.size, dtype=torch.int64, device=model.device)
         cache = model.new_cache(slots, full.max_len)
         rng_offset, queue, flight = 0, deque(range(full.size)), []
+        out: List[torch.Tensor] = [None] * full.size   # filled as sequences finish; all do
         while True:
             flight = [r for r in flight if not done[r]]
             while len(flight) < slots and queue:
@@ -238,17 +239,14 @@ class Generator:
                 self._early_stop(full, k, round_rows, done)
             next_block[round_rows] += 1
             done[round_rows] |= next_block[round_rows] >= blocks[round_rows]
-            if on_finish is not None:
-                for b in round_rows[done[round_rows]].tolist():
-                    on_finish(b, self._generated(full, b))
+            # A finished sequence's tokens are final: read them once, hand them over now.
+            for b in round_rows[done[round_rows]].tolist():
+                out[b] = full.x[b, int(full.prompt_len[b]):int(full.total_len[b])].cpu()
+                if on_finish is not None:
+                    on_finish(b, out[b])
         self.stats.seconds = time.perf_counter() - t0
-        out = [self._generated(full, b) for b in range(full.size)]
         self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in out)
         return out
-
-    @staticmethod
-    def _generated(full: Batch, b: int) -> torch.Tensor:
-        return full.x[b, int(full.prompt_len[b]):int(full.total_len[b])].cpu()
 
     def _early_stop(self, full: Batch, k: torch.Tensor, rows: torch.Tensor, done: torch.Tensor):
         """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS.
