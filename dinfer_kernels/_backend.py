@@ -32,8 +32,10 @@ def _find_triton():
 _EXTENSION = _load_extension()
 _TRITON_VERSION = _find_triton()
 _EXTENSION_HAS_CUDA = _EXTENSION is not None and _EXTENSION.built_with_cuda()
-# The CUDA attention kernels come with their own build step: only usable once _C exports them.
-_EXTENSION_HAS_ATTENTION = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "attention")
+# The attention kernels come with their own build step: only usable once _C exports them (the
+# host kernel in every build, the CUDA one with its workspace query in CUDA builds).
+_EXTENSION_HAS_CPU_ATTENTION = _EXTENSION is not None and hasattr(_EXTENSION, "attention")
+_EXTENSION_HAS_ATTENTION = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "attention_workspace_bytes")
 # Likewise the CUDA MoE kernels (csrc/moe): only usable once _C exports them.
 _EXTENSION_HAS_MOE = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "moe")
 
@@ -58,7 +60,7 @@ IMPLEMENTED = {
     "soft_embedding": ("triton", "torch"),
     "rms_norm": ("torch",),
     "rope": ("torch",),
-    "attention": ("cuda", "triton", "torch"),
+    "attention": ("cuda", "triton", "cpu", "torch"),
     "moe": ("cuda", "triton", "torch"),
 }
 
@@ -69,7 +71,7 @@ def available_backends(device, op: str = "decode_step") -> list:
 
     kind = torch.device(device).type
     usable = {"torch"}
-    if _EXTENSION is not None and kind == "cpu":
+    if _EXTENSION is not None and kind == "cpu" and (op != "attention" or _EXTENSION_HAS_CPU_ATTENTION):
         usable.add("cpu")
     if (_EXTENSION_HAS_CUDA and kind == "cuda" and (op != "attention" or _EXTENSION_HAS_ATTENTION)
             and (op != "moe" or _EXTENSION_HAS_MOE)):

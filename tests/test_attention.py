@@ -4,6 +4,7 @@ must stay untouched), poisoned outputs, the torch.library registration and clear
 
 Triton runs in the interpreter on the host (fp16/fp32 only: the interpreter's bf16 arithmetic is not
 faithful); the large shapes and bf16 run only on a GPU."""
+import importlib
 import math
 
 import pytest
@@ -133,8 +134,8 @@ def _case_params():
     for backend, device in attention_backends():
         for c in CASES:
             skip = (backend == "triton" and device == "cpu" and (c[-1] == "gpu" or c[7] == BF16))
-            if backend == "torch" and c[-1] == "gpu" and c[2] * c[3] > 10**5:
-                skip = True                                   # the reference: too slow on the host
+            if backend in ("torch", "cpu") and c[-1] == "gpu" and c[2] * c[3] > 10**5:
+                skip = True                                   # the fp64 reference: too slow on the host
             marks = [pytest.mark.skip(reason="too big or bf16 for the interpreter")] if skip else []
             out.append(pytest.param(backend, device, c, id=f"{backend}-{device}-{c[0]}", marks=marks))
     return out
@@ -218,11 +219,7 @@ def kernel_backends():
 
 
 def _impl(backend):
-    if backend == "triton":
-        from dinfer_kernels.triton.attention import attention as impl
-    else:
-        from dinfer_kernels.cuda.attention import attention as impl
-    return impl
+    return importlib.import_module(f"dinfer_kernels.{backend}.attention").attention
 
 
 @pytest.mark.parametrize("backend,device", kernel_backends())
@@ -270,6 +267,81 @@ def test_out_of_range_lists_are_skipped(backend, device):
                                block_mask=ok)
     same = attention_reference(q, k, v, kc.clone(), vc.clone(), pos, lens, block_mask=ok)
     assert_precision(got, same, want, "out")
+
+
+# ---- the host kernel ------------------------------------------------------------------------------
+
+host_kernel = pytest.mark.skipif("cpu" not in _backend.available_backends("cpu", "attention"),
+                                 reason="dinfer_kernels._C was built without the host attention kernel")
+
+
+@host_kernel
+@pytest.mark.parametrize("D", [1, 5, 32, 96])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("write_back", [True, False])
+def test_cpu_any_head_dim_and_dtype(D, dtype, write_back):
+    """The host kernel takes any head dim (the embedded models' is 32) and bf16, which the generic
+    cases keep for the GPU."""
+    _check_call("cpu", "cpu", (f"cpu_d{D}", 2, 13, 71, 4, 2, D, dtype, "random", write_back, "all"))
+
+
+@host_kernel
+def test_cpu_thread_count_does_not_change_bits():
+    """A task owns its rows and its block_mass row: 1, 2 or 3 threads give the same bits."""
+    B, W, S, Hq, Hkv, D = 3, 11, 90, 4, 2, 32
+    q, k, v, kc, vc, pos, lens = make_case(B, W, S, Hq, Hkv, D, F32, seed=11)
+    bm, _ = random_block_mask(B, Hkv, W, S, q_block=4, kv_block=16, seed=11)
+    results = []
+    for threads in (1, 2, 3):
+        out = torch.empty(B, W, Hq, D)
+        lse, mass = torch.empty(B, W, Hq), torch.empty(B, Hq, -(-S // 16))
+        _backend.compiled().attention(q, k, v, kc.clone(), vc.clone(), pos, lens, out, lse, mass,
+                                      bm.kv_num_blocks, bm.kv_indices, write_back=False, q_block=4,
+                                      kv_block=16, scale=D ** -0.5, num_threads=threads)
+        results.append((out, lse, mass))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(_bits(a), _bits(b))
+
+
+@host_kernel
+def test_cpu_unchecked_values_never_read_out_of_bounds():
+    """Unvalidated positions (negative, past S) and seq_lens (negative, past S), as a caller of the
+    binding may pass: those rows are padding (output 0, lse -inf, nothing written), the length is
+    clamped to S, and the call neither crashes nor touches memory outside the arrays."""
+    B, W, S, Hq, Hkv, D = 2, 6, 40, 2, 1, 8
+    q, k, v = torch.randn(B, W, Hq, D), torch.randn(B, W, Hkv, D), torch.randn(B, W, Hkv, D)
+    kc, vc = torch.randn(B, S, Hkv, D), torch.randn(B, S, Hkv, D)
+    pos = torch.tensor([[0, 1, -5, 3, S + 7, 1 << 40], [4, -1, 6, 7, S, 9]])
+    for seq_lens in ([S + 100, S], [-3, S]):
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        kc_d, vc_d = kc.clone(), vc.clone()
+        out, lse = dk.attention(q, k, v, kc_d, vc_d, pos, lens, return_lse=True, backend="cpu",
+                                validate=False)
+        real = lens.clamp(0, S).long()
+        bad = (pos < 0) | (pos >= real[:, None])
+        assert torch.equal(out[bad], torch.zeros_like(out[bad]))
+        assert torch.isneginf(lse[bad]).all()
+        assert torch.isfinite(out[~bad]).all() and torch.isfinite(lse[~bad]).all()
+        for b in range(B):                       # only the valid rows were written into the cache
+            for w in range(W):
+                if bad[b, w]:
+                    continue
+                kc[b, pos[b, w]], vc[b, pos[b, w]] = k[b, w], v[b, w]
+        assert torch.equal(_bits(kc_d), _bits(kc)) and torch.equal(_bits(vc_d), _bits(vc))
+
+
+@host_kernel
+def test_auto_picks_the_host_kernel_on_the_host(monkeypatch):
+    import dinfer_kernels.cpu.attention as host
+    calls = []
+    real = host.attention
+    monkeypatch.setattr(host, "attention", lambda *a: calls.append(1) or real(*a))
+    q, k, v, kc, vc, pos, lens = make_case(1, 3, 20, 2, 2, 32, F32, seed=2)
+    dk.attention(q, k, v, kc.clone(), vc.clone(), pos, lens)                           # auto
+    assert calls == [1]
+    dk.attention(q, k, v, kc.clone(), vc.clone(), pos, lens, attn_mask=torch.ones(1, 3, 20, dtype=torch.bool))
+    assert calls == [1]                                  # a dense mask: the torch backend only
 
 
 @pytest.mark.parametrize("backend,device", kernel_backends())
@@ -396,10 +468,12 @@ def test_torch_compile_fullgraph_with_block_mask():
 def test_auto_backend_choice():
     q, k, v, kc, vc, pos, lens, bm = _small()
     avail = _backend.available_backends("cpu", "attention")
-    assert avail[-1] == "torch" and "cpu" not in avail
-    if "cuda" in _backend.IMPLEMENTED["attention"] and _backend.compiled() is not None:
+    ext = _backend.compiled()
+    assert avail[-1] == "torch"
+    assert ("cpu" in avail) == (ext is not None and hasattr(ext, "attention"))   # the host kernel
+    if ext is not None:
         assert ("cuda" in _backend.available_backends("cuda", "attention")) == (
-            _backend._EXTENSION_HAS_CUDA and hasattr(_backend.compiled(), "attention"))
+            _backend._EXTENSION_HAS_CUDA and hasattr(ext, "attention_workspace_bytes"))
 
 
 # ---- errors ----------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // pybind11 entry for block-sparse window attention: validates every argument (dtype, shape, device,
-// strides, alignment, scalars), then calls the torch-free CUDA launcher. There is no host kernel:
-// host arrays pass the same checks and are then refused. Registered only in CUDA builds.
+// strides, alignment, scalars), then calls the torch-free launcher of the arrays' device: the host
+// kernel (every build) or the CUDA one (CUDA builds; CUDA arrays are refused otherwise).
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -9,8 +9,6 @@
 #include "dinfer_kernels/attention.h"
 #include "tensor_arg.h"
 
-#ifdef DINFER_WITH_CUDA
-
 namespace dinfer_bindings {
 
 using dinfer_kernels::AttentionParams;
@@ -18,10 +16,11 @@ using dinfer_kernels::ScalarType;
 
 namespace {
 
-// The [.., D] arrays the kernels copy in 16-byte vectors: last dimension contiguous, the other
-// strides multiples of 8 elements (strides of size-1 dimensions are never used), data 16-byte
-// aligned. Writes the three leading strides to `out`.
-void vector_layout(const TensorArg& t, int64_t (&out)[3]) {
+// The [.., D] arrays: last dimension contiguous; writes the three leading strides to `out`
+// (strides of size-1 dimensions are never used: 0). The CUDA kernels copy them in 16-byte vectors,
+// so for them (`vectors`) the other strides must be multiples of 8 elements and the data 16-byte
+// aligned.
+void row_layout(const TensorArg& t, bool vectors, int64_t (&out)[3]) {
   if (t.numel() == 0) {
     out[0] = out[1] = out[2] = 0;
     return;
@@ -31,12 +30,17 @@ void vector_layout(const TensorArg& t, int64_t (&out)[3]) {
                       std::to_string(t.stride(3)));
   for (int d = 0; d < 3; ++d) {
     out[d] = t.size(d) == 1 ? 0 : t.stride(d);
-    if (out[d] % 8 != 0)
+    if (vectors && out[d] % 8 != 0)
       throw_value_error(t.name() + ": the stride of dim " + std::to_string(d) + " (" +
                         std::to_string(out[d]) + ") must be a multiple of 8 elements");
   }
-  if (reinterpret_cast<uintptr_t>(t.data<void>()) % 16 != 0)
+  if (vectors && reinterpret_cast<uintptr_t>(t.data<void>()) % 16 != 0)
     throw_value_error(t.name() + ": the data must be 16-byte aligned");
+}
+
+ScalarType scalar_type(DType t) {
+  return t == DType::kFloat16 ? ScalarType::kFloat16
+                              : (t == DType::kBFloat16 ? ScalarType::kBFloat16 : ScalarType::kFloat32);
 }
 
 }  // namespace
@@ -45,10 +49,12 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
                py::handle v_cache_o, py::handle positions_o, py::handle seq_lens_o, py::handle out_o,
                py::handle lse_o, py::handle block_mass_o, py::handle kv_num_blocks_o,
                py::handle kv_indices_o, py::handle write_back_o, py::handle q_block_o,
-               py::handle kv_block_o, py::handle scale_o, py::handle workspace_o, py::handle stream_o) {
+               py::handle kv_block_o, py::handle scale_o, py::handle workspace_o, py::handle stream_o,
+               py::handle num_threads_o) {
   const bool write_back = bool_arg(write_back_o, "write_back");
   const int64_t q_block = int_arg(q_block_o, "q_block"), kv_block = int_arg(kv_block_o, "kv_block");
-  const int64_t stream = int_arg(stream_o, "stream");
+  const int64_t stream = int_arg(stream_o, "stream"), num_threads = int_arg(num_threads_o, "num_threads");
+  if (num_threads < 0 || num_threads > 4096) throw_value_error("num_threads: must be in [0, 4096]");
   const double scale = float_arg(scale_o, "scale");
   if (q_block < 1) throw_value_error("q_block: must be >= 1, got " + std::to_string(q_block));
   if (kv_block < 1) throw_value_error("kv_block: must be >= 1, got " + std::to_string(kv_block));
@@ -59,10 +65,17 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
       v_cache(v_cache_o, "v_cache"), positions(positions_o, "positions"),
       seq_lens(seq_lens_o, "seq_lens"), out(out_o, "out");
 
-  q.expect_dtype({DType::kFloat16, DType::kBFloat16});
+  // The host kernel takes fp32 too, and any head dim; the CUDA kernels are tiled for 64 and 128.
+  const bool on_host = !q.on_cuda();
+  if (on_host)
+    q.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
+  else
+    q.expect_dtype({DType::kFloat16, DType::kBFloat16});
   if (q.ndim() != 4) throw_value_error("q: expected a 4-D array [B, W, Hq, D]");
   const int64_t B = q.size(0), W = q.size(1), Hq = q.size(2), D = q.size(3);
-  if (D != 64 && D != 128) throw_value_error("q: head dim must be 64 or 128, got " + std::to_string(D));
+  if (on_host ? D < 1 : (D != 64 && D != 128))
+    throw_value_error("q: head dim must be " + std::string(on_host ? ">= 1" : "64 or 128") + ", got " +
+                      std::to_string(D));
   if (Hq < 1) throw_value_error("q: needs at least one head");
   k_cache.expect_dtype({q.dtype()});
   if (k_cache.ndim() != 4) throw_value_error("k_cache: expected a 4-D array [B, S, Hkv, D]");
@@ -90,12 +103,12 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
   v_cache.expect_writable();
 
   AttentionParams p;
-  vector_layout(q, p.q_stride);
-  vector_layout(k, p.k_stride);
-  vector_layout(v, p.v_stride);
-  vector_layout(k_cache, p.k_cache_stride);
-  vector_layout(v_cache, p.v_cache_stride);
-  vector_layout(out, p.out_stride);
+  row_layout(q, !on_host, p.q_stride);
+  row_layout(k, !on_host, p.k_stride);
+  row_layout(v, !on_host, p.v_stride);
+  row_layout(k_cache, !on_host, p.k_cache_stride);
+  row_layout(v_cache, !on_host, p.v_cache_stride);
+  row_layout(out, !on_host, p.out_stride);
   for (TensorArg* t : {&k, &v, &k_cache, &v_cache, &positions, &seq_lens, &out}) t->expect_same_device(q);
 
   const int64_t nqb = dinfer_kernels::attention_num_q_blocks(W, q_block);
@@ -138,17 +151,13 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
     mass.expect_same_device(q);
     p.block_mass = mass.data<float>();
   }
-  if (!q.on_cuda())
-    throw_value_error(
-        "q: attention has no host kernel (CUDA arrays only; the torch backend runs on the host)");
-
   p.batch = B;
   p.window = W;
   p.heads_q = Hq;
   p.heads_kv = Hkv;
   p.head_dim = D;
   p.cache_len = S;
-  p.dtype = q.dtype() == DType::kFloat16 ? ScalarType::kFloat16 : ScalarType::kBFloat16;
+  p.dtype = scalar_type(q.dtype());
   p.q = q.data<void>();
   p.k = k.data<void>();
   p.v = v.data<void>();
@@ -163,6 +172,12 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
   p.scale = static_cast<float>(scale);
   p.out = out.data<void>();
 
+  if (on_host) {
+    py::gil_scoped_release release;
+    dinfer_kernels::attention_cpu(p, static_cast<int>(num_threads));
+    return;
+  }
+#ifdef DINFER_WITH_CUDA
   const size_t need = dinfer_kernels::attention_cuda_workspace_bytes(B, W, Hq, Hkv, D, S, q_block, kv_block,
                                                                      max_blocks, write_back,
                                                                      p.block_mass != nullptr);
@@ -189,6 +204,11 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
                                          reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
   }
   if (err != 0) throw std::runtime_error("attention_cuda: CUDA error " + std::to_string(err));
+#else
+  (void)workspace_o;
+  (void)stream;
+  throw_value_error("q: CUDA arrays need a CUDA build of dinfer_kernels (this one has the host kernel only)");
+#endif
 }
 
 void register_attention(py::module_& m) {
@@ -198,10 +218,13 @@ void register_attention(py::module_& m) {
         py::arg("kv_num_blocks") = py::none(), py::arg("kv_indices") = py::none(), py::kw_only(),
         py::arg("write_back"), py::arg("q_block"), py::arg("kv_block"), py::arg("scale"),
         py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
-        "Block-sparse window attention with partial KV refresh over DLPack CUDA arrays (contract: "
+        py::arg("num_threads") = py::int_(0),
+        "Block-sparse window attention with partial KV refresh over DLPack arrays (contract: "
         "dinfer_kernels/reference/attention.py). Outputs are caller-allocated; the caches are "
-        "updated in place (write_back) or restored (not). Needs a uint8 workspace of "
-        "attention_workspace_bytes(...) bytes; runs on `stream`.");
+        "updated in place (write_back) or left as they were (not). CUDA arrays: needs a uint8 "
+        "workspace of attention_workspace_bytes(...) bytes and runs on `stream`. Host arrays (also "
+        "fp32, any head dim): runs on num_threads OpenMP threads (0: OpenMP's default).");
+#ifdef DINFER_WITH_CUDA
   m.def(
       "attention_workspace_bytes",
       [](int64_t batch, int64_t window, int64_t heads_q, int64_t heads_kv, int64_t head_dim,
@@ -220,8 +243,7 @@ void register_attention(py::module_& m) {
         py::arg("window"), py::arg("heads_q"), py::arg("heads_kv"), py::arg("cache_len"),
         py::arg("q_block"), py::arg("kv_block"), py::arg("max_blocks"), py::arg("block_mass"),
         "Key-list splits per query tile the CUDA attention uses (a pure function of the shapes).");
+#endif
 }
 
 }  // namespace dinfer_bindings
-
-#endif  // DINFER_WITH_CUDA

@@ -8,9 +8,9 @@
 
 namespace dinfer_bindings {
 void register_decode(pybind11::module_& m);
+void register_attention(pybind11::module_& m);
 #ifdef DINFER_WITH_CUDA
 void register_moe(pybind11::module_& m);
-void register_attention(pybind11::module_& m);
 #endif
 }
 
@@ -21,8 +21,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_archs", &dinfer_kernels::cuda_archs);
   m.def("omp_max_threads", &omp_get_max_threads);
   dinfer_bindings::register_decode(m);
+  dinfer_bindings::register_attention(m);
 #ifdef DINFER_WITH_CUDA
   dinfer_bindings::register_moe(m);
-  dinfer_bindings::register_attention(m);
 #endif
 }

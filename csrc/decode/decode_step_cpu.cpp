@@ -2,8 +2,7 @@
 // then the shared decode_math finalize and commit code.
 //
 // The pass over a chunk is written as fixed-width lane loops (kLanes accumulators) so that GCC/Clang
-// vectorise the conversion, max and exp-sum without -ffast-math; exp is a polynomial that vectorises
-// (libm's expf does not) and stays within ~1 ulp.
+// vectorise the conversion, max and exp-sum without -ffast-math (exp: host_exp.h).
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -12,38 +11,16 @@
 
 #include "dinfer_kernels/decode.h"
 #include "dinfer_kernels/decode_math.h"
+#include "dinfer_kernels/host_exp.h"
 
 namespace dinfer_kernels {
 namespace {
 
 using decode_math::Partial;
+using host::exp_nonpositive;
 
 constexpr int64_t kChunk = 4096;  // floats per task: 16 KB stays in L1/L2 between the sub-passes
 constexpr int kLanes = 16;
-
-// exp(x) for x <= 0 (arguments are z - max): 2^n * e^r with |r| <= ln2/2, degree-7 Taylor
-// (truncation < 1e-9 relative). Below -87.3 the result would be subnormal: return 0, which also
-// maps exp(-inf) to 0 as the online softmax needs.
-inline float exp_nonpositive(float x) {
-  const float kLog2e = 1.44269504088896341f;
-  const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  const float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to nearest, and vectorises
-  float xc = x < -87.3f ? -87.3f : x;
-  float n = (xc * kLog2e + kRound) - kRound;
-  float r = xc - n * kLn2Hi - n * kLn2Lo;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.3f ? 0.f : p * scale;
-}
 
 // sanitize() with selects only (fminf keeps NaN semantics that block vectorisation).
 inline float sanitize_fast(float z) {

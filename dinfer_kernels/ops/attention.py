@@ -4,8 +4,9 @@ write_back=True), optionally restricted to listed key blocks (BlockMask) and ret
 log-sum-exp and the per-key-block attention mass. Contract: dinfer_kernels/reference/attention.py.
 
 Backends: torch (the reference; the only one that takes a dense attn_mask), triton and cuda (D in
-{64, 128}; cuda: fp16/bf16). backend="auto" picks torch when attn_mask is given or no kernel backend
-can take the inputs. Every kernel backend module `dinfer_kernels/{triton,cuda}/attention.py` exposes
+{64, 128}; cuda: fp16/bf16) and cpu (host arrays, any D, fp32/fp16/bf16). backend="auto" picks
+torch when attn_mask is given or no kernel backend can take the inputs. Every kernel backend module
+`dinfer_kernels/{triton,cuda,cpu}/attention.py` exposes
 
     attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back, kv_num_blocks, kv_indices,
               q_block, kv_block, scale, out, lse, block_mass) -> None
@@ -20,9 +21,14 @@ import torch
 from .. import _backend, _checks
 from ..reference.attention import attention_reference, block_mask_dense
 
-KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_HEAD_DIMS = (64, 128)       # of the GPU kernels; the host kernel takes any
 _KERNEL_DTYPES = {"triton": (torch.float16, torch.bfloat16, torch.float32),
-                  "cuda": (torch.float16, torch.bfloat16)}
+                  "cuda": (torch.float16, torch.bfloat16),
+                  "cpu": (torch.float16, torch.bfloat16, torch.float32)}
+
+
+def _takes_head_dim(backend: str, D: int) -> bool:
+    return backend == "cpu" or D in KERNEL_HEAD_DIMS
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -190,6 +196,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
         from ..triton.attention import attention as impl
     elif backend == "cuda":
         from ..cuda.attention import attention as impl
+    elif backend == "cpu":
+        from ..cpu.attention import attention as impl
     else:
         raise ValueError(f"backend: {backend!r} does not implement attention")
     impl(q, k, v, k_cache, v_cache, positions, seq_lens, write_back, kv_num_blocks, kv_indices,
@@ -217,7 +225,7 @@ def _pick_backend(backend, dev, dtype, D, attn_mask):
                 return b
             if b == "triton" and dev.type == "cpu":      # the interpreter is a test tool, never fast
                 continue
-            if D in KERNEL_HEAD_DIMS and dtype in _KERNEL_DTYPES[b]:
+            if _takes_head_dim(b, D) and dtype in _KERNEL_DTYPES[b]:
                 return b
         return "torch"
     backend = _backend.resolve(backend, dev, "attention")
@@ -225,7 +233,7 @@ def _pick_backend(backend, dev, dtype, D, attn_mask):
         if attn_mask is not None:
             raise ValueError(f"attn_mask: a dense mask is only supported by the torch backend, got "
                              f"backend={backend!r} (express it as a block_mask, or use 'torch')")
-        if D not in KERNEL_HEAD_DIMS:
+        if not _takes_head_dim(backend, D):
             raise ValueError(f"q: head dim {D} is not supported by the {backend} backend "
                              f"(supported: {KERNEL_HEAD_DIMS}; the torch backend takes any)")
         if dtype not in _KERNEL_DTYPES[backend]:

@@ -4,6 +4,7 @@
 // query rows per sequence sits at absolute cache positions; the window's fresh K/V replace those
 // cache rows (in place with write_back, for this call only without), and every valid row attends
 // bidirectionally to the keys [0, seq_lens[b]) of the key blocks its query block lists.
+// Two launchers take the same parameters: attention_cuda (device arrays) and attention_cpu (host).
 #pragma once
 
 #include <cstddef>
@@ -14,18 +15,19 @@
 namespace dinfer_kernels {
 
 // Sizes are element counts; strides are in elements. The last dimension of every [.., D] array is
-// contiguous; the other strides of q/k/v/k_cache/v_cache/out must be multiples of 8 and the data
-// 16-byte aligned (16-byte vector copies). positions, seq_lens, the block lists, lse and
-// block_mass are contiguous.
+// contiguous; for attention_cuda the other strides of q/k/v/k_cache/v_cache/out must also be
+// multiples of 8 and the data 16-byte aligned (16-byte vector copies). positions, seq_lens, the
+// block lists, lse and block_mass are contiguous.
 struct AttentionParams {
   // ---- shapes ----------------------------------------------------------------------------------
   int64_t batch = 0;       // B
   int64_t window = 0;      // W: query rows per sequence
   int64_t heads_q = 0;     // Hq, a multiple of heads_kv (GQA: head h reads kv head h / (Hq/Hkv))
   int64_t heads_kv = 0;    // Hkv
-  int64_t head_dim = 0;    // D: 64 or 128
+  int64_t head_dim = 0;    // D: 64 or 128 (attention_cuda); any >= 1 (attention_cpu)
   int64_t cache_len = 0;   // S: rows of the per-layer cache
-  ScalarType dtype = ScalarType::kBFloat16;  // of q, k, v, the caches and out (bf16 or fp16)
+  // of q, k, v, the caches and out: bf16 or fp16 (attention_cuda); also fp32 (attention_cpu)
+  ScalarType dtype = ScalarType::kBFloat16;
   // ---- inputs ----------------------------------------------------------------------------------
   const void* q = nullptr;        // [B, W, Hq, D]
   int64_t q_stride[3] = {0, 0, 0};
@@ -39,7 +41,7 @@ struct AttentionParams {
   int64_t v_cache_stride[3] = {0, 0, 0};
   const int64_t* positions = nullptr;  // [B, W]: row w of sequence b sits at cache row positions[b, w]
   const int32_t* seq_lens = nullptr;   // [B]: keys [0, seq_lens[b]) exist; row valid iff pos < seq_len
-  bool write_back = true;              // false: the caches are restored before the call returns
+  bool write_back = true;              // false: the caches hold their old rows when the call returns
   // Block sparsity (FlexAttention BlockMask): query block j = rows [j*q_block, (j+1)*q_block),
   // key block kb = keys [kb*kv_block, (kb+1)*kv_block). Query block j of kv-head group g attends
   // the key blocks kv_indices[b, g, j, :kv_num_blocks[b, g, j]]; both null = every key block.
@@ -83,5 +85,11 @@ size_t attention_cuda_workspace_bytes(int64_t batch, int64_t window, int64_t hea
 // cudaError_t (cudaErrorInvalidValue for bad parameters, before anything is launched).
 int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_bytes,
                    cudaStream_t stream);
+
+// Host launcher: math in fp32, OpenMP over (sequence, query head) tasks, each owning its output
+// rows and its row of block_mass, so the result is the same for any thread count. Needs no
+// workspace; without write_back the caches are only read (never copied, never restored).
+// num_threads <= 0: OpenMP's default. Parameters must already be checked (the binding does).
+void attention_cpu(const AttentionParams& p, int num_threads);
 
 }  // namespace dinfer_kernels
