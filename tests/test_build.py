@@ -44,11 +44,12 @@ def test_ptxas_reports_no_spills():
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-def test_cpp_runtime_calls_the_kernel_without_python(tmp_path):
-    exe = tmp_path / "decode_cpu_example"
+@pytest.mark.parametrize("example,kernel", [("decode_cpu_example", "csrc/decode/decode_step_cpu.cpp"),
+                                            ("attention_cpu_example", "csrc/attention/attention_cpu.cpp")])
+def test_cpp_runtime_calls_the_kernel_without_python(tmp_path, example, kernel):
+    exe = tmp_path / example
     subprocess.run(["g++", "-std=c++17", "-O2", "-fopenmp", "-Wall", "-Wextra", "-Werror",
                     f"-I{ROOT / 'csrc/include'}", '-DDINFER_VERSION="test"',
-                    str(ROOT / "tests/cpp/decode_cpu_example.cpp"),
-                    str(ROOT / "csrc/decode/decode_step_cpu.cpp"), str(ROOT / "csrc/common/build_info.cpp"),
-                    "-o", str(exe)], check=True)
+                    str(ROOT / f"tests/cpp/{example}.cpp"), str(ROOT / kernel),
+                    str(ROOT / "csrc/common/build_info.cpp"), "-o", str(exe)], check=True)
     assert subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.strip() == "OK"

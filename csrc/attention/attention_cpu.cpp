@@ -1,12 +1,16 @@
 // Host window attention with partial KV refresh: the AttentionParams contract over host arrays.
 //
-// One task per (sequence, query head). A task first gathers its kv head's keys and values [0, L)
-// into fp32 scratch -- the window's fresh rows substituted at their positions -- so the row loops
-// below run over contiguous fp32 whatever the storage dtype, and write_back=false never copies or
-// touches the cache. Each row then takes a two-pass softmax over the keys of the blocks its query
-// block lists. A task owns its output rows and its row of block_mass, so the result does not depend
-// on the thread count. With write_back the fresh rows are first written into the cache (a separate
-// parallel loop, finished before any task reads the cache).
+// One task per (sequence, query head); a task owns its output rows and its row of block_mass, so the
+// result does not depend on the thread count. Key/value rows are never copied for fp32 (read in
+// place: the window's fresh row where the slot map names one, else the cache row) and converted once
+// per listed block for 16-bit dtypes, so write_back=false never copies or touches the cache. With
+// write_back the fresh rows are first written into the cache (a separate parallel loop, finished
+// before any task reads the cache).
+//
+// The rows of a query block share its key list and go through it together, up to kTileRows at a time:
+// scores in chunks of 16 keys (each chunk transposed once, then four rows per pass, 16 keys per
+// vector FMA), a two-pass softmax per row, and P.V four rows per pass (each value chunk loaded once
+// for the four).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,28 +18,27 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "dinfer_kernels/attention.h"
 #include "dinfer_kernels/attention_math.h"
 #include "dinfer_kernels/host_exp.h"
 #include "dinfer_kernels/scalar.h"
 
+// The 16-float vector helpers below pass vectors by value. Without AVX-512 enabled GCC warns that
+// such a signature's ABI differs between ISAs; they are internal (anonymous namespace, inlined) and
+// never cross a library boundary, so the warning does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 namespace dinfer_kernels {
 namespace {
 
 using attention_math::row_valid;
 using attention_math::valid_len;
-
-float load(const void* base, int64_t i, ScalarType t) {
-  switch (t) {
-    case ScalarType::kFloat16:
-      return scalar::fp16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case ScalarType::kBFloat16:
-      return scalar::bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    default:
-      return static_cast<const float*>(base)[i];
-  }
-}
 
 void store(void* base, int64_t i, float x, ScalarType t) {
   switch (t) {
@@ -58,7 +61,20 @@ void load_row(const void* src, int64_t at, int64_t d, ScalarType t, float* dst) 
     std::memcpy(dst, static_cast<const float*>(src) + at, static_cast<size_t>(d) * sizeof(float));
     return;
   }
-  for (int64_t i = 0; i < d; ++i) dst[i] = load(src, at + i, t);
+  const uint16_t* h = static_cast<const uint16_t*>(src) + at;
+  if (t == ScalarType::kBFloat16) {   // a shift per element: this loop vectorises
+    for (int64_t i = 0; i < d; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
+      std::memcpy(&dst[i], &bits, sizeof(float));
+    }
+    return;
+  }
+  int64_t i = 0;
+#if defined(__F16C__)   // eight exact conversions per instruction
+  for (; i + 8 <= d; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < d; ++i) dst[i] = scalar::fp16_to_float(h[i]);
 }
 
 // Element offset of [i0, i1, i2, 0] in an array with leading strides s.
@@ -146,18 +162,20 @@ float lane_sum(const float* x, int64_t n) {
   return total;
 }
 
-// Horizontal sum of a 16-float vector.
-inline float hsum(v16 v) {
-  float h = 0.f;
-  for (int l = 0; l < kLanes; ++l) h += v[l];
-  return h;
-}
+constexpr int64_t kTileRows = 64;  // query rows whose scores are computed together
 
 struct Scratch {
   std::vector<const float*> key_rows, value_rows;  // [L]: fp32 row t of the task's kv head
   std::vector<float> keys, values;                 // [L, D]: converted rows (16-bit dtypes only)
   std::vector<char> ready;                         // [NKB]: the block's rows are set
-  std::vector<float> scores, q, acc, parts;        // parts: each listed block's share of the exp-sum
+  std::vector<float> q;                            // [kTileRows, D]: the tile's scaled queries
+  std::vector<float> scores;                       // [kTileRows, L + kLanes]: scores, then exps
+  std::vector<float> keys_t;                       // [D, kLanes]: one key chunk, transposed
+  std::vector<float> acc;                          // [kChains, D]
+  std::vector<float> parts;                        // [kTileRows, listed blocks]: exp-sum shares
+  std::vector<float> maxes, sums;                  // [kTileRows]: each row's max score and exp-sum
+  std::vector<float> zeros;                        // [D]: the output of rows that attend nothing
+  std::vector<int64_t> rows;                       // the tile's valid window rows
   std::vector<char> allowed;
   std::vector<int32_t> blocks;
 };
@@ -188,11 +206,50 @@ void prepare_block(const AttentionParams& p, const int32_t* slot, int64_t b, int
   }
 }
 
+// Scores of the tile's n rows against keys [t0, t1) of one listed block: 16 keys at a time, the
+// chunk transposed once into keys_t and reused by every row (four rows per pass: independent FMA
+// chains). Row i's scores land in sc[i * ld + t]; a chunk may write up to 15 entries past t1.
+void tile_scores(Scratch& s, int64_t D, int64_t n, int64_t t0, int64_t t1, int64_t ld) {
+  float* kt = s.keys_t.data();
+  const float* q = s.q.data();
+  float* sc = s.scores.data();
+  for (int64_t c = t0; c < t1; c += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, t1 - c);
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float* key = l < m ? s.key_rows[c + l] : nullptr;
+      for (int64_t d = 0; d < D; ++d) kt[d * kLanes + l] = key ? key[d] : 0.f;
+    }
+    int64_t i = 0;
+    for (; i + kChains <= n; i += kChains) {
+      const float *q0 = q + i * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+      v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const v16 k = load16(kt + d * kLanes);
+        a0 += q0[d] * k;
+        a1 += q1[d] * k;
+        a2 += q2[d] * k;
+        a3 += q3[d] * k;
+      }
+      store16(sc + i * ld + c, a0);
+      store16(sc + (i + 1) * ld + c, a1);
+      store16(sc + (i + 2) * ld + c, a2);
+      store16(sc + (i + 3) * ld + c, a3);
+    }
+    for (; i < n; ++i) {
+      const float* q0 = q + i * D;
+      v16 a0 = {};
+      for (int64_t d = 0; d < D; ++d) a0 += q0[d] * load16(kt + d * kLanes);
+      store16(sc + i * ld + c, a0);
+    }
+  }
+}
+
 void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64_t h, Scratch& s) {
   const int64_t D = p.head_dim, S = p.cache_len, W = p.window;
-  const int64_t D16 = D / kLanes * kLanes;  // dims [0, D16) in vectors, the rest one by one
+  const int64_t D16 = D / kLanes * kLanes;  // dims [0, D16) of P.V in vectors, the rest one by one
   const int64_t g = h / (p.heads_q / p.heads_kv);
   const int32_t L = valid_len(p.seq_lens[b], static_cast<int32_t>(S));
+  const int64_t ld = L + kLanes;            // score row stride: room for a chunk's overhang
   const int64_t nkb = attention_math::cdiv(S, p.kv_block);
   const float kNegInf = -INFINITY;
 
@@ -203,107 +260,122 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
     s.values.resize(static_cast<size_t>(L) * D);
   }
   s.ready.assign(nkb, 0);
+  s.q.resize(kTileRows * D);
+  s.scores.resize(kTileRows * ld);
+  s.keys_t.resize(D * kLanes);
+  s.acc.resize(kChains * D);
+  s.allowed.resize(nkb);
+  s.maxes.resize(kTileRows);
+  s.sums.resize(kTileRows);
+  s.zeros.assign(D, 0.f);
   float* mass = p.block_mass ? p.block_mass + (b * p.heads_q + h) * nkb : nullptr;
   if (mass) std::fill(mass, mass + nkb, 0.f);
-  s.scores.resize(static_cast<size_t>(std::max<int32_t>(L, 1)));
-  s.q.resize(D);
-  s.acc.resize(D);
-  s.allowed.resize(nkb);
-  int64_t listed_for = -1;  // query block whose list s.blocks holds
-  float* __restrict sc = s.scores.data();
-  float* __restrict acc = s.acc.data();
-  const float* __restrict q = s.q.data();
+  // Padding rows and rows whose lists hold no key: output 0, lse -inf.
+  const float* zeros = s.zeros.data();
+  auto finish_row = [&](int64_t w, const float* o, float row_lse) {
+    const int64_t at = offset(p.out_stride, b, w, h);
+    for (int64_t d = 0; d < D; ++d) store(p.out, at + d, o[d], p.dtype);
+    if (p.lse) p.lse[(b * W + w) * p.heads_q + h] = row_lse;
+  };
 
-  for (int64_t w = 0; w < W; ++w) {
-    const int64_t pos = p.positions[b * W + w];
-    const int64_t o = offset(p.out_stride, b, w, h);
-    float* lse = p.lse ? p.lse + (b * W + w) * p.heads_q + h : nullptr;
-    std::fill(acc, acc + D, 0.f);
-    float row_lse = kNegInf;
-    if (row_valid(pos, L)) {
-      const int64_t j = w / p.q_block;
-      if (j != listed_for) {
-        listed_blocks(p, b, g, j, nkb, s.allowed, s.blocks);
-        listed_for = j;
+  const int64_t nqb = attention_math::cdiv(W, p.q_block);
+  for (int64_t j = 0; j < nqb; ++j) {              // rows of a query block share its key list
+    const int64_t j0 = j * p.q_block, j1 = std::min<int64_t>(j0 + p.q_block, W);
+    listed_blocks(p, b, g, j, nkb, s.allowed, s.blocks);
+    for (int64_t r0 = j0; r0 < j1; r0 += kTileRows) {
+      const int64_t r1 = std::min<int64_t>(r0 + kTileRows, j1);
+      s.rows.clear();
+      for (int64_t w = r0; w < r1; ++w) {
+        if (row_valid(p.positions[b * W + w], L)) {
+          float* qr = &s.q[s.rows.size() * D];
+          load_row(p.q, offset(p.q_stride, b, w, h), D, p.dtype, qr);
+          for (int64_t d = 0; d < D; ++d) qr[d] *= p.scale;
+          s.rows.push_back(w);
+        } else {
+          finish_row(w, zeros, kNegInf);
+        }
       }
-      load_row(p.q, offset(p.q_stride, b, w, h), D, p.dtype, s.q.data());
-      for (float& x : s.q) x *= p.scale;
-      float m = kNegInf, sum = 0.f;
-      for (int32_t kb : s.blocks) {       // scores of the listed keys, four keys at a time
+      const int64_t n = static_cast<int64_t>(s.rows.size());
+      if (n == 0) continue;
+      bool any_key = false;
+      for (int32_t kb : s.blocks) {
         const int64_t t0 = kb * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
         if (t0 >= t1) continue;
         prepare_block(p, slot, b, g, L, kb, s);
-        int64_t t = t0;
-        for (; t + kChains <= t1; t += kChains) {
-          const float *k0 = s.key_rows[t], *k1 = s.key_rows[t + 1], *k2 = s.key_rows[t + 2],
-                      *k3 = s.key_rows[t + 3];
-          v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-          for (int64_t d = 0; d < D16; d += kLanes) {
-            const v16 qd = load16(q + d);
-            a0 += qd * load16(k0 + d);
-            a1 += qd * load16(k1 + d);
-            a2 += qd * load16(k2 + d);
-            a3 += qd * load16(k3 + d);
-          }
-          float r0 = hsum(a0), r1 = hsum(a1), r2 = hsum(a2), r3 = hsum(a3);
-          for (int64_t d = D16; d < D; ++d) {
-            r0 += q[d] * k0[d];
-            r1 += q[d] * k1[d];
-            r2 += q[d] * k2[d];
-            r3 += q[d] * k3[d];
-          }
-          sc[t] = r0;
-          sc[t + 1] = r1;
-          sc[t + 2] = r2;
-          sc[t + 3] = r3;
-        }
-        for (; t < t1; ++t) {
-          const float* k0 = s.key_rows[t];
-          v16 a0 = {};
-          for (int64_t d = 0; d < D16; d += kLanes) a0 += load16(q + d) * load16(k0 + d);
-          float r0 = hsum(a0);
-          for (int64_t d = D16; d < D; ++d) r0 += q[d] * k0[d];
-          sc[t] = r0;
-        }
-        m = std::max(m, lane_max(sc + t0, t1 - t0));
+        tile_scores(s, D, n, t0, t1, ld);
+        any_key = true;
       }
-      if (m != kNegInf) {
-        s.parts.assign(s.blocks.size(), 0.f);
-        for (size_t i = 0; i < s.blocks.size(); ++i) {
-          const int32_t kb = s.blocks[i];
+      if (!any_key) {
+        for (int64_t w : s.rows) finish_row(w, zeros, kNegInf);
+        continue;
+      }
+      // Per row: max, then exps in place and each block's share of the exp-sum.
+      const size_t nb = s.blocks.size();
+      s.parts.assign(n * nb, 0.f);
+      float* maxes = s.maxes.data();
+      float* sums = s.sums.data();
+      for (int64_t i = 0; i < n; ++i) {
+        float* sc = &s.scores[i * ld];
+        float m = kNegInf;
+        for (int32_t kb : s.blocks) {
           const int64_t t0 = kb * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
+          if (t0 < t1) m = std::max(m, lane_max(sc + t0, t1 - t0));
+        }
+        float sum = 0.f;
+        for (size_t k = 0; k < nb; ++k) {
+          const int64_t t0 = s.blocks[k] * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
           if (t0 >= t1) continue;
           for (int64_t t = t0; t < t1; ++t) sc[t] = host::exp_nonpositive(sc[t] - m);
-          s.parts[i] = lane_sum(sc + t0, t1 - t0);
-          sum += s.parts[i];
-          const float* const* vr = s.value_rows.data();
-          for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {   // acc[d0, d0 + 16) in kChains registers
-            v16 p0 = {}, p1 = {}, p2 = {}, p3 = {};
-            int64_t t = t0;
-            for (; t + kChains <= t1; t += kChains) {
-              p0 += sc[t] * load16(vr[t] + d0);
-              p1 += sc[t + 1] * load16(vr[t + 1] + d0);
-              p2 += sc[t + 2] * load16(vr[t + 2] + d0);
-              p3 += sc[t + 3] * load16(vr[t + 3] + d0);
-            }
-            for (; t < t1; ++t) p0 += sc[t] * load16(vr[t] + d0);
-            store16(acc + d0, load16(acc + d0) + ((p0 + p1) + (p2 + p3)));
-          }
-          for (int64_t d = D16; d < D; ++d) {
-            float a = 0.f;
-            for (int64_t t = t0; t < t1; ++t) a += sc[t] * vr[t][d];
-            acc[d] += a;
-          }
+          s.parts[i * nb + k] = lane_sum(sc + t0, t1 - t0);
+          sum += s.parts[i * nb + k];
         }
-        const float inv = 1.f / sum;
-        for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
-        row_lse = m + std::log(sum);
-        if (mass)
-          for (size_t i = 0; i < s.blocks.size(); ++i) mass[s.blocks[i]] += s.parts[i] * inv;
+        maxes[i] = m;
+        sums[i] = sum;
+      }
+      // P.V, four rows per pass: each value chunk is loaded once for the four.
+      const float* const* vr = s.value_rows.data();
+      for (int64_t i0 = 0; i0 < n; i0 += kChains) {
+        const int64_t nr = std::min<int64_t>(kChains, n - i0);
+        const float* e[kChains];
+        for (int r = 0; r < kChains; ++r) e[r] = &s.scores[(i0 + std::min<int64_t>(r, nr - 1)) * ld];
+        float* acc = s.acc.data();
+        for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {
+          v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+          for (int32_t kb : s.blocks) {
+            const int64_t t0 = kb * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
+            for (int64_t t = t0; t < t1; ++t) {
+              const v16 v = load16(vr[t] + d0);
+              a0 += e[0][t] * v;
+              a1 += e[1][t] * v;
+              a2 += e[2][t] * v;
+              a3 += e[3][t] * v;
+            }
+          }
+          store16(acc + d0, a0);
+          store16(acc + D + d0, a1);
+          store16(acc + 2 * D + d0, a2);
+          store16(acc + 3 * D + d0, a3);
+        }
+        for (int64_t d = D16; d < D; ++d) {
+          float a[kChains] = {};
+          for (int32_t kb : s.blocks) {
+            const int64_t t0 = kb * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
+            for (int64_t t = t0; t < t1; ++t)
+              for (int r = 0; r < kChains; ++r) a[r] += e[r][t] * vr[t][d];
+          }
+          for (int r = 0; r < kChains; ++r) acc[r * D + d] = a[r];
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t i = i0 + r;
+          const float inv = 1.f / sums[i];
+          float* o = acc + r * D;
+          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+          finish_row(s.rows[i], o, maxes[i] + std::log(sums[i]));
+          if (mass)
+            for (size_t k = 0; k < nb; ++k) mass[s.blocks[k]] += s.parts[i * nb + k] * inv;
+        }
       }
     }
-    for (int64_t d = 0; d < D; ++d) store(p.out, o + d, acc[d], p.dtype);
-    if (lse) *lse = row_lse;
   }
 }
 
