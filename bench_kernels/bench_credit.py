@@ -34,7 +34,7 @@ def measure(llm, problems, options):
 
 
 def main(argv=None):
-    p = common.engine_parser(__doc__.splitlines()[0], LEARNED, 30)
+    p = common.engine_parser(__doc__.splitlines()[0], LEARNED, 30, timed=False)
     p.add_argument("--thresholds", default="0.9,0.95,0.99,0.999")
     p.add_argument("--block-lengths", default=None, help="default: the model's and the whole canvas")
     args = p.parse_args(argv)

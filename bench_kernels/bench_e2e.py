@@ -2,7 +2,7 @@
 model, in one process, on the same held-out prompts of the task suite.
 
     python bench_kernels/bench_e2e.py [--model tiny-llada-moe] [--num-problems 40] [--device cpu]
-                                      [--quick] [--json out.json] [--plot out.png]
+                                      [--repeats 3] [--quick] [--json out.json] [--plot out.png]
 
 Recipes (dinfer.generate options; every one decodes the same canvas of the model's gen_length):
   vanilla      LLaDA: one token per step (lowest-confidence remasking), no cache, no early stop
@@ -18,6 +18,8 @@ start_block_align, the engine's default, starts it at the block boundary below t
 which on these models costs accuracy and tokens/forward alike; see RESULTS.md).
 Each runs with our kernels (backend "auto") and on the pure-torch references ("/torch"), and
 dinfer-full also at batch 8. Speedups are tokens/s over vanilla and over fast-dllm, both with kernels.
+Each row is timed --repeats times (same prompts, same tokens); its tokens/s is the median run's, and
+the JSON keeps every run's ("tps_runs").
 """
 import os
 import sys
@@ -43,13 +45,19 @@ RECIPES = {
 
 def run(llm, recipe, backend, batch, args):
     options = dict(RECIPES[recipe], align_blocks=False)
-    with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
-        r = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch, **options)
-    o = r["overall"]
-    return {"recipe": recipe, "backend": backend, "batch": batch, "accuracy": o["accuracy"],
-            "tokens_per_forward": o["tokens_per_forward"], "tokens_per_second": o["tokens_per_second"],
-            "forwards": o["forwards"], "refreshes": o["refreshes"], "tokens": o["tokens"], "seconds": o["seconds"],
-            "per_task_accuracy": {t: v["accuracy"] for t, v in r["tasks"].items()}, "options": options}
+    runs = []
+    for i in range(common.repeats(args)):
+        with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
+            r = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch,
+                         warmup=i == 0, **options)
+        o = r["overall"]
+        runs.append({"accuracy": o["accuracy"], "tokens_per_forward": o["tokens_per_forward"],
+                     "tokens_per_second": o["tokens_per_second"], "forwards": o["forwards"],
+                     "refreshes": o["refreshes"], "tokens": o["tokens"], "seconds": o["seconds"],
+                     "per_task_accuracy": {t: v["accuracy"] for t, v in r["tasks"].items()}})
+    best, tps_runs = common.median_run(runs, "tokens_per_second")
+    return {"recipe": recipe, "backend": backend, "batch": batch, **best, "tps_runs": tps_runs,
+            "options": options}
 
 
 def main(argv=None):

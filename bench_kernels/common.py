@@ -54,8 +54,9 @@ def base_parser(description):
     return p
 
 
-def engine_parser(description, tasks, num_problems):
-    """The options of the benchmarks that run an embedded model end to end (bench_e2e and friends)."""
+def engine_parser(description, tasks, num_problems, timed=True):
+    """The options of the benchmarks that run an embedded model end to end (bench_e2e and friends);
+    timed: the benchmark reports tokens/s (and takes --repeats)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)")
     p.add_argument("--tasks", default=tasks, help=f"comma-separated tasks of dinfer.tasks (default: {tasks})")
@@ -63,9 +64,29 @@ def engine_parser(description, tasks, num_problems):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", default=None, help="model dtype (default: bf16 on a GPU, fp32 on the host)")
-    p.add_argument("--quick", action="store_true", help="a few problems per task (the GPU check script)")
+    p.add_argument("--quick", action="store_true", help="a few problems per task, one timed run (the GPU check script)")
+    if timed:
+        p.add_argument("--repeats", type=int, default=3,
+                       help="timed runs per row; tokens/s is over the median run (default 3; --quick: 1)")
     p.add_argument("--json", default=None)
     return p
+
+
+def repeats(args):
+    """How many timed runs an engine benchmark makes per row (ValueError naming --repeats if < 1)."""
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
+    return 1 if args.quick else args.repeats
+
+
+def median_run(runs, key):
+    """The run with the median `key` (the lower middle one for an even count) and every run's `key`.
+    Decoding is deterministic, so the runs differ only in time: anything else differing is an error."""
+    same = [{k: v for k, v in r.items() if k not in ("seconds", key)} for r in runs]
+    if any(x != same[0] for x in same[1:]):
+        raise RuntimeError(f"timed runs disagree beyond timing: {same}")
+    ordered = sorted(runs, key=lambda r: r[key])
+    return ordered[(len(ordered) - 1) // 2], [r[key] for r in runs]
 
 
 def engine_llm(args):

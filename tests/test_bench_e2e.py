@@ -22,6 +22,7 @@ def test_bench_e2e_quick_run(bench, tmp_path):
     for r in rows.values():
         assert r["options"]["align_blocks"] is False          # the same block layout for every recipe
         assert r["forwards"] >= 1 and 0.0 <= r["accuracy"] <= 1.0 and r["tokens_per_second"] > 0
+        assert r["tps_runs"] == [r["tokens_per_second"]]       # --quick: one timed run
     van, fast = rows["vanilla", "auto", 1], rows["fast-dllm", "auto", 1]
     assert van["tokens_per_forward"] < 1.0 and van["speedup_vs_vanilla"] == 1.0  # one token per step
     full = rows["dinfer-full", "auto", 1]

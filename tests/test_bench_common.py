@@ -1,0 +1,39 @@
+"""bench_kernels/common.py's repeat helpers: the median timed run, and runs that disagree beyond
+timing refused."""
+import argparse
+
+import pytest
+from conftest import load_bench
+
+
+@pytest.fixture(scope="module")
+def common():
+    return load_bench("common")
+
+
+def run(tps, forwards=10):
+    return {"tokens_per_second": tps, "seconds": 100.0 / tps, "forwards": forwards, "tokens": 100}
+
+
+def test_median_run_picks_the_middle_and_keeps_every_rate(common):
+    best, rates = common.median_run([run(90.0), run(120.0), run(100.0)], "tokens_per_second")
+    assert best["tokens_per_second"] == 100.0 and rates == [90.0, 120.0, 100.0]
+    best, _ = common.median_run([run(120.0), run(90.0)], "tokens_per_second")
+    assert best["tokens_per_second"] == 90.0                 # even count: the lower middle
+
+
+def test_median_run_refuses_runs_that_differ_beyond_timing(common):
+    with pytest.raises(RuntimeError, match="disagree"):
+        common.median_run([run(90.0), run(95.0, forwards=11)], "tokens_per_second")
+
+
+def test_repeats_option(common):
+    p = common.engine_parser("x", "add", 1)
+    assert common.repeats(p.parse_args([])) == 3
+    assert common.repeats(p.parse_args(["--repeats", "5", "--quick"])) == 1
+    with pytest.raises(ValueError, match="--repeats"):
+        common.repeats(p.parse_args(["--repeats", "0"]))
+    untimed = common.engine_parser("x", "add", 1, timed=False)
+    with pytest.raises(SystemExit):
+        untimed.parse_args(["--repeats", "2"])
+    assert isinstance(untimed.parse_args([]), argparse.Namespace)
