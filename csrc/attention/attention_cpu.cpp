@@ -24,7 +24,7 @@
 
 #include "dinfer_kernels/attention.h"
 #include "dinfer_kernels/attention_math.h"
-#include "dinfer_kernels/host_exp.h"
+#include "dinfer_kernels/host_math.h"
 #include "dinfer_kernels/scalar.h"
 
 // The 16-float vector helpers below pass vectors by value. Without AVX-512 enabled GCC warns that
@@ -125,11 +125,11 @@ void listed_blocks(const AttentionParams& p, int64_t b, int64_t g, int64_t j, in
     if (allowed[kb]) blocks.push_back(static_cast<int32_t>(kb));
 }
 
-// Sum of x[0, n) in kLanes independent accumulators: vectorises without -ffast-math.
 // The row loops keep their accumulators in registers as 16-float vectors (GCC/Clang vector
 // extensions: one AVX-512 register, or two AVX / four SSE ones, whatever -march allows), four
 // independent ones at a time: a single FMA chain would be latency-bound.
-constexpr int kLanes = 16;
+using host::kLanes;
+using host::lane_max;
 constexpr int kChains = 4;
 typedef float v16 __attribute__((vector_size(kLanes * sizeof(float))));
 inline v16 load16(const float* p) {
@@ -139,18 +139,7 @@ inline v16 load16(const float* p) {
 }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
-// max of x[0, n) (n >= 1) in kLanes independent lanes.
-float lane_max(const float* x, int64_t n) {
-  float lane[kLanes];
-  for (int j = 0; j < kLanes; ++j) lane[j] = -INFINITY;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
-  float m = -INFINITY;
-  for (int j = 0; j < kLanes; ++j) m = lane[j] > m ? lane[j] : m;
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-}
+// Sum of x[0, n) in kLanes independent accumulators: vectorises without -ffast-math.
 float lane_sum(const float* x, int64_t n) {
   float lane[kLanes] = {};
   int64_t i = 0;

@@ -2,7 +2,7 @@
 // then the shared decode_math finalize and commit code.
 //
 // The pass over a chunk is written as fixed-width lane loops (kLanes accumulators) so that GCC/Clang
-// vectorise the conversion, max and exp-sum without -ffast-math (exp: host_exp.h).
+// vectorise the conversion, max and exp-sum without -ffast-math (exp and max: host_math.h).
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -11,33 +11,22 @@
 
 #include "dinfer_kernels/decode.h"
 #include "dinfer_kernels/decode_math.h"
-#include "dinfer_kernels/host_exp.h"
+#include "dinfer_kernels/host_math.h"
 
 namespace dinfer_kernels {
 namespace {
 
 using decode_math::Partial;
 using host::exp_nonpositive;
+using host::kLanes;
+using host::lane_max;
 
 constexpr int64_t kChunk = 4096;  // floats per task: 16 KB stays in L1/L2 between the sub-passes
-constexpr int kLanes = 16;
 
 // sanitize() with selects only (fminf keeps NaN semantics that block vectorisation).
 inline float sanitize_fast(float z) {
   z = z != z ? -INFINITY : z;
   return z > FLT_MAX ? FLT_MAX : z;
-}
-
-float chunk_max(const float* buf, int64_t len) {
-  float lane[kLanes];
-  for (int j = 0; j < kLanes; ++j) lane[j] = -INFINITY;
-  int64_t i = 0;
-  for (; i + kLanes <= len; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] = buf[i + j] > lane[j] ? buf[i + j] : lane[j];
-  float m = -INFINITY;
-  for (int j = 0; j < kLanes; ++j) m = lane[j] > m ? lane[j] : m;
-  for (; i < len; ++i) m = buf[i] > m ? buf[i] : m;
-  return m;
 }
 
 // Converts and sanitises [lo, lo + len) of a row into buf; returns the chunk's max.
@@ -72,7 +61,7 @@ float load_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* 
   if (t == ScalarType::kFloat32) {
     const float* src = static_cast<const float*>(row) + lo;
     for (int64_t i = 0; i < len; ++i) buf[i] = sanitize_fast(src[i]);
-    return chunk_max(buf, len);
+    return lane_max(buf, len);
   }
   const uint16_t* src = static_cast<const uint16_t*>(row) + lo;
   if (t == ScalarType::kBFloat16) return load_chunk_max(src, len, buf, bf16_bits_to_float);
@@ -126,7 +115,7 @@ Partial scan_chunk(const DecodeStepParams& p, int64_t n, int64_t lo, int64_t len
     if (other < 0) {
       const float keep = buf[mask_local];
       buf[mask_local] = -INFINITY;
-      const float m2 = chunk_max(buf, len);
+      const float m2 = lane_max(buf, len);
       other = first_index_of(buf, len, m2, -1);
       buf[mask_local] = keep;
       r.nm_score = m2;

@@ -1,7 +1,9 @@
-// exp for the host kernels' softmaxes: a polynomial that GCC/Clang vectorise without -ffast-math
-// (libm's expf does not), within ~1 ulp. Shared by the CPU decode step and the CPU attention.
+// Softmax pieces of the host kernels (the CPU decode step and the CPU attention) written so that
+// GCC/Clang vectorise them without -ffast-math: exp as a polynomial (libm's expf does not
+// vectorise), within ~1 ulp, and a max in independent lanes.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -30,6 +32,21 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return x < -87.3f ? 0.f : p * scale;
+}
+
+constexpr int kLanes = 16;
+
+// max of x[0, n) in kLanes independent lanes (-inf when n = 0).
+inline float lane_max(const float* x, int64_t n) {
+  float lane[kLanes];
+  for (int j = 0; j < kLanes; ++j) lane[j] = -INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
+  float m = -INFINITY;
+  for (int j = 0; j < kLanes; ++j) m = lane[j] > m ? lane[j] : m;
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
 }
 
 }  // namespace host
