@@ -94,11 +94,13 @@ def naive_route(logits, top_k, renorm, bias, scoring, groups, topk_groups, scali
             size = E // groups
             gs = []
             for g in range(groups):
-                vals = sorted(c[g * size:(g + 1) * size].tolist(), reverse=True)
+                vals = sorted((float("-inf") if v != v else v for v in c[g * size:(g + 1) * size].tolist()),
+                              reverse=True)
                 gs.append((-sum(vals[:2]), g))
             kept = [g for _, g in sorted(gs)[:topk_groups]]
             allowed = [e for e in range(E) if e // size in kept]
-        chosen = [e for _, e in sorted((-float(c[e]), e) for e in allowed)[:top_k]]
+        rank = lambda e: -float(c[e]) if not c[e].isnan() else float("inf")  # noqa: E731 (NaN: last)
+        chosen = [e for _, e in sorted((rank(e), e) for e in allowed)[:top_k]]
         w = [float(c[e]) if scoring == "softmax" else float(s[e]) for e in chosen]
         if renorm:
             tot = sum(w) + 1e-20
@@ -124,6 +126,47 @@ def test_route_matches_the_token_by_token_formula(scoring, renorm, bias, groups,
     nw, ne = naive_route(logits, k, renorm, b, scoring, groups, topk_groups, scaling)
     assert torch.equal(e, ne)
     torch.testing.assert_close(w.double(), nw, rtol=1e-6, atol=1e-7)
+
+
+def test_route_nan_scores_rank_like_minus_inf():
+    """The spec ranks a NaN selection score like -inf: such experts are chosen last."""
+    logits = torch.randn(6, 16)
+    logits[:, 3] = float("nan")
+    logits[2, 7] = float("nan")
+    b = torch.rand(16) * 0.1
+    for groups, topk_groups in ((1, 1), (4, 2)):
+        w, e = route(None, None, 4, True, b, router_logits=logits, scoring="sigmoid", num_groups=groups,
+                     topk_groups=topk_groups)
+        nw, ne = naive_route(logits, 4, True, b, "sigmoid", groups, topk_groups, 1.0)
+        assert torch.equal(e, ne) and not (e == 3).any()
+        torch.testing.assert_close(w.double(), nw, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
+def test_nan_router_logits_are_never_chosen(backend, device):
+    """Sigmoid routing with a NaN logit per token: the expert is skipped (ranked like -inf), so the
+    output equals the one where that logit is -inf (sigmoid 0: also never chosen, top_k < E)."""
+    hidden, router, w13, w2 = make(7, 8)
+    logits = torch.randn(7, 8)
+    logits[torch.arange(7), torch.arange(7) % 8] = float("nan")
+    kw = dict(scoring="sigmoid", renormalize=True)
+    got = call_backend(backend, device, hidden, None, w13, w2, 3, router_logits=logits, **kw)
+    want = moe_reference(hidden, None, w13, w2, 3, router_logits=logits.nan_to_num(nan=float("-inf")), **kw)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
+def test_group_whose_second_best_is_minus_inf(backend, device):
+    """A group of two whose second expert has a -inf selection score (a -inf bias) scores -inf (the
+    top-2 sum), so it is kept last, like the reference's topk(2).sum; a one-expert group keeps its
+    single score."""
+    hidden, router, w13, w2 = make(6, 8)
+    bias = torch.zeros(8)
+    bias[1] = float("-inf")
+    for groups in (4, 8):
+        kw = dict(scoring="sigmoid", expert_bias=bias, num_groups=groups, topk_groups=2)
+        check(backend, device, hidden, router, w13, w2, 2, name=f"groups={groups}", **kw)
 
 
 def test_route_ties_pick_the_lower_expert_and_group():

@@ -13,14 +13,9 @@
 //   3. attention_epilogue_kernel (when there are splits, block statistics or a cache to restore):
 //      combines the splits' partial outputs by their log-sum-exps, finishes block_mass from the
 //      per-(row, block) log-sum-exps and the rows' final ones, and restores saved cache rows.
-#if defined(DINFER_ATTENTION_EMULATION)
-// Host emulation harness (not part of the build): provides the CUDA built-ins used below.
-#include "attention_emulation.h"
-#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#endif
 
 #include <cmath>
 #include <cstdint>
@@ -57,8 +52,7 @@ struct Bf16Tag {};
 struct F16Tag {};
 
 // ---- PTX primitives ------------------------------------------------------------------------------
-// Each has an emulation twin (the host harness runs the kernels' per-thread code with emulated
-// warps); the final #else only keeps nvcc's host pass quiet and is never executed.
+// nvcc's host pass compiles these bodies too; the #else branches only keep it quiet and never run.
 
 DINFER_DEV uint32_t smem_u32(const void* p) {
 #if defined(__CUDA_ARCH__)
@@ -75,8 +69,6 @@ DINFER_DEV void cp_async16(void* smem, const void* gmem, bool pred) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
                "r"(pred ? 16 : 0)
                : "memory");
-#elif defined(DINFER_ATTENTION_EMULATION)
-  emu::cp_async16(smem, gmem, pred);
 #else
   (void)smem, (void)gmem, (void)pred;
 #endif
@@ -85,8 +77,6 @@ DINFER_DEV void cp_async16(void* smem, const void* gmem, bool pred) {
 DINFER_DEV void cp_async_commit() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.commit_group;\n" ::: "memory");
-#elif defined(DINFER_ATTENTION_EMULATION)
-  emu::cp_async_commit();
 #endif
 }
 
@@ -95,24 +85,18 @@ template <int N>
 DINFER_DEV void cp_async_wait() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#elif defined(DINFER_ATTENTION_EMULATION)
-  emu::cp_async_wait(N);
 #endif
 }
 
 DINFER_DEV void block_sync() {
 #if defined(__CUDA_ARCH__)
   __syncthreads();
-#elif defined(DINFER_ATTENTION_EMULATION)
-  emu::syncthreads();
 #endif
 }
 
 DINFER_DEV float shfl_xor(float v, int mask) {
 #if defined(__CUDA_ARCH__)
   return __shfl_xor_sync(0xFFFFFFFFu, v, mask);
-#elif defined(DINFER_ATTENTION_EMULATION)
-  return emu::shfl_xor(v, mask);
 #else
   (void)mask;
   return v;
@@ -128,8 +112,6 @@ DINFER_DEV void ldsm_x4(uint32_t (&r)[4], const void* row_addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_u32(row_addr)));
-#elif defined(DINFER_ATTENTION_EMULATION)
-  emu::ldmatrix_x4(r, row_addr, false);
 #else
   (void)row_addr;
   r[0] = r[1] = r[2] = r[3] = 0;
@@ -143,8 +125,6 @@ DINFER_DEV void ldsm_x4_trans(uint32_t (&r)[4], const void* row_addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_u32(row_addr)));
-#elif defined(DINFER_ATTENTION_EMULATION)
-  emu::ldmatrix_x4(r, row_addr, true);
 #else
   (void)row_addr;
   r[0] = r[1] = r[2] = r[3] = 0;
@@ -165,8 +145,6 @@ DINFER_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, ui
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#elif defined(DINFER_ATTENTION_EMULATION)
-  emu::mma_16816(d, a, b0, b1, true);
 #else
   (void)d, (void)a, (void)b0, (void)b1;
 #endif
@@ -179,8 +157,6 @@ DINFER_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, ui
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#elif defined(DINFER_ATTENTION_EMULATION)
-  emu::mma_16816(d, a, b0, b1, false);
 #else
   (void)d, (void)a, (void)b0, (void)b1;
 #endif
@@ -193,8 +169,6 @@ DINFER_DEV uint32_t pack2(float lo, float hi, Bf16Tag) {
   uint32_t u;
   memcpy(&u, &h, sizeof u);
   return u;
-#elif defined(DINFER_ATTENTION_EMULATION)
-  return emu::pack_bf16(lo, hi);
 #else
   (void)lo, (void)hi;
   return 0;
@@ -207,8 +181,6 @@ DINFER_DEV uint32_t pack2(float lo, float hi, F16Tag) {
   uint32_t u;
   memcpy(&u, &h, sizeof u);
   return u;
-#elif defined(DINFER_ATTENTION_EMULATION)
-  return emu::pack_f16(lo, hi);
 #else
   (void)lo, (void)hi;
   return 0;
@@ -287,12 +259,8 @@ template <class Tag, int kD, bool kMass>
 __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid_constant__ FwdArgs a) {
   constexpr int kChunks = kD / 8;
   constexpr int kDT = kD / 8;  // n8 tiles of the output per warp
-#if defined(DINFER_ATTENTION_EMULATION)
-  uint16_t* sq = reinterpret_cast<uint16_t*>(emu::dynamic_smem());
-#else
   extern __shared__ __align__(128) unsigned char smem_raw[];
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem_raw);
-#endif
   uint16_t* sk = sq + kTileM * kD;       // [2][kTileN][kD]
   uint16_t* sv = sk + 2 * kTileN * kD;   // [2][kTileN][kD]
 
@@ -763,12 +731,6 @@ Plan make_plan(int64_t B, int64_t W, int64_t Hq, int64_t Hkv, int64_t D, int64_t
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 bool strides_ok(const int64_t (&s)[3]) { return s[0] % 8 == 0 && s[1] % 8 == 0 && s[2] % 8 == 0; }
 
-#if defined(DINFER_ATTENTION_EMULATION)
-template <class Kernel, class Args>
-cudaError_t launch(Kernel kernel, int64_t grid, int block, size_t smem, cudaStream_t, const Args& args) {
-  return emu::launch(kernel, grid, block, smem, args);
-}
-#else
 template <class Args>
 cudaError_t launch(void (*kernel)(Args), int64_t grid, int block, size_t smem, cudaStream_t stream,
                    const Args& args) {
@@ -776,25 +738,23 @@ cudaError_t launch(void (*kernel)(Args), int64_t grid, int block, size_t smem, c
   return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(grid)),
                           dim3(static_cast<unsigned>(block)), kargs, smem, stream);
 }
-#endif
 
+// With fa == nullptr: only raises the kernel's dynamic shared-memory limit (done before anything is
+// launched, so a failure cannot leave a window-refreshed cache behind). Otherwise: launches it.
 template <class Tag, int kD, bool kMass>
-cudaError_t launch_fwd(const FwdArgs& fa, int64_t grid, cudaStream_t stream) {
+cudaError_t launch_fwd(const FwdArgs* fa, int64_t grid, cudaStream_t stream) {
   constexpr size_t smem = fwd_smem_bytes<kD>();
   auto kernel = attention_fwd_kernel<Tag, kD, kMass>;
-#if !defined(DINFER_ATTENTION_EMULATION)
-  if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-  }
-#endif
-  return launch(kernel, grid, kThreads, smem, stream, fa);
+  if (fa == nullptr)
+    return smem > 48 * 1024 ? cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(smem))
+                            : cudaSuccess;
+  return launch(kernel, grid, kThreads, smem, stream, *fa);
 }
 
 template <class Tag>
-cudaError_t launch_fwd_dispatch(const FwdArgs& fa, int64_t D, bool mass, int64_t grid, cudaStream_t stream) {
+cudaError_t launch_fwd_dispatch(const FwdArgs* fa, int64_t D, bool mass, int64_t grid, cudaStream_t stream) {
   if (D == 64)
     return mass ? launch_fwd<Tag, 64, true>(fa, grid, stream) : launch_fwd<Tag, 64, false>(fa, grid, stream);
   return mass ? launch_fwd<Tag, 128, true>(fa, grid, stream) : launch_fwd<Tag, 128, false>(fa, grid, stream);
@@ -843,14 +803,16 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
   constexpr int64_t kMaxLen = int64_t{1} << 30;  // int32 row/key arithmetic with margin
   if (W >= kMaxLen || S >= kMaxLen || B >= kMaxLen || Hq > 65536) return cudaErrorInvalidValue;
   const bool has_list = p.kv_num_blocks != nullptr;
-  if (has_list != (p.kv_indices != nullptr)) return cudaErrorInvalidValue;
+  // A list of MAXB = 0 entries may have a null data pointer (a 0-byte array): nothing reads it.
+  if (has_list ? (p.kv_indices == nullptr && p.max_blocks != 0) : p.kv_indices != nullptr)
+    return cudaErrorInvalidValue;
   if (has_list && (p.max_blocks < 0 || p.max_blocks >= kMaxLen)) return cudaErrorInvalidValue;
   const bool mass = p.block_mass != nullptr;
   if (B * W > 0 && (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.out == nullptr ||
                     p.positions == nullptr))
     return cudaErrorInvalidValue;
-  if (B > 0 && (p.seq_lens == nullptr || p.k_cache == nullptr || p.v_cache == nullptr))
-    return cudaErrorInvalidValue;
+  if (B > 0 && p.seq_lens == nullptr) return cudaErrorInvalidValue;
+  if (B * S > 0 && (p.k_cache == nullptr || p.v_cache == nullptr)) return cudaErrorInvalidValue;
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.k_cache),
                           static_cast<const void*>(p.v_cache), static_cast<const void*>(p.out)})
     if (!aligned16(ptr)) return cudaErrorInvalidValue;
@@ -882,8 +844,14 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
   float* part_lse = pl.ns > 1 || mass ? reinterpret_cast<float*>(ws + pl.part_lse) : nullptr;
   float* part_o = pl.ns > 1 ? reinterpret_cast<float*>(ws + pl.part_o) : nullptr;
 
-  // ---- 1. refresh prologue ----
   cudaError_t err = cudaSuccess;
+  if (fwd_grid > 0) {
+    err = p.dtype == ScalarType::kBFloat16 ? launch_fwd_dispatch<Bf16Tag>(nullptr, D, mass, 0, stream)
+                                           : launch_fwd_dispatch<F16Tag>(nullptr, D, mass, 0, stream);
+    if (err != cudaSuccess) return err;
+  }
+
+  // ---- 1. refresh prologue ----
   if (rows + fill_ctas > 0) {
     PrologueArgs pa;
     pa.k = static_cast<const uint16_t*>(p.k);
@@ -943,8 +911,8 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
     fa.part_o = part_o;
     fa.part_lse = part_lse;
     fa.lsekb = lsekb;
-    err = p.dtype == ScalarType::kBFloat16 ? launch_fwd_dispatch<Bf16Tag>(fa, D, mass, fwd_grid, stream)
-                                           : launch_fwd_dispatch<F16Tag>(fa, D, mass, fwd_grid, stream);
+    err = p.dtype == ScalarType::kBFloat16 ? launch_fwd_dispatch<Bf16Tag>(&fa, D, mass, fwd_grid, stream)
+                                           : launch_fwd_dispatch<F16Tag>(&fa, D, mass, fwd_grid, stream);
     if (err != cudaSuccess) return err;
   }
 
@@ -981,7 +949,7 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
               : launch(attention_epilogue_kernel<F16Tag>, epi_grid, kAuxThreads, 0, stream, ea);
     if (err != cudaSuccess) return err;
   }
-  return cudaGetLastError();
+  return cudaSuccess;   // each launch's status was checked (cudaGetLastError would also report others')
 }
 
 }  // namespace dinfer_kernels

@@ -19,6 +19,7 @@ def attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back, kv_num
                                            bool(write_back), block_mass is not None)
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    ext.attention(q, k, v, k_cache, v_cache, positions, seq_lens, out, lse, block_mass, kv_num_blocks,
-                  kv_indices, write_back=bool(write_back), q_block=int(q_block), kv_block=int(kv_block),
-                  scale=float(scale), workspace=workspace, stream=stream)
+    with torch.cuda.device(q.device):   # launches go to the current device
+        ext.attention(q, k, v, k_cache, v_cache, positions, seq_lens, out, lse, block_mass, kv_num_blocks,
+                      kv_indices, write_back=bool(write_back), q_block=int(q_block), kv_block=int(kv_block),
+                      scale=float(scale), workspace=workspace, stream=stream)

@@ -15,8 +15,9 @@ def decode_step(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, 
     N, V = logits.shape
     workspace = torch.empty(ext.cuda_workspace_bytes(N, V), dtype=torch.uint8, device=logits.device)
     stream = torch.cuda.current_stream(logits.device).cuda_stream
-    ext.decode_step(
-        logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals, candidate,
-        confidence, commit, row_max, row_lse, mask_id=mask_id, rule=rule, low_threshold=low_threshold,
-        temperature=temperature, seed=seed, offset=offset, credit_alpha=alpha, credit_beta=beta,
-        credit_gamma=gamma, workspace=workspace, stream=stream)
+    with torch.cuda.device(logits.device):   # launches go to the current device
+        ext.decode_step(
+            logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals, candidate,
+            confidence, commit, row_max, row_lse, mask_id=mask_id, rule=rule, low_threshold=low_threshold,
+            temperature=temperature, seed=seed, offset=offset, credit_alpha=alpha, credit_beta=beta,
+            credit_gamma=gamma, workspace=workspace, stream=stream)

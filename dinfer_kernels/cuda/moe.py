@@ -29,8 +29,9 @@ def moe(hidden, router_weight, router_logits, w13, w2, top_k, renormalize, scori
     workspace = torch.empty(ext.moe_workspace_bytes(T, E, top_k, H, two_i // 2), dtype=torch.uint8,
                             device=hidden.device)
     stream = torch.cuda.current_stream(hidden.device).cuda_stream
-    ext.moe(hidden.contiguous(), router_weight, router_logits, w13.contiguous(), w2.contiguous(), top_k,
-            bool(renormalize), scoring, expert_bias, num_groups, topk_groups, float(routed_scaling), e0,
-            e1, target, workspace=workspace, stream=stream)
+    with torch.cuda.device(hidden.device):   # launches go to the current device
+        ext.moe(hidden.contiguous(), router_weight, router_logits, w13.contiguous(), w2.contiguous(), top_k,
+                bool(renormalize), scoring, expert_bias, num_groups, topk_groups, float(routed_scaling), e0,
+                e1, target, workspace=workspace, stream=stream)
     if target is not out:
         out.copy_(target)

@@ -21,6 +21,8 @@ expert_range    (e0, e1) or None: only experts in [e0, e1) contribute (expert pa
     s = softmax(l) | sigmoid(l);  c = s + bias (selection score)
     groups: keep the topk_groups best groups by group score (lower group first on ties), c = -inf elsewhere
     e = top_k experts by c (lower expert first on ties), in descending order of c (the slot order)
+    A NaN selection score ranks like -inf (in group scores and in the top-k): such an expert is chosen
+    only when fewer than top_k others can be.
     w = c[e] (softmax) | s[e] (sigmoid);  w /= Σw + 1e-20 if renormalize;  w *= routed_scaling
     out[t] = Σ_k w_k · W2_e · cast(silu(g) ⊙ u),  [g; u] = W13_e · hidden[t]
 
@@ -49,6 +51,7 @@ def route(hidden, router_weight, top_k, renormalize=False, expert_bias=None, *, 
         raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
     sel = score if expert_bias is None else score + expert_bias.float()
     weight_src = sel if scoring == "softmax" else score
+    sel = torch.where(sel.isnan(), float("-inf"), sel)      # ranks like -inf
     if num_groups > 1:
         T, E = sel.shape
         size = E // num_groups

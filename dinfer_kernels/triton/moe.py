@@ -173,7 +173,7 @@ def _group_mask(sel, ex, emask, num_groups, group_size, topk_groups, BT: tl.cons
         v = tl.where((grp == g)[None, :] & emask[None, :], sel, float("-inf"))
         m1, i1 = _pick_max(v, ex, E_PAD)
         m2 = tl.max(tl.where(ex[None, :] == i1[:, None], float("-inf"), v), 1)
-        score = m1 + tl.where(m2 == float("-inf"), 0.0, m2)
+        score = tl.where(group_size == 1, m1, m1 + m2)      # a one-expert group: its one score
         gscore = tl.where(gx[None, :] == g, score[:, None], gscore)
     keep = tl.zeros([BT, E_PAD], tl.int32)
     for gg in range(topk_groups):
@@ -250,7 +250,7 @@ def _route_kernel(hidden, s_ht, s_hh, rw, s_re, s_rh, logits_in, s_lt, s_le, bia
         wsrc = score
     else:
         wsrc = sel
-    sel = tl.where(emask[None, :], sel, float("-inf"))
+    sel = tl.where(emask[None, :] & (sel == sel), sel, float("-inf"))   # NaN ranks like -inf
     if GROUPED:
         sel = tl.where(_group_mask(sel, ex, emask, num_groups, group_size, topk_groups, BT, E_PAD, G_PAD),
                        sel, float("-inf"))

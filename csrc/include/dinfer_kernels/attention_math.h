@@ -21,11 +21,7 @@ constexpr int kTileM = 64;   // packed (query row, head) pairs per CTA: 4 warps 
 constexpr int kTileN = 64;   // keys per K/V tile
 constexpr int kMaxSplits = 32;  // the combine gives each split one lane of a warp
 // Enough CTAs for two resident CTAs on each of 132 SMs: the split count aims for one full wave.
-#ifdef DINFER_ATTENTION_TARGET_CTAS  // test hook (host emulation): force the single-pass path
-constexpr int64_t kTargetCtas = DINFER_ATTENTION_TARGET_CTAS;
-#else
 constexpr int64_t kTargetCtas = 264;
-#endif
 
 DINFER_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 DINFER_HD int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }

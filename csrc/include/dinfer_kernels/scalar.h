@@ -1,7 +1,7 @@
 // Exact scalar conversions and fast special functions shared by the host and device code of every
 // kernel family: fp32 bit casts, bf16/fp16 <-> fp32 with torch's rounding (round to nearest even),
 // and MUFU-based exp2/log2. Device code uses the PTX instructions; host code (the CPU kernels and
-// the kernels' host emulations) uses the bit-exact equivalents.
+// the host-side launchers) uses the bit-exact equivalents.
 #pragma once
 
 #include <cmath>
