@@ -10,7 +10,8 @@ Rows (all dInfer full's recipe, the embedded model, the same prompts in the same
   continuous  at most `batch` in flight; a finished sequence's slot goes to the next prompt at the next
               block boundary (dinfer.generate's batch_size)
 Prints accuracy, forwards, sequence-forwards, TPS and the ratios to batch 1 and of continuous to runs.
-Each row is timed --repeats times; its TPS is the median run's (every run's is in the JSON).
+Each row is timed --repeats times, in passes over the three; its TPS is the median run's (every
+run's is in the JSON).
 Tasks differ in answer length, so sequences finish on different blocks: that is what refills use.
 """
 import os
@@ -24,13 +25,6 @@ from bench_e2e import RECIPES  # noqa: E402
 from dinfer.tasks import check_tasks, eval_problems  # noqa: E402
 
 LEARNED = "add,sort,reverse,chain"   # recall is not learned by the embedded models (RESULTS.md)
-
-
-def measure(llm, problems, batch, runs, options, repeats):
-    """The median of `repeats` timed runs of one mode."""
-    timed = [measure_once(llm, problems, batch, runs, options) for _ in range(repeats)]
-    best, tps_runs = common.median_run(timed, "tokens_per_second")
-    return {**best, "tps_runs": tps_runs}
 
 
 def measure_once(llm, problems, batch, runs, options):
@@ -63,10 +57,9 @@ def main(argv=None):
     problems = [prob for group in zip(*per_task) for prob in group]   # add, sort, ..., add, sort, ...
     options = dict(RECIPES["dinfer-full"], align_blocks=False)
     llm.generate([q for q, _ in problems[:args.batch]], batch_size=args.batch, **options)   # warm-up
-    n = common.repeats(args)
-    results = [measure(llm, problems, 1, False, options, n),
-               measure(llm, problems, args.batch, True, options, n),
-               measure(llm, problems, args.batch, False, options, n)]
+    modes = [(1, False), (args.batch, True), (args.batch, False)]
+    results = common.interleaved_medians(
+        modes, lambda mode, i: measure_once(llm, problems, *mode, options), common.repeats(args))
     one, runs, cont = results
     for r in results:
         r["speedup_vs_batch1"] = round(r["tokens_per_second"] / one["tokens_per_second"], 2)

@@ -18,8 +18,8 @@ start_block_align, the engine's default, starts it at the block boundary below t
 which on these models costs accuracy and tokens/forward alike; see RESULTS.md).
 Each runs with our kernels (backend "auto") and on the pure-torch references ("/torch"), and
 dinfer-full also at batch 8. Speedups are tokens/s over vanilla and over fast-dllm, both with kernels.
-Each row is timed --repeats times (same prompts, same tokens); its tokens/s is the median run's, and
-the JSON keeps every run's ("tps_runs").
+Each row is timed --repeats times, in passes over all rows (so the host's drift lands on every row
+alike); its tokens/s is the median run's, and the JSON keeps every run's ("tps_runs").
 """
 import os
 import sys
@@ -43,20 +43,18 @@ RECIPES = {
 }
 
 
-def run(llm, recipe, backend, batch, args):
+def run_once(llm, row, args, first):
+    """One timed evaluation of row (recipe, backend, batch); first: with evaluate's warm-up."""
+    recipe, backend, batch = row
     options = dict(RECIPES[recipe], align_blocks=False)
-    runs = []
-    for i in range(common.repeats(args)):
-        with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
-            r = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch,
-                         warmup=i == 0, **options)
-        o = r["overall"]
-        runs.append({"accuracy": o["accuracy"], "tokens_per_forward": o["tokens_per_forward"],
-                     "tokens_per_second": o["tokens_per_second"], "forwards": o["forwards"],
-                     "refreshes": o["refreshes"], "tokens": o["tokens"], "seconds": o["seconds"],
-                     "per_task_accuracy": {t: v["accuracy"] for t, v in r["tasks"].items()}})
-    best, tps_runs = common.median_run(runs, "tokens_per_second")
-    return {"recipe": recipe, "backend": backend, "batch": batch, **best, "tps_runs": tps_runs,
+    with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
+        r = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch, warmup=first,
+                     **options)
+    o = r["overall"]
+    return {"recipe": recipe, "backend": backend, "batch": batch, "accuracy": o["accuracy"],
+            "tokens_per_forward": o["tokens_per_forward"], "tokens_per_second": o["tokens_per_second"],
+            "forwards": o["forwards"], "refreshes": o["refreshes"], "tokens": o["tokens"],
+            "seconds": o["seconds"], "per_task_accuracy": {t: v["accuracy"] for t, v in r["tasks"].items()},
             "options": options}
 
 
@@ -67,13 +65,14 @@ def main(argv=None):
     if args.quick:
         args.num_problems = min(args.num_problems, 4)
     llm = common.engine_llm(args)
-    results = []
-    for recipe in RECIPES:
-        for backend in ("auto", "torch"):
-            results.append(run(llm, recipe, backend, 1, args))
-            print(_row(results[-1]), flush=True)
-    results.append(run(llm, "dinfer-full", "auto", 8, args))
-    print(_row(results[-1]), flush=True)
+    rows = [(recipe, backend, 1) for recipe in RECIPES for backend in ("auto", "torch")]
+    rows.append(("dinfer-full", "auto", 8))
+
+    def once(row, i):
+        r = run_once(llm, row, args, first=i == 0)
+        print(f"pass {i + 1}  " + _row(r), flush=True)
+        return r
+    results = common.interleaved_medians(rows, once, common.repeats(args))
 
     get = {(r["recipe"], r["backend"], r["batch"]): r for r in results}
     van, fast = get["vanilla", "auto", 1], get["fast-dllm", "auto", 1]

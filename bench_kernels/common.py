@@ -79,6 +79,22 @@ def repeats(args):
     return 1 if args.quick else args.repeats
 
 
+def interleaved_medians(rows, run_once, repeats, key="tokens_per_second"):
+    """Times every row `repeats` times, round-robin (row 1, row 2, ..., then again), so a drift of the
+    host's speed over minutes lands on every row alike rather than on whichever rows ran then. Returns
+    per row its median run (median_run) with every run's `key` in `tps_runs`. run_once(row, i) times
+    row once; i is the pass (0: the first)."""
+    runs = [[] for _ in rows]
+    for i in range(repeats):
+        for j, row in enumerate(rows):
+            runs[j].append(run_once(row, i))
+    out = []
+    for row_runs in runs:
+        best, rates = median_run(row_runs, key)
+        out.append({**best, "tps_runs": rates})
+    return out
+
+
 def median_run(runs, key):
     """The run with the median `key` (the lower middle one for an even count) and every run's `key`.
     Decoding is deterministic, so the runs differ only in time: anything else differing is an error."""

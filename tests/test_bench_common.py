@@ -37,3 +37,15 @@ def test_repeats_option(common):
     with pytest.raises(SystemExit):
         untimed.parse_args(["--repeats", "2"])
     assert isinstance(untimed.parse_args([]), argparse.Namespace)
+
+
+def test_interleaved_medians_run_passes_over_all_rows(common):
+    calls = []
+
+    def once(row, i):
+        calls.append((row, i))
+        return run(100.0 + 10 * i + row)
+    out = common.interleaved_medians([1, 2], once, 3)
+    assert calls == [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2)]     # round-robin passes
+    assert [r["tokens_per_second"] for r in out] == [111.0, 112.0]
+    assert out[0]["tps_runs"] == [101.0, 111.0, 121.0]
