@@ -552,3 +552,25 @@ def test_cuda_graph_capture(backend):
         assert torch.equal(a, b)
     assert torch.equal(_bits(kc2), _bits(kc)) and torch.equal(_bits(vc2), _bits(vc))
     assert math.isfinite(float(got[2].sum()))
+
+
+@pytest.mark.parametrize("backend,device", kernel_backends())
+def test_kernel_backends_take_strided_positions_and_queries(backend, device):
+    """An expanded arange of positions (stride 0 over the batch) and a query whose last dim is strided
+    reach the kernels as the dense arrays they read; the result is the reference's."""
+    B, W, S, Hq, Hkv, D = 2, 8, 40, 2, 2, 64
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, W, D, Hq, generator=g).transpose(-1, -2)          # last-dim stride Hq
+    k, v = torch.randn(B, W, Hkv, D, generator=g), torch.randn(B, W, Hkv, D, generator=g)
+    kc, vc = torch.randn(B, S, Hkv, D, generator=g), torch.randn(B, S, Hkv, D, generator=g)
+    pos = (torch.arange(W) + 10).expand(B, W)
+    lens = torch.full((B,), S, dtype=torch.int32)
+    dtype = dtype_for(backend, F32)
+    dev = lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)  # noqa: E731
+    got = dk.attention(dev(q), dev(k), dev(v), dev(kc), dev(vc), pos.to(device), lens.to(device),
+                       backend=backend).cpu()
+    cast = lambda t: t.to(dtype)  # noqa: E731
+    want = attention_reference(cast(q), cast(k), cast(v), cast(kc), cast(vc), pos, lens,
+                               compute_dtype=torch.float64)
+    same = attention_reference(cast(q), cast(k), cast(v), cast(kc), cast(vc), pos, lens)
+    assert_precision(got, same, want, "out")

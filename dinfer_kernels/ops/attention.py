@@ -301,6 +301,12 @@ def attention(q, k, v, k_cache, v_cache, positions, seq_lens, *, write_back: boo
             raise ValueError(f"seq_lens: must be in [0, {S}]")
         if counts is not None:
             _check_block_lists(counts, indices, nkb)
+    if backend != "torch":
+        # The kernels read positions / seq_lens as dense arrays and q / k / v rows with a unit last
+        # stride: make them so (no-ops in the usual case; an expanded arange of positions is not).
+        # The caches are written in place, so their layout is the caller's (errors name them).
+        positions, seq_lens = positions.contiguous(), seq_lens.contiguous()
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse, mass = torch.ops.dinfer.attention(
         q, k, v, k_cache, v_cache, positions, seq_lens, bool(write_back), attn_mask, counts, indices,
         int(q_block), int(kv_block), float(scale), bool(return_lse), bool(return_block_mass), backend)
