@@ -603,7 +603,8 @@ struct TcConfig {
   static constexpr int kKUnroll = BM >= 128 ? 2 : BK / 16;
 };
 // Small-token path: 16 rows, 4 warps side by side along N, 4 stages of 128 K (3 in flight,
-// 60 KB per CTA, 2 CTAs per SM): enough bytes in flight for every SM to stream at full rate.
+// 80 KB per CTA, 2 CTAs per SM on sm_80 and sm_90): enough bytes in flight for every SM to stream
+// at full rate.
 using SmallGemm1 = TcConfig<16, 32, 128, 4, 1, 4>;   // 32 act columns = 64 weight rows per CTA
 using SmallGemm2 = TcConfig<16, 64, 128, 4, 1, 4>;
 // Large batches: 128 x 128 weight-row tiles, 8 warps (2 x 4).
