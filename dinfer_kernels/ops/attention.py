@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from .. import _backend, _checks
+from .. import _backend, _checks, _dispatch
 from ..reference.attention import attention_reference, block_mask_dense
 
 KERNEL_HEAD_DIMS = (64, 128)       # of the GPU kernels; the host kernel takes any
@@ -164,7 +164,7 @@ def _cdiv_t(t, d):
     return torch.div(t + (d - 1), d, rounding_mode="floor")
 
 
-@torch.library.custom_op("dinfer::attention", mutates_args=("k_cache", "v_cache"))
+@_dispatch.op("attention", mutates_args=("k_cache", "v_cache"))
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                   write_back: bool, attn_mask: Optional[torch.Tensor],
@@ -307,7 +307,7 @@ def attention(q, k, v, k_cache, v_cache, positions, seq_lens, *, write_back: boo
         # The caches are written in place, so their layout is the caller's (errors name them).
         positions, seq_lens = positions.contiguous(), seq_lens.contiguous()
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse, mass = torch.ops.dinfer.attention(
+    out, lse, mass = _attention_op(
         q, k, v, k_cache, v_cache, positions, seq_lens, bool(write_back), attn_mask, counts, indices,
         int(q_block), int(kv_block), float(scale), bool(return_lse), bool(return_block_mass), backend)
     if not (return_lse or return_block_mass):

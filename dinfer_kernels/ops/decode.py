@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from .. import _backend, _checks
+from .. import _backend, _checks, _dispatch
 from ..reference.decode import DecodeOutput, decode_step_reference
 
 RULE_CODES = {"threshold": 0, "hierarchical": 1, "hierarchy": 1, "fixed": 2}
@@ -42,7 +42,7 @@ class CreditState(NamedTuple):
         return self
 
 
-@torch.library.custom_op("dinfer::decode_step", mutates_args=("tokens", "credit_ids", "credit_vals"))
+@_dispatch.op("decode_step", mutates_args=("tokens", "credit_ids", "credit_vals"))
 def _decode_step_op(logits: torch.Tensor, tokens: torch.Tensor, seq_offsets: torch.Tensor,
                     threshold: torch.Tensor, num_commit: torch.Tensor, credit_ids: torch.Tensor,
                     credit_vals: torch.Tensor, mask_id: int, rule: int, low_threshold: float,
@@ -172,7 +172,7 @@ def decode_step(
         if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= V):
             raise ValueError(f"credit.ids: slot ids must be in [-1, {V})")
 
-    out = torch.ops.dinfer.decode_step(
+    out = _decode_step_op(
         logits, tokens, seq_offsets, thr, k, ids, vals, mask_id, code, float(low_threshold),
         float(temperature), seed, offset, float(credit_alpha), float(credit_beta),
         float(credit_gamma), backend)

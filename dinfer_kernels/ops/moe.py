@@ -10,13 +10,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _backend, _checks
+from .. import _backend, _checks, _dispatch
 from ..reference.moe import SCORINGS, moe_reference
 
 _SCORING_CODES = {name: i for i, name in enumerate(SCORINGS)}
 
 
-@torch.library.custom_op("dinfer::moe", mutates_args=())
+@_dispatch.op("moe")
 def _moe_op(hidden: torch.Tensor, router_weight: Optional[torch.Tensor],
             router_logits: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             renormalize: bool, scoring: int, expert_bias: Optional[torch.Tensor], num_groups: int,
@@ -98,6 +98,6 @@ def moe(hidden: torch.Tensor, router_weight: Optional[torch.Tensor], w13: torch.
         e0, e1 = expert_range
         _checks.integer("expert_range[0]", e0, 0, E + 1)
         _checks.integer("expert_range[1]", e1, e0, E + 1)
-    return torch.ops.dinfer.moe(hidden, router_weight, router_logits, w13, w2, top_k, bool(renormalize),
-                                _SCORING_CODES[scoring], expert_bias, num_groups, topk_groups,
-                                routed_scaling, e0, e1, _backend.resolve(backend, dev, "moe"))
+    return _moe_op(hidden, router_weight, router_logits, w13, w2, top_k, bool(renormalize),
+                   _SCORING_CODES[scoring], expert_bias, num_groups, topk_groups, routed_scaling, e0, e1,
+                   _backend.resolve(backend, dev, "moe"))

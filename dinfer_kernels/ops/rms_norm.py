@@ -2,11 +2,11 @@
 Contract: dinfer_kernels/reference/rms_norm.py."""
 import torch
 
-from .. import _backend, _checks
+from .. import _backend, _checks, _dispatch
 from ..reference.rms_norm import rms_norm_reference
 
 
-@torch.library.custom_op("dinfer::rms_norm", mutates_args=())
+@_dispatch.op("rms_norm")
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
@@ -24,4 +24,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
     _checks.tensor("weight", weight, (x.dtype,), ndim=1, device=x.device)
     _checks.shape("weight", weight, [x.shape[-1]])
     _checks.number("eps", eps, lo=0.0, lo_open=True)
-    return torch.ops.dinfer.rms_norm(x, weight, float(eps), _backend.resolve(backend, x.device, "rms_norm"))
+    return _rms_norm_op(x, weight, float(eps), _backend.resolve(backend, x.device, "rms_norm"))

@@ -4,11 +4,11 @@ from typing import Optional
 
 import torch
 
-from .. import _backend, _checks
+from .. import _backend, _checks, _dispatch
 from ..reference.rope import rope_reference
 
 
-@torch.library.custom_op("dinfer::rope", mutates_args=())
+@_dispatch.op("rope")
 def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int,
              backend: str) -> torch.Tensor:
     return rope_reference(x, positions, theta, rotary_dim)
@@ -30,4 +30,4 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: Opt
     rd = D if rotary_dim is None else _checks.integer("rotary_dim", rotary_dim, 2, D + 1)
     if rd % 2:
         raise ValueError(f"rotary_dim: must be even, got {rd}")
-    return torch.ops.dinfer.rope(x, positions, float(theta), rd, _backend.resolve(backend, x.device, "rope"))
+    return _rope_op(x, positions, float(theta), rd, _backend.resolve(backend, x.device, "rope"))

@@ -9,11 +9,11 @@ from typing import Union
 
 import torch
 
-from .. import _backend, _checks
+from .. import _backend, _checks, _dispatch
 from ..reference.soft_embedding import soft_embedding_reference
 
 
-@torch.library.custom_op("dinfer::soft_embedding", mutates_args=())
+@_dispatch.op("soft_embedding")
 def _soft_embedding_op(logits: torch.Tensor, embedding: torch.Tensor, tokens: torch.Tensor,
                        weight: torch.Tensor, mask_id: int, tau: float, backend: str) -> torch.Tensor:
     if backend == "torch":
@@ -60,5 +60,4 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, tokens: torch.
     backend = _backend.resolve(backend, dev, "soft_embedding")
     if _checks.data_checks_possible(logits) if validate is None else validate:
         _checks.token_range("tokens", tokens, V)
-    return torch.ops.dinfer.soft_embedding(logits, embedding, tokens.contiguous(), w, mask_id, float(tau),
-                                           backend)
+    return _soft_embedding_op(logits, embedding, tokens.contiguous(), w, mask_id, float(tau), backend)
