@@ -49,8 +49,8 @@ def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, prob
     """Run every task's held-out problems through llm.generate(..., **options).
 
     warmup: first generate for one problem, untimed, with the same options, so that one-off
-    initialisation (kernel libraries, allocator, first-call dispatch: ~1 s on the CPU) is not
-    charged to the first task's tokens/s."""
+    initialisation (kernel libraries, allocator, CUDA graph capture, Triton compilation on a GPU) is
+    not charged to the first task's tokens/s."""
     tasks = check_tasks(tasks)
     if num_problems < 1:
         raise ValueError(f"num_problems: must be >= 1, got {num_problems}")
