@@ -63,10 +63,7 @@ void load_row(const void* src, int64_t at, int64_t d, ScalarType t, float* dst) 
   }
   const uint16_t* h = static_cast<const uint16_t*>(src) + at;
   if (t == ScalarType::kBFloat16) {   // a shift per element: this loop vectorises
-    for (int64_t i = 0; i < d; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
-      std::memcpy(&dst[i], &bits, sizeof(float));
-    }
+    for (int64_t i = 0; i < d; ++i) dst[i] = scalar::bf16_to_float(h[i]);
     return;
   }
   int64_t i = 0;
@@ -169,6 +166,16 @@ struct Scratch {
   std::vector<int32_t> blocks;
 };
 
+struct Keys {
+  int64_t t0, t1;
+};
+
+// Keys [t0, t1) of key block kb that exist: below the sequence's length L (empty at or past it).
+Keys block_keys(const AttentionParams& p, int32_t kb, int32_t L) {
+  const int64_t t0 = kb * p.kv_block;
+  return Keys{t0, std::min<int64_t>(t0 + p.kv_block, L)};
+}
+
 // Sets the row pointers of key block kb: fp32 rows are read in place (the window's fresh row where
 // `slot` names one, else the cache row), 16-bit rows are converted into the scratch once.
 void prepare_block(const AttentionParams& p, const int32_t* slot, int64_t b, int64_t g, int32_t L,
@@ -176,8 +183,8 @@ void prepare_block(const AttentionParams& p, const int32_t* slot, int64_t b, int
   if (s.ready[kb]) return;
   s.ready[kb] = 1;
   const int64_t D = p.head_dim;
-  const int64_t t1 = std::min<int64_t>((kb + 1) * p.kv_block, L);
-  for (int64_t t = kb * p.kv_block; t < t1; ++t) {
+  const Keys r = block_keys(p, kb, L);
+  for (int64_t t = r.t0; t < r.t1; ++t) {
     const int32_t w = slot ? slot[b * p.cache_len + t] : -1;
     const void* kbase = w >= 0 ? p.k : p.k_cache;
     const void* vbase = w >= 0 ? p.v : p.v_cache;
@@ -241,6 +248,7 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
   const int64_t ld = L + kLanes;            // score row stride: room for a chunk's overhang
   const int64_t nkb = attention_math::cdiv(S, p.kv_block);
   const float kNegInf = -INFINITY;
+  auto keys_of = [&](int32_t kb) { return block_keys(p, kb, L); };
 
   s.key_rows.resize(L);
   s.value_rows.resize(L);
@@ -288,10 +296,10 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
       if (n == 0) continue;
       bool any_key = false;
       for (int32_t kb : s.blocks) {
-        const int64_t t0 = kb * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
-        if (t0 >= t1) continue;
+        const Keys r = keys_of(kb);
+        if (r.t0 >= r.t1) continue;
         prepare_block(p, slot, b, g, L, kb, s);
-        tile_scores(s, D, n, t0, t1, ld);
+        tile_scores(s, D, n, r.t0, r.t1, ld);
         any_key = true;
       }
       if (!any_key) {
@@ -307,15 +315,15 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
         float* sc = &s.scores[i * ld];
         float m = kNegInf;
         for (int32_t kb : s.blocks) {
-          const int64_t t0 = kb * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
-          if (t0 < t1) m = std::max(m, lane_max(sc + t0, t1 - t0));
+          const Keys r = keys_of(kb);
+          if (r.t0 < r.t1) m = std::max(m, lane_max(sc + r.t0, r.t1 - r.t0));
         }
         float sum = 0.f;
         for (size_t k = 0; k < nb; ++k) {
-          const int64_t t0 = s.blocks[k] * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
-          if (t0 >= t1) continue;
-          for (int64_t t = t0; t < t1; ++t) sc[t] = host::exp_nonpositive(sc[t] - m);
-          s.parts[i * nb + k] = lane_sum(sc + t0, t1 - t0);
+          const Keys r = keys_of(s.blocks[k]);
+          if (r.t0 >= r.t1) continue;
+          for (int64_t t = r.t0; t < r.t1; ++t) sc[t] = host::exp_nonpositive(sc[t] - m);
+          s.parts[i * nb + k] = lane_sum(sc + r.t0, r.t1 - r.t0);
           sum += s.parts[i * nb + k];
         }
         maxes[i] = m;
@@ -331,8 +339,8 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
         for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {
           v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
           for (int32_t kb : s.blocks) {
-            const int64_t t0 = kb * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
-            for (int64_t t = t0; t < t1; ++t) {
+            const Keys r = keys_of(kb);
+            for (int64_t t = r.t0; t < r.t1; ++t) {
               const v16 v = load16(vr[t] + d0);
               a0 += e[0][t] * v;
               a1 += e[1][t] * v;
@@ -348,9 +356,9 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
         for (int64_t d = D16; d < D; ++d) {
           float a[kChains] = {};
           for (int32_t kb : s.blocks) {
-            const int64_t t0 = kb * p.kv_block, t1 = std::min<int64_t>(t0 + p.kv_block, L);
-            for (int64_t t = t0; t < t1; ++t)
-              for (int r = 0; r < kChains; ++r) a[r] += e[r][t] * vr[t][d];
+            const Keys r = keys_of(kb);
+            for (int64_t t = r.t0; t < r.t1; ++t)
+              for (int c = 0; c < kChains; ++c) a[c] += e[c][t] * vr[t][d];
           }
           for (int r = 0; r < kChains; ++r) acc[r * D + d] = a[r];
         }

@@ -12,7 +12,6 @@
 namespace dinfer_bindings {
 
 using dinfer_kernels::AttentionParams;
-using dinfer_kernels::ScalarType;
 
 namespace {
 
@@ -38,11 +37,6 @@ void row_layout(const TensorArg& t, bool vectors, int64_t (&out)[3]) {
     throw_value_error(t.name() + ": the data must be 16-byte aligned");
 }
 
-ScalarType scalar_type(DType t) {
-  return t == DType::kFloat16 ? ScalarType::kFloat16
-                              : (t == DType::kBFloat16 ? ScalarType::kBFloat16 : ScalarType::kFloat32);
-}
-
 }  // namespace
 
 void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cache_o,
@@ -53,8 +47,8 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
                py::handle num_threads_o) {
   const bool write_back = bool_arg(write_back_o, "write_back");
   const int64_t q_block = int_arg(q_block_o, "q_block"), kv_block = int_arg(kv_block_o, "kv_block");
-  const int64_t stream = int_arg(stream_o, "stream"), num_threads = int_arg(num_threads_o, "num_threads");
-  if (num_threads < 0 || num_threads > 4096) throw_value_error("num_threads: must be in [0, 4096]");
+  const int64_t stream = int_arg(stream_o, "stream");
+  const int num_threads = threads_arg(num_threads_o, "num_threads");
   const double scale = float_arg(scale_o, "scale");
   if (q_block < 1) throw_value_error("q_block: must be >= 1, got " + std::to_string(q_block));
   if (kv_block < 1) throw_value_error("kv_block: must be >= 1, got " + std::to_string(kv_block));
@@ -174,7 +168,7 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
 
   if (on_host) {
     py::gil_scoped_release release;
-    dinfer_kernels::attention_cpu(p, static_cast<int>(num_threads));
+    dinfer_kernels::attention_cpu(p, num_threads);
     return;
   }
 #ifdef DINFER_WITH_CUDA

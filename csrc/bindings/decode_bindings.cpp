@@ -12,7 +12,6 @@ namespace dinfer_bindings {
 
 using dinfer_kernels::CommitRule;
 using dinfer_kernels::DecodeStepParams;
-using dinfer_kernels::ScalarType;
 
 namespace {
 
@@ -61,11 +60,11 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
                  py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
   const int64_t mask_id = int_arg(mask_id_o, "mask_id"), seed = int_arg(seed_o, "seed"),
                 offset = int_arg(offset_o, "offset"), stream = int_arg(stream_o, "stream");
-  const int64_t rule = int_arg(rule_o, "rule"), num_threads = int_arg(num_threads_o, "num_threads");
+  const int64_t rule = int_arg(rule_o, "rule");
+  const int num_threads = threads_arg(num_threads_o, "num_threads");
   const double low_threshold = float_arg(low_threshold_o, "low_threshold"),
                temperature = float_arg(temperature_o, "temperature"), alpha = float_arg(alpha_o, "credit_alpha"),
                beta = float_arg(beta_o, "credit_beta"), gamma = float_arg(gamma_o, "credit_gamma");
-  if (num_threads < 0 || num_threads > 4096) throw_value_error("num_threads: must be in [0, 4096]");
   TensorArg logits(logits_o, "logits"), tokens(tokens_o, "tokens"), offsets(offsets_o, "seq_offsets"),
       threshold(threshold_o, "threshold"), num_commit(num_commit_o, "num_commit"),
       credit_ids(credit_ids_o, "credit_ids"), credit_vals(credit_vals_o, "credit_vals"),
@@ -138,9 +137,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
 
   DecodeStepParams p;
   p.logits = logits.data<void>();
-  p.logits_dtype = logits.dtype() == DType::kFloat32   ? ScalarType::kFloat32
-                   : logits.dtype() == DType::kFloat16 ? ScalarType::kFloat16
-                                                       : ScalarType::kBFloat16;
+  p.logits_dtype = scalar_type(logits.dtype());
   p.num_rows = N;
   p.vocab = V;
   p.row_stride = row_stride;
@@ -170,7 +167,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   if (!logits.on_cuda()) {
     check_host_data(tokens, offsets, num_commit, credit_ids, threshold, N, V, p.rule);
     py::gil_scoped_release release;
-    dinfer_kernels::decode_step_cpu(p, static_cast<int>(num_threads));
+    dinfer_kernels::decode_step_cpu(p, num_threads);
     return;
   }
 #ifdef DINFER_WITH_CUDA

@@ -17,7 +17,6 @@ namespace dinfer_bindings {
 
 using dinfer_kernels::MoeParams;
 using dinfer_kernels::MoeScoring;
-using dinfer_kernels::ScalarType;
 
 namespace {
 
@@ -29,11 +28,6 @@ MoeScoring scoring_arg(py::handle o) {
   if (s == "softmax") return MoeScoring::kSoftmax;
   if (s == "sigmoid") return MoeScoring::kSigmoid;
   throw_value_error("scoring: expected 'softmax' or 'sigmoid', got '" + s + "'");
-}
-
-ScalarType scalar_type(DType t) {
-  return t == DType::kFloat32 ? ScalarType::kFloat32 : t == DType::kFloat16 ? ScalarType::kFloat16
-                                                                              : ScalarType::kBFloat16;
 }
 
 void in_range(int64_t v, int64_t lo, int64_t hi, const char* name) {  // [lo, hi]

@@ -20,6 +20,18 @@ int64_t int_arg(py::handle o, const char* name) {
   return v;
 }
 
+int threads_arg(py::handle o, const char* name) {
+  const int64_t v = int_arg(o, name);
+  if (v < 0 || v > 4096) throw_value_error(std::string(name) + ": must be in [0, 4096]");
+  return static_cast<int>(v);
+}
+
+dinfer_kernels::ScalarType scalar_type(DType t) {
+  using dinfer_kernels::ScalarType;
+  return t == DType::kFloat16 ? ScalarType::kFloat16
+                              : (t == DType::kBFloat16 ? ScalarType::kBFloat16 : ScalarType::kFloat32);
+}
+
 double float_arg(py::handle o, const char* name) {
   if (!(PyFloat_Check(o.ptr()) || PyLong_Check(o.ptr())) || PyBool_Check(o.ptr()))
     throw_type_error(std::string(name) + ": expected a number, got " + type_name(o));

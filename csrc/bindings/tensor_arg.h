@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "dinfer_kernels/decode.h"  // ScalarType
 #include "dlpack_abi.h"
 
 namespace dinfer_bindings {
@@ -62,5 +63,10 @@ class TensorArg {
 int64_t int_arg(py::handle o, const char* name);
 double float_arg(py::handle o, const char* name);
 bool bool_arg(py::handle o, const char* name);
+// An OpenMP thread count for the host kernels: 0 (OpenMP's default) to 4096.
+int threads_arg(py::handle o, const char* name);
+
+// The kernels' element type of a float array whose dtype was checked to be fp32, fp16 or bf16.
+dinfer_kernels::ScalarType scalar_type(DType t);
 
 }  // namespace dinfer_bindings

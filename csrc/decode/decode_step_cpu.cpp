@@ -50,13 +50,6 @@ float load_chunk_max(const uint16_t* src, int64_t len, float* buf, Convert conve
   return m;
 }
 
-inline float bf16_bits_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 float load_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* buf) {
   if (t == ScalarType::kFloat32) {
     const float* src = static_cast<const float*>(row) + lo;
@@ -64,7 +57,7 @@ float load_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* 
     return lane_max(buf, len);
   }
   const uint16_t* src = static_cast<const uint16_t*>(row) + lo;
-  if (t == ScalarType::kBFloat16) return load_chunk_max(src, len, buf, bf16_bits_to_float);
+  if (t == ScalarType::kBFloat16) return load_chunk_max(src, len, buf, decode_math::bf16_to_float);
   return load_chunk_max(src, len, buf, decode_math::fp16_to_float);
 }
 
