@@ -93,10 +93,20 @@ class LLM:
         ids = self._prompt_ids(prompts, chat)
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        finished = None if on_finish is None else (lambda i, tokens: on_finish(i, self._text(tokens)))
-        outputs, stats = generate(self.model, ids, cfg, batch_size, finished)
-        token_ids = [self._until_eos(o.tolist()) for o in outputs]
-        texts = [self.tokenizer.decode(t) for t in token_ids]
+        token_ids: List[List[int]] = [None] * len(ids)
+        texts: List[str] = [None] * len(ids)
+
+        def decode(i: int, tokens: torch.Tensor) -> None:
+            token_ids[i] = self._until_eos(tokens.tolist())
+            texts[i] = self.tokenizer.decode(token_ids[i])
+
+        def finished(i: int, tokens: torch.Tensor) -> None:   # decoded once, handed over at once
+            decode(i, tokens)
+            on_finish(i, texts[i])
+        outputs, stats = generate(self.model, ids, cfg, batch_size, None if on_finish is None else finished)
+        if on_finish is None:    # decoded after the timed run, as it always was
+            for i, tokens in enumerate(outputs):
+                decode(i, tokens)
         return GenerateResult(texts, token_ids, stats.as_dict())
 
     def _prompt_ids(self, prompts: Prompts, chat: bool) -> List[List[int]]:
@@ -118,9 +128,6 @@ class LLM:
         if bad:
             raise ValueError(f"prompts[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
-
-    def _text(self, tokens: torch.Tensor) -> str:
-        return self.tokenizer.decode(self._until_eos(tokens.tolist()))
 
     def _until_eos(self, ids: List[int]) -> List[int]:
         eos = self.model.config.eos_id
