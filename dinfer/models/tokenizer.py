@@ -38,6 +38,7 @@ class Tokenizer:
                                if k.endswith("_token") and _token_text(v) is not None}
         self.eos_id = eos_id if eos_id is not None else self._token_id(self.special_tokens.get("eos_token"))
         self.chat_template = _read_template(path, config)
+        self._template = None   # compiled on first use: compiling costs ~1.5 ms, more than a forward's share
 
     def encode(self, text: str) -> List[int]:
         """Token ids as `tokenizer(text)["input_ids"]` gives them (the file's post-processor applies)."""
@@ -55,11 +56,12 @@ class Tokenizer:
         checkpoint has no template."""
         if self.chat_template is None:
             return user_text
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise
-        template = env.from_string(self.chat_template)
-        return template.render(messages=[{"role": "user", "content": user_text}],
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=[{"role": "user", "content": user_text}],
                                add_generation_prompt=True, **self.special_tokens)
 
     def _token_id(self, token: Optional[str]) -> Optional[int]:
