@@ -15,7 +15,7 @@ from dinfer.models.tokenizer import Tokenizer
 from dinfer.models.transformer import DiffusionLM, KVCache
 from dinfer.tasks import TASKS, sample
 from dinfer.train import PRESETS, ops, train
-from dinfer.train.loop import SOFT_WEIGHT, Batches, _smoothing_inputs, loss_fn
+from dinfer.train.loop import SOFT_WEIGHT, Batches, _smoothing_inputs, _tally, loss_fn
 from dinfer.train.tokenizer import UNK, save_tokenizer, special_ids
 
 
@@ -137,6 +137,31 @@ def test_loss_is_llada_objective_and_learns(tok_dir):
     with torch.no_grad():
         last = sum(loss_fn(model, *batch, torch.Generator().manual_seed(s)).item() for s in range(4)) / 4
     assert last < 0.5 * first
+
+
+def test_training_log_counts_masked_answer_tokens_per_task(tok_dir):
+    """The log's per-task tally: every masked answer token of the batch, under its own task, and
+    right where the forward's argmax is the target (checked against an independent recount)."""
+    preset = dataclasses.replace(PRESETS["tiny-llada-moe"], batch_size=16)
+    batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=3)
+    tokens, canvas, lengths, canvas_len = batches(1.0)
+    model = DiffusionLM(preset.config, random_weights(preset.config, seed=3), ops=ops)
+    hits, tally = {}, {task: [0, 0] for task, _ in preset.task_weights}
+    loss_fn(model, tokens, canvas, lengths, canvas_len, torch.Generator().manual_seed(6), hits=hits)
+    _tally(tally, batches, hits)
+    B, T = tokens.shape
+    masked = torch.zeros(B * T, dtype=torch.bool)
+    masked[hits["rows"]] = True
+    right = torch.zeros(B * T, dtype=torch.bool)
+    right[hits["rows"]] = hits["hit"]
+    answer = batches.answer
+    assert not (answer & ~canvas).any() and (canvas & ~answer).any()  # the canvas = answer + EOS fill
+    expected = {task: [0, 0] for task in tally}
+    for b, task in enumerate(batches.tasks):
+        rows = answer[b] & masked.view(B, T)[b]
+        expected[task][0] += int((rows & right.view(B, T)[b]).sum())
+        expected[task][1] += int(rows.sum())
+    assert tally == expected and sum(seen for _, seen in tally.values()) > 0
 
 
 def test_smoothing_inputs_are_what_inference_adds(tok_dir):

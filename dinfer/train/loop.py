@@ -66,18 +66,21 @@ class Batches:
     def __call__(self, progress: float = 1.0):
         """(tokens [B, T], canvas [B, T] bool, lengths [B] int32, canvas length [B]) at `progress`
         (0..1) of the run. Sequences are padded to T with EOS that nothing attends to and no loss reads."""
-        rows, starts = [], []
+        rows, starts, answer_lens = [], [], []
         tasks, weights = zip(*self.preset.task_weights)
-        for task in self.rng.choices(tasks, weights, k=self.preset.batch_size):
+        self.tasks = self.rng.choices(tasks, weights, k=self.preset.batch_size)  # for the training log
+        for task in self.tasks:
             prompt, answer = sample(task, self.rng, heldout=False)
             p, a = self.prompt_ids(prompt), self.tok.encode(answer).ids
             rows.append(p + a + [self.eos] * self.rng.randint(1, self.max_fill(len(a), progress)))
             starts.append(len(p))
+            answer_lens.append(len(a))
         T = max(len(r) for r in rows)
         tokens = torch.tensor([r + [self.eos] * (T - len(r)) for r in rows])
         start, length = torch.tensor(starts), torch.tensor([len(r) for r in rows])
         pos = torch.arange(T)[None, :]
         canvas = (pos >= start[:, None]) & (pos < length[:, None])
+        self.answer = (pos >= start[:, None]) & (pos < (start + torch.tensor(answer_lens))[:, None])
         return tokens, canvas, length.to(torch.int32), (length - start).float()
 
     def max_fill(self, answer_len: int, progress: float) -> int:
@@ -89,7 +92,10 @@ class Batches:
         return max(1, round(min(4, full) + ramp * (full - min(4, full))))
 
 
-def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.Generator, soft: bool = False):
+def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.Generator, soft: bool = False,
+            hits: dict = None):
+    """LLaDA's SFT loss of one batch; `hits`, if given, gets the flat indices of the masked rows
+    ("rows") and whether each one's argmax is right ("hit")."""
     B, T = tokens.shape
     c = model.config
     # t ~ U(0, 1) for every sequence, stratified over the batch (one uniform shifted by b / B): the
@@ -108,6 +114,8 @@ def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model.forward(emb, positions, no_cache, lengths, logits_rows=rows)
     ce = F.cross_entropy(logits.float(), tokens.flatten()[rows], reduction="none")
+    if hits is not None:
+        hits.update(rows=rows, hit=logits.argmax(-1) == tokens.flatten()[rows])
     weight = (1 / (p * canvas_len[:, None])).expand(B, T).flatten()[rows]
     return (ce * weight).sum() / B
 
@@ -148,9 +156,12 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
                              {"params": rest, "weight_decay": 0.0}], lr=preset.lr, betas=(0.9, 0.98))
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, preset.warmup))
     t0, running = time.perf_counter(), None
+    tally = {task: [0, 0] for task, _ in preset.task_weights}  # masked answer tokens: right, seen
     for step in range(steps):
         soft = preset.soft_fraction > 0 and torch.rand(1, generator=gen).item() < preset.soft_fraction
-        loss = loss_fn(model, *batches(step / steps), gen, soft=soft)
+        hits = {}
+        loss = loss_fn(model, *batches(step / steps), gen, soft=soft, hits=hits)
+        _tally(tally, batches, hits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(weights.values()), 1.0)
@@ -158,7 +169,10 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
         lr_sched.step()
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if (step + 1) % 100 == 0 or step + 1 == steps:
-            log(f"{name} step {step + 1}/{steps} loss {running:.4f} ({time.perf_counter() - t0:.0f} s)")
+            accuracy = " ".join(f"{t} {right / max(seen, 1):.2f}" for t, (right, seen) in tally.items())
+            log(f"{name} step {step + 1}/{steps} loss {running:.4f} | masked answer tokens right: {accuracy} "
+                f"({time.perf_counter() - t0:.0f} s)")
+            tally = {task: [0, 0] for task in tally}
         if (step + 1) % save_every == 0 or step + 1 == steps:  # a usable checkpoint while training runs
             record = {"model": name, "seed": seed, "steps": step + 1, "of_steps": steps,
                       "batch_size": preset.batch_size, "lr": preset.lr,
@@ -168,6 +182,16 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
                       "threads": torch.get_num_threads()}
             _save(out, preset, weights, record)
     return record
+
+
+def _tally(tally: dict, batches: Batches, hits: dict) -> None:
+    """Adds one batch's masked answer tokens (right, seen) to each task's count in `tally`: which
+    tasks are learning, read from the forward the step runs anyway."""
+    answer = batches.answer.flatten()[hits["rows"]]
+    seq = (hits["rows"] // batches.answer.shape[1])[answer].tolist()
+    for b, hit in zip(seq, hits["hit"][answer].tolist()):
+        tally[batches.tasks[b]][0] += hit
+        tally[batches.tasks[b]][1] += 1
 
 
 def _lr_factor(step: int, steps: int, warmup: int) -> float:
