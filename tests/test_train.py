@@ -127,7 +127,7 @@ def test_loss_is_llada_objective_and_learns(tok_dir):
     batch = batches()
     gen = torch.Generator().manual_seed(0)
     first = loss_fn(model, *batch, gen).item()
-    assert first > 1.0  # random weights: about ln(vocab) per masked token, before the 1/p weights
+    assert first > 1.0  # random weights: about ln(vocab), the mean over each sequence's masked tokens
     opt = torch.optim.Adam(weights.values(), lr=3e-3)
     for _ in range(40):
         loss = loss_fn(model, *batch, gen)
@@ -137,6 +137,44 @@ def test_loss_is_llada_objective_and_learns(tok_dir):
     with torch.no_grad():
         last = sum(loss_fn(model, *batch, torch.Generator().manual_seed(s)).item() for s in range(4)) / 4
     assert last < 0.5 * first
+
+
+def test_loss_masks_l_of_L_canvas_tokens_weighted_L_over_l(tok_dir):
+    """Each sequence gets l in 1..L of its L canvas tokens masked (nothing outside the canvas), l
+    uniform over 1..L across draws, and the loss is sum over sequences of the mean cross-entropy of
+    its masked tokens, / B: (L / l) / L per token (recomputed here from the masked rows)."""
+    preset = dataclasses.replace(PRESETS["tiny-llada"], batch_size=16)
+    batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=5)
+    tokens, canvas, lengths, canvas_len = batches(1.0)
+    B, T = tokens.shape
+    model = DiffusionLM(preset.config, random_weights(preset.config, seed=5), ops=ops)
+    L = canvas.sum(1)
+    assert torch.equal(L, canvas_len.long())
+    fractions = []
+    for seed in range(40):
+        hits = {}
+        loss = loss_fn(model, tokens, canvas, lengths, canvas_len, torch.Generator().manual_seed(seed), hits=hits)
+        masked = torch.zeros(B * T, dtype=torch.bool)
+        masked[hits["rows"]] = True
+        masked = masked.view(B, T)
+        l = masked.sum(1)
+        assert not (masked & ~canvas).any() and (l >= 1).all() and (l <= L).all()
+        fractions += ((l - 1).float() / (L - 1).clamp(min=1).float())[L > 1].tolist()
+        if seed < 2:
+            inputs = torch.where(masked, torch.full_like(tokens, preset.config.mask_id), tokens)
+            cache = KVCache([None] * preset.config.num_layers, [None] * preset.config.num_layers)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model.forward(model.embed(inputs), torch.arange(T).expand(B, T), cache, lengths,
+                                       logits_rows=hits["rows"])
+            ce = torch.nn.functional.cross_entropy(logits.float(), tokens.flatten()[hits["rows"]],
+                                                   reduction="none")
+            seq = hits["rows"] // T
+            expected = sum(ce[seq == b].sum() / l[b] for b in range(B)) / B
+            torch.testing.assert_close(loss, expected)
+    # (l - 1) / (L - 1) is uniform on a grid over [0, 1]: mean 1/2, and both ends are drawn
+    n = len(fractions)
+    assert abs(sum(fractions) / n - 0.5) < 4 * (1 / 12 / n) ** 0.5
+    assert min(fractions) == 0.0 and max(fractions) == 1.0
 
 
 def test_training_log_counts_masked_answer_tokens_per_task(tok_dir):

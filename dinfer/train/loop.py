@@ -2,9 +2,9 @@
 
 Each sequence is `<|bos|>` prompt `<|assistant|>` answer `<|endoftext|>`... : a canvas of the answer
 followed by EOS up to a random length (so the model learns where answers end, for any gen_length up
-to the preset's max_canvas). The prompt stays clean; each canvas token is masked with probability
-p = (1 - eps) t + eps, t ~ U(0, 1) per sequence, and the loss is the cross-entropy on masked tokens
-weighted by 1 / p and divided by the canvas length (LLaDA's SFT loss). A fraction of the batches
+to the preset's max_canvas). The prompt stays clean. The loss is LLaDA's bound in the paper's
+lower-variance form: l ~ U{1..L} of a sequence's L canvas tokens are masked, drawn without
+replacement, and the cross-entropy on them is weighted by L / l and divided by L. A fraction of the batches
 (`soft_fraction`) also sees what iteration smoothing feeds a model at inference: each masked row's
 input gets w * softmax(z) @ E added, z from a no-grad forward of the same input and w drawn from the
 smoothing schedule's range (self-conditioning). Everything is drawn from
@@ -30,7 +30,6 @@ from . import ops
 from .presets import BLOCK_LENGTH, GEN_LENGTH, PRESETS, TrainPreset
 from .tokenizer import ASSISTANT, BOS, save_tokenizer, special_ids
 
-EPS = 1e-3
 SOFT_WEIGHT = (SMOOTHING_WEIGHT[0], SMOOTHING_WEIGHT[2])  # the range of w_n at inference
 
 
@@ -98,11 +97,15 @@ def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.
     ("rows") and whether each one's argmax is right ("hit")."""
     B, T = tokens.shape
     c = model.config
-    # t ~ U(0, 1) for every sequence, stratified over the batch (one uniform shifted by b / B): the
-    # same objective with less variance from batches that happen to hold only small or large t.
-    t = ((torch.rand(1, generator=gen) + torch.arange(B) / B) % 1)[:, None]
-    p = (1 - EPS) * t + EPS
-    masked = canvas & (torch.rand(B, T, generator=gen) < p)
+    # The per-token form (mask each token with p ~ U(0, 1), weight 1/p) estimates the same bound, but
+    # a sequence masked at small p weighs up to 1000x the rest, and on recall that noise kept the
+    # key lookup from forming at all (RESULTS.md, recall probes round 9). Here no weight exceeds L.
+    # l is stratified over the batch (one uniform shifted by b / B), as t was.
+    L = canvas_len.long()
+    u = (torch.rand(1, generator=gen) + torch.arange(B) / B) % 1
+    l = torch.minimum((u * L).long() + 1, L)
+    score = torch.rand(B, T, generator=gen).masked_fill(~canvas, 2.0)  # non-canvas rows sort last
+    masked = canvas & (score.argsort(1).argsort(1) < l[:, None])
     inputs = torch.where(masked, torch.full_like(tokens, c.mask_id), tokens)
     positions = torch.arange(T).expand(B, T)
     rows = masked.flatten().nonzero().flatten()
@@ -116,7 +119,7 @@ def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.
     ce = F.cross_entropy(logits.float(), tokens.flatten()[rows], reduction="none")
     if hits is not None:
         hits.update(rows=rows, hit=logits.argmax(-1) == tokens.flatten()[rows])
-    weight = (1 / (p * canvas_len[:, None])).expand(B, T).flatten()[rows]
+    weight = (1 / l.float())[:, None].expand(B, T).flatten()[rows]  # (L / l) / L
     return (ce * weight).sum() / B
 
 
