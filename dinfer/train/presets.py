@@ -17,9 +17,8 @@ GEN_LENGTH, BLOCK_LENGTH = 32, 8
 # How often each task is drawn, relative to the others. Sort (ranks with repeats) learns slowest of
 # the learnable tasks, so it gets twice a share. Chain needs a full share, not for vanilla decoding
 # (99% at half a share) but so that late digits are right when several are committed from one
-# forward. Recall's key lookup does not form in this budget at any share or format tried
-# (RESULTS.md), so it keeps a quarter share: enough to be in the data, little taken from the rest.
-TASK_WEIGHTS = (("add", 1.0), ("sort", 2.0), ("reverse", 1.0), ("recall", 0.25), ("chain", 1.0))
+# forward. Recall's lookup forms last, so it gets a full share.
+TASK_WEIGHTS = (("add", 1.0), ("sort", 2.0), ("reverse", 1.0), ("recall", 1.0), ("chain", 1.0))
 
 
 def _reweighted(**shares: float) -> Tuple[Tuple[str, float], ...]:
