@@ -55,7 +55,8 @@ def _recall(rng: random.Random) -> Problem:
     keys = rng.sample(KEY_LETTERS, rng.randint(3, 6))
     entry = {k: f"{k}={rng.randrange(100):02d}" for k in keys}
     asked = rng.sample(keys, rng.randint(2, min(4, len(keys))))
-    return f"recall:{','.join(entry[k] for k in keys)}?{''.join(asked)}", ",".join(entry[k] for k in asked[::-1])
+    table = ",".join(entry[k] for k in keys)
+    return f"recall:{table}?{''.join(asked)}", ",".join(entry[k] for k in asked[::-1])
 
 
 def _chain(rng: random.Random) -> Problem:

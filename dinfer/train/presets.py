@@ -17,7 +17,7 @@ GEN_LENGTH, BLOCK_LENGTH = 32, 8
 # How often each task is drawn, relative to the others. Sort (ranks with repeats) learns slowest of
 # the learnable tasks, so it gets twice a share. Chain needs a full share, not for vanilla decoding
 # (99% at half a share) but so that late digits are right when several are committed from one
-# forward. Recall's lookup forms last, so it gets a full share.
+# forward. Recall gets a full share: its lookup needs the most steps of any task (RESULTS.md, round 10).
 TASK_WEIGHTS = (("add", 1.0), ("sort", 2.0), ("reverse", 1.0), ("recall", 1.0), ("chain", 1.0))
 
 
