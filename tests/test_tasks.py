@@ -21,7 +21,8 @@ def solve(prompt: str) -> str:
     if task == "recall":
         pairs, asked = body.split("?")
         table = dict(p.split("=") for p in pairs.split(","))
-        return ",".join(f"{k}={table[k]}" for k in reversed(asked))
+        assert 3 <= len(table) <= 6 and len(asked) == 1
+        return f"{asked}={table[asked]}"
     if task == "chain":
         start, ops = int(body[0]), body[1:]
         return "".join(str((start + ops[:i + 1].count("+") - ops[:i + 1].count("-")) % 10) for i in range(len(ops)))

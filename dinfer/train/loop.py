@@ -10,6 +10,7 @@ input gets w * softmax(z) @ E added, z from a no-grad forward of the same input 
 smoothing schedule's range (self-conditioning). Everything is drawn from
 seeded generators, so a run is reproducible for a given seed, step count and torch build.
 """
+import dataclasses
 import functools
 import json
 import math
@@ -34,25 +35,28 @@ SOFT_WEIGHT = (SMOOTHING_WEIGHT[0], SMOOTHING_WEIGHT[2])  # the range of w_n at 
 
 
 def init_weights(preset: TrainPreset, gen: torch.Generator) -> Dict[str, torch.Tensor]:
-    """Norms at 1, projections N(0, 0.02^2), the residual outputs scaled down by sqrt(2 * layers)."""
-    c = preset.config
-    out_std = 0.02 / math.sqrt(2 * c.num_layers)
+    """torch's default init: norms at 1, embeddings N(0, 1), every other matrix N(0, 1 / (3 fan_in))
+    (the variance of nn.Linear's uniform). At N(0, 0.02^2) the recall lookup did not form even with
+    the position scaffold (RESULTS.md, recall probes rounds 7-8)."""
     weights = {}
-    for name, shape in expected_shapes(c).items():
+    for name, shape in expected_shapes(preset.config).items():
         if name.endswith("norm"):
             w = torch.ones(shape)
+        elif name == "embed":
+            w = torch.randn(shape, generator=gen)
         else:
-            std = out_std if name.endswith((".o", ".down", ".w2")) else 0.02
-            w = torch.randn(shape, generator=gen) * std
+            w = torch.randn(shape, generator=gen) / math.sqrt(3 * shape[-1])  # [..., out, in]
         weights[name] = w.requires_grad_()
     return weights
 
 
 class Batches:
-    """Token batches of training problems, tasks drawn by the preset's task_weights."""
+    """Token batches of training problems, tasks drawn by the preset's task_weights, recall's problems
+    by its curriculum, over a run of `steps` steps."""
 
-    def __init__(self, preset: TrainPreset, tokenizer, seed: int):
+    def __init__(self, preset: TrainPreset, tokenizer, seed: int, steps: int = None):
         self.preset, self.tok = preset, tokenizer
+        self.steps = preset.steps if steps is None else steps
         self.rng = random.Random(f"train/{seed}")
         ids = special_ids()
         self.bos, self.sep = ids[BOS], ids[ASSISTANT]
@@ -62,24 +66,32 @@ class Batches:
         """What the chat template + tokenizer give for `prompt` (tests check they agree)."""
         return [self.bos] + self.tok.encode(prompt).ids + [self.sep]
 
-    def __call__(self, progress: float = 1.0):
-        """(tokens [B, T], canvas [B, T] bool, lengths [B] int32, canvas length [B]) at `progress`
-        (0..1) of the run. Sequences are padded to T with EOS that nothing attends to and no loss reads."""
-        rows, starts, answer_lens = [], [], []
+    def __call__(self, step: int = None):
+        """(tokens [B, T], canvas [B, T] bool, lengths [B] int32, canvas length [B]) at `step` of the
+        run (None: past its end). Sequences are padded to T with EOS that nothing attends to and no
+        loss reads. Also sets `tasks` (each row's task), `answer` ([B, T], the answer tokens) and
+        `scaffold` ([B], the weight of the position table in each row's inputs)."""
+        step = self.steps if step is None else step
+        curriculum = self.preset.recall_curriculum
+        rows, starts, answer_lens, scaffold = [], [], [], []
         tasks, weights = zip(*self.preset.task_weights)
-        self.tasks = self.rng.choices(tasks, weights, k=self.preset.batch_size)  # for the training log
+        self.tasks = self.rng.choices(tasks, weights, k=self.preset.batch_size)
         for task in self.tasks:
-            prompt, answer = sample(task, self.rng, heldout=False)
+            recall = task == "recall"
+            prompt, answer = sample(task, self.rng, heldout=False, draw=curriculum.draw(step) if recall else None)
             p, a = self.prompt_ids(prompt), self.tok.encode(answer).ids
-            rows.append(p + a + [self.eos] * self.rng.randint(1, self.max_fill(len(a), progress)))
+            fill_step = step - curriculum.fill_start() if recall else step
+            rows.append(p + a + [self.eos] * self.rng.randint(1, self.max_fill(len(a), fill_step / self.steps)))
             starts.append(len(p))
             answer_lens.append(len(a))
+            scaffold.append(curriculum.scaffold_weight(step) if recall else 0.0)
         T = max(len(r) for r in rows)
         tokens = torch.tensor([r + [self.eos] * (T - len(r)) for r in rows])
         start, length = torch.tensor(starts), torch.tensor([len(r) for r in rows])
         pos = torch.arange(T)[None, :]
         canvas = (pos >= start[:, None]) & (pos < length[:, None])
         self.answer = (pos >= start[:, None]) & (pos < (start + torch.tensor(answer_lens))[:, None])
+        self.scaffold = torch.tensor(scaffold)
         return tokens, canvas, length.to(torch.int32), (length - start).float()
 
     def max_fill(self, answer_len: int, progress: float) -> int:
@@ -87,14 +99,15 @@ class Batches:
         fewer before. Long runs of [MASK] slow down learning to read the prompt several-fold, so
         the model first learns the tasks on short canvases, then where answers end on long ones."""
         full = max(self.preset.max_canvas - answer_len, 1)
-        ramp = min(progress / self.preset.fill_ramp, 1.0) if self.preset.fill_ramp > 0 else 1.0
+        ramp = min(max(progress, 0.0) / self.preset.fill_ramp, 1.0) if self.preset.fill_ramp > 0 else 1.0
         return max(1, round(min(4, full) + ramp * (full - min(4, full))))
 
 
 def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.Generator, soft: bool = False,
-            hits: dict = None):
+            hits: dict = None, scaffold: torch.Tensor = None):
     """LLaDA's SFT loss of one batch; `hits`, if given, gets the flat indices of the masked rows
-    ("rows") and whether each one's argmax is right ("hit")."""
+    ("rows") and whether each one's argmax is right ("hit"); `scaffold` ([B, T, H]), if given, is
+    added to the input embeddings (the curriculum's position table)."""
     B, T = tokens.shape
     c = model.config
     # The per-token form (mask each token with p ~ U(0, 1), weight 1/p) estimates the same bound, but
@@ -111,6 +124,8 @@ def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.
     rows = masked.flatten().nonzero().flatten()
     no_cache = KVCache([None] * c.num_layers, [None] * c.num_layers)
     emb = model.embed(inputs)
+    if scaffold is not None:
+        emb = emb + scaffold
     if soft:
         emb = emb + _smoothing_inputs(model, emb, positions, lengths, rows, no_cache, gen)
     # bf16 autocast: the host's bf16 GEMMs are ~4x its fp32 ones; master weights and the loss stay fp32.
@@ -150,11 +165,13 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
     gen = torch.Generator().manual_seed(seed)
     out = os.fspath(out)
     save_tokenizer(out)
-    batches = Batches(preset, Tokenizer.from_file(os.path.join(out, "tokenizer.json")), seed)
+    batches = Batches(preset, Tokenizer.from_file(os.path.join(out, "tokenizer.json")), seed, steps)
     weights = init_weights(preset, gen)
     model = DiffusionLM(preset.config, weights, ops=ops)
+    # recall's training-only position table (curriculum.py), at the embeddings' scale; never saved
+    table = torch.randn(preset.config.max_positions, preset.config.hidden_size, generator=gen).requires_grad_()
     decay = [w for n, w in weights.items() if w.dim() >= 2 and n != "embed"]
-    rest = [w for n, w in weights.items() if not (w.dim() >= 2 and n != "embed")]
+    rest = [w for n, w in weights.items() if not (w.dim() >= 2 and n != "embed")] + [table]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": preset.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=preset.lr, betas=(0.9, 0.98))
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, preset.warmup))
@@ -163,11 +180,13 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
     for step in range(steps):
         soft = preset.soft_fraction > 0 and torch.rand(1, generator=gen).item() < preset.soft_fraction
         hits = {}
-        loss = loss_fn(model, *batches(step / steps), gen, soft=soft, hits=hits)
+        batch = batches(step)
+        scaffold = batches.scaffold[:, None, None] * table[None, :batch[0].shape[1]]
+        loss = loss_fn(model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold if batches.scaffold.any() else None)
         _tally(tally, batches, hits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(weights.values()), 1.0)
+        torch.nn.utils.clip_grad_norm_(list(weights.values()) + [table], 1.0)
         opt.step()
         lr_sched.step()
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
@@ -180,6 +199,7 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
             record = {"model": name, "seed": seed, "steps": step + 1, "of_steps": steps,
                       "batch_size": preset.batch_size, "lr": preset.lr,
                       "soft_fraction": preset.soft_fraction, "task_weights": dict(preset.task_weights),
+                      "recall_curriculum": dataclasses.asdict(preset.recall_curriculum),
                       "final_loss": round(running, 4),
                       "train_seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__,
                       "threads": torch.get_num_threads()}
