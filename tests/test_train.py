@@ -7,15 +7,16 @@ import random
 
 import pytest
 import torch
+from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from dinfer import LLM
-from dinfer.models.checkpoint import random_weights
+from dinfer.models.checkpoint import expected_shapes, random_weights, save_checkpoint
 from dinfer.models.tokenizer import Tokenizer
 from dinfer.models.transformer import DiffusionLM, KVCache
 from dinfer.tasks import TASKS, sample
 from dinfer.train import PRESETS, ops, train
-from dinfer.train.loop import SOFT_WEIGHT, Batches, _smoothing_inputs, _tally, loss_fn
+from dinfer.train.loop import SOFT_WEIGHT, Batches, _smoothing_inputs, _tally, init_weights, loss_fn
 from dinfer.train.tokenizer import UNK, save_tokenizer, special_ids
 
 
@@ -77,28 +78,36 @@ def test_tokenizer_is_the_chat_template(tok_dir):
     assert tok.encode("~") == [special_ids()[UNK]]
 
 
-@pytest.mark.parametrize("progress", [0.0, 1.0])
-def test_batches_are_prompt_then_answer_then_eos(tok_dir, progress):
+@pytest.mark.parametrize("step", [0, None])
+def test_batches_are_prompt_then_answer_then_eos(tok_dir, step):
+    """At the start of a run (step 0) and past its end (None): prompt, answer, EOS fill, with recall's
+    problems from its curriculum and the position scaffold weighted on recall rows only."""
     preset = PRESETS["tiny-llada-moe"]
     batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=5)
     tok = Tokenizer(tok_dir, eos_id=preset.config.eos_id)
     replay = random.Random("train/5")  # the problems the batch drew, drawn again
-    tokens, canvas, lengths, canvas_len = batches(progress)
+    tokens, canvas, lengths, canvas_len = batches(step)
+    at = preset.steps if step is None else step
+    curriculum = preset.recall_curriculum
     assert tokens.shape[0] == preset.batch_size
     fills = []
     names, weights = zip(*preset.task_weights)
     for b, task in enumerate(replay.choices(names, weights, k=preset.batch_size)):
-        prompt, answer = sample(task, replay, heldout=False)
-        fill = replay.randint(1, batches.max_fill(len(answer), progress))
+        recall = task == "recall"
+        prompt, answer = sample(task, replay, heldout=False, draw=curriculum.draw(at) if recall else None)
+        fill_step = at - curriculum.fill_start() if recall else at
+        fill = replay.randint(1, batches.max_fill(len(answer), fill_step / preset.steps))
         start, end = len(batches.prompt_ids(prompt)), int(lengths[b])
         assert end == start + len(answer) + fill and canvas_len[b] == end - start
         assert not canvas[b, :start].any() and canvas[b, start:end].all() and not canvas[b, end:].any()
         assert tokens[b, :start].tolist() == batches.prompt_ids(prompt)
         body = tokens[b, start:end].tolist()
         assert tok.decode(body) == answer and body[len(answer):] == [tok.eos_id] * fill
+        assert batches.scaffold[b] == (curriculum.scaffold_weight(at) if recall else 0.0)
         fills.append(fill)
     # Short EOS fills at the start of a run, up to the whole canvas once the ramp is over.
-    assert max(fills) <= 4 if progress == 0 else max(fills) > 4
+    assert max(fills) <= 4 if step == 0 else max(fills) > 4
+    assert batches.scaffold.max() == (1.0 if step == 0 else 0.0)  # a batch of 64 has recall rows
     assert batches.max_fill(10, 1.0) == preset.max_canvas - 10 and batches.max_fill(40, 1.0) == 1
 
 
@@ -112,7 +121,7 @@ def test_task_weights_cover_the_suite(tok_dir, name):
     assert all(w > 0 for w in weights.values())
     batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=1)
     tok = Tokenizer(tok_dir, eos_id=preset.config.eos_id)
-    drawn = [tok.decode(row.tolist()[1:]).split(":")[0] for _ in range(8) for row in batches(0.0)[0]]
+    drawn = [tok.decode(row.tolist()[1:]).split(":")[0] for _ in range(8) for row in batches(0)[0]]
     for task, w in weights.items():
         share = w / sum(weights.values())
         n = len(drawn)  # 512 rows: the share within 4 binomial standard deviations
@@ -145,7 +154,7 @@ def test_loss_masks_l_of_L_canvas_tokens_weighted_L_over_l(tok_dir):
     its masked tokens, / B: (L / l) / L per token (recomputed here from the masked rows)."""
     preset = dataclasses.replace(PRESETS["tiny-llada"], batch_size=16)
     batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=5)
-    tokens, canvas, lengths, canvas_len = batches(1.0)
+    tokens, canvas, lengths, canvas_len = batches()
     B, T = tokens.shape
     model = DiffusionLM(preset.config, random_weights(preset.config, seed=5), ops=ops)
     L = canvas.sum(1)
@@ -182,7 +191,7 @@ def test_training_log_counts_masked_answer_tokens_per_task(tok_dir):
     right where the forward's argmax is the target (checked against an independent recount)."""
     preset = dataclasses.replace(PRESETS["tiny-llada-moe"], batch_size=16)
     batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=3)
-    tokens, canvas, lengths, canvas_len = batches(1.0)
+    tokens, canvas, lengths, canvas_len = batches()
     model = DiffusionLM(preset.config, random_weights(preset.config, seed=3), ops=ops)
     hits, tally = {}, {task: [0, 0] for task, _ in preset.task_weights}
     loss_fn(model, tokens, canvas, lengths, canvas_len, torch.Generator().manual_seed(6), hits=hits)
@@ -232,9 +241,28 @@ def test_smoothing_inputs_are_what_inference_adds(tok_dir):
     assert soft.item() != hard.item() and weights["embed"].grad.abs().sum() > 0
 
 
+def test_init_is_torchs_default():
+    """Embeddings N(0, 1), matrices N(0, 1 / (3 fan_in)), norms at 1."""
+    preset = PRESETS["tiny-llada-moe"]
+    weights = init_weights(preset, torch.Generator().manual_seed(0))
+    assert weights.keys() == expected_shapes(preset.config).keys()
+    for name, w in weights.items():
+        if name.endswith("norm"):
+            assert torch.equal(w, torch.ones_like(w)), name
+        else:
+            std = 1.0 if name == "embed" else (3 * w.shape[-1]) ** -0.5
+            assert abs(w.std().item() / std - 1) < 0.1 and abs(w.mean().item()) < 0.1 * std, name
+
+
 def test_train_is_reproducible_and_loadable(tmp_path):
     records = [train("tiny-llada", tmp_path / run, steps=2, seed=7, log=lambda _: None) for run in "ab"]
     assert records[0]["steps"] == 2 and records[0]["model"] == "tiny-llada"
+    assert records[0]["recall_curriculum"]["scaffold_gone"] == PRESETS["tiny-llada"].recall_curriculum.scaffold_gone
+    # the position scaffold is training-only: the checkpoint holds exactly the released layout's tensors
+    save_checkpoint(tmp_path / "layout", PRESETS["tiny-llada"].config, random_weights(PRESETS["tiny-llada"].config))
+    with safe_open(tmp_path / "a" / "model.safetensors", "pt") as got, \
+            safe_open(tmp_path / "layout" / "model.safetensors", "pt") as layout:
+        assert set(got.keys()) == set(layout.keys())
     assert filecmp.cmp(tmp_path / "a" / "model.safetensors", tmp_path / "b" / "model.safetensors", shallow=False)
     assert json.loads((tmp_path / "a" / "training.json").read_text())["seed"] == 7
     llm = LLM(tmp_path / "a", device="cpu")
