@@ -51,8 +51,9 @@ def init_weights(preset: TrainPreset, gen: torch.Generator) -> Dict[str, torch.T
 
 
 class Batches:
-    """Token batches of training problems, tasks drawn by the preset's task_weights, recall's problems
-    by its curriculum, over a run of `steps` steps."""
+    """Token batches of training problems over a run of `steps` steps: recall alone for the first
+    steps of its curriculum, then tasks drawn by the preset's task_weights; recall's problems are
+    drawn by its curriculum."""
 
     def __init__(self, preset: TrainPreset, tokenizer, seed: int, steps: int = None):
         self.preset, self.tok = preset, tokenizer
@@ -75,7 +76,10 @@ class Batches:
         curriculum = self.preset.recall_curriculum
         rows, starts, answer_lens, scaffold = [], [], [], []
         tasks, weights = zip(*self.preset.task_weights)
-        self.tasks = self.rng.choices(tasks, weights, k=self.preset.batch_size)
+        if step < curriculum.alone:
+            self.tasks = ["recall"] * self.preset.batch_size
+        else:
+            self.tasks = self.rng.choices(tasks, weights, k=self.preset.batch_size)
         for task in self.tasks:
             recall = task == "recall"
             prompt, answer = sample(task, self.rng, heldout=False, draw=curriculum.draw(step) if recall else None)
