@@ -8,7 +8,7 @@ from dinfer.tasks import RECALL_KEYS, is_heldout, sample
 from dinfer.train.curriculum import RecallCurriculum
 from dinfer.train.presets import PRESETS
 
-CURRICULUM = RecallCurriculum(scaffold_full=30, scaffold_gone=70, first_keys=(2, 3), grow=(70, 100))
+CURRICULUM = RecallCurriculum(alone=70, scaffold_full=30, scaffold_gone=70, first_keys=(2, 3), grow=(70, 100))
 
 
 def test_scaffold_full_then_fades_to_zero():
@@ -49,4 +49,4 @@ def test_drawn_problems_are_recall_problems_of_the_stage(step):
 def test_presets_run_the_curriculum_within_their_steps():
     for preset in PRESETS.values():
         c = preset.recall_curriculum
-        assert c.scaffold_full < c.scaffold_gone <= c.grow[0] < c.grow[1] < preset.steps / 2
+        assert c.scaffold_full < c.scaffold_gone <= c.alone <= c.grow[0] < c.grow[1] < preset.steps / 2

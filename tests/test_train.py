@@ -80,8 +80,9 @@ def test_tokenizer_is_the_chat_template(tok_dir):
 
 @pytest.mark.parametrize("step", [0, None])
 def test_batches_are_prompt_then_answer_then_eos(tok_dir, step):
-    """At the start of a run (step 0) and past its end (None): prompt, answer, EOS fill, with recall's
-    problems from its curriculum and the position scaffold weighted on recall rows only."""
+    """At the start of a run (step 0: recall alone) and past its end (None: every task): prompt,
+    answer, EOS fill, with recall's problems from its curriculum and the position scaffold weighted on
+    recall rows only."""
     preset = PRESETS["tiny-llada-moe"]
     batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=5)
     tok = Tokenizer(tok_dir, eos_id=preset.config.eos_id)
@@ -92,7 +93,10 @@ def test_batches_are_prompt_then_answer_then_eos(tok_dir, step):
     assert tokens.shape[0] == preset.batch_size
     fills = []
     names, weights = zip(*preset.task_weights)
-    for b, task in enumerate(replay.choices(names, weights, k=preset.batch_size)):
+    alone = at < curriculum.alone  # the curriculum's first steps train recall only
+    drawn = ["recall"] * preset.batch_size if alone else replay.choices(names, weights, k=preset.batch_size)
+    assert batches.tasks == drawn and alone == (step == 0)
+    for b, task in enumerate(drawn):
         recall = task == "recall"
         prompt, answer = sample(task, replay, heldout=False, draw=curriculum.draw(at) if recall else None)
         fill_step = at - curriculum.fill_start() if recall else at
@@ -107,7 +111,7 @@ def test_batches_are_prompt_then_answer_then_eos(tok_dir, step):
         fills.append(fill)
     # Short EOS fills at the start of a run, up to the whole canvas once the ramp is over.
     assert max(fills) <= 4 if step == 0 else max(fills) > 4
-    assert batches.scaffold.max() == (1.0 if step == 0 else 0.0)  # a batch of 64 has recall rows
+    assert batches.scaffold.max() == (1.0 if step == 0 else 0.0)
     assert batches.max_fill(10, 1.0) == preset.max_canvas - 10 and batches.max_fill(40, 1.0) == 1
 
 
@@ -121,7 +125,7 @@ def test_task_weights_cover_the_suite(tok_dir, name):
     assert all(w > 0 for w in weights.values())
     batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=1)
     tok = Tokenizer(tok_dir, eos_id=preset.config.eos_id)
-    drawn = [tok.decode(row.tolist()[1:]).split(":")[0] for _ in range(8) for row in batches(0)[0]]
+    drawn = [tok.decode(row.tolist()[1:]).split(":")[0] for _ in range(8) for row in batches()[0]]
     for task, w in weights.items():
         share = w / sum(weights.values())
         n = len(drawn)  # 512 rows: the share within 4 binomial standard deviations
