@@ -12,7 +12,8 @@ def main():
                                      description="Train an embedded model on the synthetic task suite.")
     parser.add_argument("--model", required=True, choices=sorted(PRESETS))
     parser.add_argument("--out", required=True, help="checkpoint folder to write")
-    parser.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: the preset's; recall's curriculum is in "
+                        "steps and trains recall alone for the first 600)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
