@@ -48,6 +48,12 @@ def test_training_ops_match_kernel_ops(name):
     # logits' scale. A real difference (here: causal instead of bidirectional attention) is ~1e-1.
     scale = expected.abs().max().item()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * scale)
+    # The MLP / MoE on the valid rows only (training's ffn_rows): the valid rows' logits do not change.
+    skipped = trainable.forward(trainable.embed(tokens), positions, no_cache, lengths,
+                                ffn_rows=valid.nonzero().flatten())
+    torch.testing.assert_close(skipped[valid], expected, rtol=0, atol=1e-4 * scale)
+    padding = trainable.forward(trainable.embed(tokens), positions, no_cache, lengths)[~valid]
+    assert (skipped[~valid] - padding).abs().max() > 1e-2 * scale  # ... and padding rows were skipped
     full = DiffusionLM(config, weights, ops=ops).forward(trainable.embed(tokens), positions, no_cache, None)
     assert (full[valid] - expected).abs().max() > 1e-2 * scale  # padding keys do matter when attended
 

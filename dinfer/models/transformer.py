@@ -65,15 +65,19 @@ class DiffusionLM:
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 seq_lens: torch.Tensor, *, write_back: bool = True,
                 logits_rows: Optional[torch.Tensor] = None,
-                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attn_mask: Optional[torch.Tensor] = None,
+                ffn_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """inputs_embeds [B, W, H], positions [B, W] int64, seq_lens [B] int32 →
-        logits [R, V] for the flat rows `logits_rows` (indices into B * W; all rows if None)."""
+        logits [R, V] for the flat rows `logits_rows` (indices into B * W; all rows if None).
+        ffn_rows: the flat rows whose MLP / MoE runs (all if None); the others get none. Training
+        passes the rows before each seq_lens: its padded batches are about half padding, which no
+        row attends to, so skipping their MLP changes no other row."""
         c = self.config
         B, W, H = inputs_embeds.shape
         h = inputs_embeds
         for i in range(c.num_layers):
             h = h + self._attention(i, h, positions, cache, seq_lens, write_back, attn_mask)
-            h = h + self._mlp(i, h)
+            h = h + self._mlp(i, h, ffn_rows)
         rows = h.reshape(B * W, H)
         if logits_rows is not None:
             rows = rows.index_select(0, logits_rows)
@@ -96,13 +100,18 @@ class DiffusionLM:
                          write_back=write_back, attn_mask=attn_mask)
         return o.reshape(B, W, c.num_heads * c.head_dim) @ w[p + "o"].t()
 
-    def _mlp(self, i, h):
+    def _mlp(self, i, h, ffn_rows):
         c, w = self.config, self.w
         p = f"layers.{i}."
-        m = self.ops.rms_norm(h, w[p + "mlp_norm"], c.rms_eps)
+        B, W, H = h.shape
+        m = self.ops.rms_norm(h, w[p + "mlp_norm"], c.rms_eps).reshape(B * W, H)
+        if ffn_rows is not None:
+            m = m.index_select(0, ffn_rows)
         if c.family == "llada":
-            return (F.silu(m @ w[p + "gate"].t()) * (m @ w[p + "up"].t())) @ w[p + "down"].t()
-        B, W, H = m.shape
-        out = self.ops.moe(m.reshape(B * W, H), w[p + "router"], w[p + "w13"], w[p + "w2"], c.top_k,
-                     renormalize=c.router_renormalize, expert_bias=w.get(p + "expert_bias"))
+            out = (F.silu(m @ w[p + "gate"].t()) * (m @ w[p + "up"].t())) @ w[p + "down"].t()
+        else:
+            out = self.ops.moe(m, w[p + "router"], w[p + "w13"], w[p + "w2"], c.top_k,
+                               renormalize=c.router_renormalize, expert_bias=w.get(p + "expert_bias"))
+        if ffn_rows is not None:
+            out = out.new_zeros(B * W, H).index_copy(0, ffn_rows, out)
         return out.view(B, W, H)

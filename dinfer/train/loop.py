@@ -126,15 +126,16 @@ def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.
     inputs = torch.where(masked, torch.full_like(tokens, c.mask_id), tokens)
     positions = torch.arange(T).expand(B, T)
     rows = masked.flatten().nonzero().flatten()
+    valid = (positions < lengths[:, None]).flatten().nonzero().flatten()
     no_cache = KVCache([None] * c.num_layers, [None] * c.num_layers)
     emb = model.embed(inputs)
     if scaffold is not None:
         emb = emb + scaffold
     if soft:
-        emb = emb + _smoothing_inputs(model, emb, positions, lengths, rows, no_cache, gen)
+        emb = emb + _smoothing_inputs(model, emb, positions, lengths, rows, no_cache, gen, valid)
     # bf16 autocast: the host's bf16 GEMMs are ~4x its fp32 ones; master weights and the loss stay fp32.
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model.forward(emb, positions, no_cache, lengths, logits_rows=rows)
+        logits = model.forward(emb, positions, no_cache, lengths, logits_rows=rows, ffn_rows=valid)
     ce = F.cross_entropy(logits.float(), tokens.flatten()[rows], reduction="none")
     if hits is not None:
         hits.update(rows=rows, hit=logits.argmax(-1) == tokens.flatten()[rows])
@@ -142,12 +143,13 @@ def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.
     return (ce * weight).sum() / B
 
 
-def _smoothing_inputs(model: DiffusionLM, emb, positions, lengths, rows, cache, gen) -> torch.Tensor:
+def _smoothing_inputs(model: DiffusionLM, emb, positions, lengths, rows, cache, gen, ffn_rows=None) -> torch.Tensor:
     """[B, T, H]: w * softmax(z) @ E on the masked rows `rows` (zero elsewhere), the term iteration
-    smoothing adds to the [MASK] embedding, from a no-grad forward of the same input."""
+    smoothing adds to the [MASK] embedding, from a no-grad forward of the same input (MLPs on
+    `ffn_rows` only, as in the loss's forward)."""
     B, T, H = emb.shape
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        z = model.forward(emb, positions, cache, lengths, logits_rows=rows)
+        z = model.forward(emb, positions, cache, lengths, logits_rows=rows, ffn_rows=ffn_rows)
     lo, hi = SOFT_WEIGHT
     w = (lo + (hi - lo) * torch.rand(B, generator=gen)).repeat_interleave(T)[rows]
     expected = torch.softmax(z.float(), -1) @ model.embedding.detach().float()
