@@ -22,9 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from bench_e2e import RECIPES  # noqa: E402
 
-from dinfer.tasks import check_tasks, eval_problems  # noqa: E402
-
-LEARNED = "add,sort,reverse,chain"   # recall is not learned by the embedded models (RESULTS.md)
+from dinfer.tasks import TASKS, check_tasks, eval_problems  # noqa: E402
 
 
 def measure_once(llm, problems, batch, runs, options):
@@ -47,7 +45,7 @@ def measure_once(llm, problems, batch, runs, options):
 
 
 def main(argv=None):
-    p = common.engine_parser(__doc__.splitlines()[0], LEARNED, 30)
+    p = common.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 30)
     p.add_argument("--batch", type=int, default=8)
     args = p.parse_args(argv)
     if args.quick:

@@ -17,10 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from bench_batching import LEARNED  # noqa: E402
 from bench_e2e import RECIPES  # noqa: E402
 
-from dinfer.tasks import check_tasks, eval_problems  # noqa: E402
+from dinfer.tasks import TASKS, check_tasks, eval_problems  # noqa: E402
 
 COMPARED = {"threshold": "dinfer", "credit": "dinfer-credit", "credit+smoothing": "dinfer-full"}
 
@@ -34,7 +33,7 @@ def measure(llm, problems, options):
 
 
 def main(argv=None):
-    p = common.engine_parser(__doc__.splitlines()[0], LEARNED, 30, timed=False)
+    p = common.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 30, timed=False)
     p.add_argument("--thresholds", default="0.9,0.95,0.99,0.999")
     p.add_argument("--block-lengths", default=None, help="default: the model's and the whole canvas")
     args = p.parse_args(argv)
