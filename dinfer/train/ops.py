@@ -2,8 +2,9 @@
 
 The kernel ops are inference-only custom ops (no autograd). Training runs the same forward on the
 pure-torch references, which are the kernels' spec, so a trained model means the same thing to both.
-Attention is plain bidirectional softmax attention over the rows given: training always feeds whole sequences from
-position 0 and no cache (the cache arguments are ignored); keys at or past seq_lens[b] are padding.
+Attention is plain bidirectional softmax attention over the rows given: training always feeds whole
+sequences from position 0 and no cache (the cache arguments are ignored); keys at or past seq_lens[b]
+are padding.
 """
 import torch
 import torch.nn.functional as F
