@@ -74,6 +74,7 @@ class Batches:
         `scaffold` ([B], the weight of the position table in each row's inputs)."""
         step = self.steps if step is None else step
         curriculum = self.preset.recall_curriculum
+        recall_draw, recall_scaffold = curriculum.draw(step), curriculum.scaffold_weight(step)
         rows, starts, answer_lens, scaffold = [], [], [], []
         tasks, weights = zip(*self.preset.task_weights)
         if step < curriculum.alone:
@@ -82,13 +83,13 @@ class Batches:
             self.tasks = self.rng.choices(tasks, weights, k=self.preset.batch_size)
         for task in self.tasks:
             recall = task == "recall"
-            prompt, answer = sample(task, self.rng, heldout=False, draw=curriculum.draw(step) if recall else None)
+            prompt, answer = sample(task, self.rng, heldout=False, draw=recall_draw if recall else None)
             p, a = self.prompt_ids(prompt), self.tok.encode(answer).ids
             fill_step = step - curriculum.fill_start() if recall else step
             rows.append(p + a + [self.eos] * self.rng.randint(1, self.max_fill(len(a), fill_step / self.steps)))
             starts.append(len(p))
             answer_lens.append(len(a))
-            scaffold.append(curriculum.scaffold_weight(step) if recall else 0.0)
+            scaffold.append(recall_scaffold if recall else 0.0)
         T = max(len(r) for r in rows)
         tokens = torch.tensor([r + [self.eos] * (T - len(r)) for r in rows])
         start, length = torch.tensor(starts), torch.tensor([len(r) for r in rows])
@@ -187,8 +188,10 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
         soft = preset.soft_fraction > 0 and torch.rand(1, generator=gen).item() < preset.soft_fraction
         hits = {}
         batch = batches(step)
-        scaffold = batches.scaffold[:, None, None] * table[None, :batch[0].shape[1]]
-        loss = loss_fn(model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold if batches.scaffold.any() else None)
+        scaffold = None  # the position table's share of each row's inputs, while any row has one
+        if batches.scaffold.any():
+            scaffold = batches.scaffold[:, None, None] * table[None, :batch[0].shape[1]]
+        loss = loss_fn(model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold)
         _tally(tally, batches, hits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
