@@ -84,10 +84,11 @@ def test_transformer_matches_the_released_forward(cfg):
     torch.testing.assert_close(got.double(), naive_forward(cfg, model.w, tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_window_forward_over_a_filled_cache_equals_the_full_forward():
-    model = model_of(MOE)
+@pytest.mark.parametrize("cfg", [MOE, DENSE], ids=["moe", "dense"])
+def test_window_forward_over_a_filled_cache_equals_the_full_forward(cfg):
+    model = model_of(cfg)
     S = 20
-    tokens = torch.randint(0, MOE.vocab_size, (2, S))
+    tokens = torch.randint(0, cfg.vocab_size, (2, S))
     lens = torch.tensor([S, 17], dtype=torch.int32)
     cache = model.new_cache(2, S)
     pos = torch.arange(S).expand(2, S).contiguous()
@@ -98,9 +99,14 @@ def test_window_forward_over_a_filled_cache_equals_the_full_forward():
     torch.testing.assert_close(part.view(2, 6, -1), full.gather(1, win[..., None].expand(-1, -1, full.shape[-1])),
                                rtol=1e-5, atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(cache.keys, keys0))
-    rows = torch.tensor([1, 7])  # logits only for the rows the decoder needs
+    # logits only for the rows the decoder needs (the last layer's projection and MLP run on them
+    # only), repeated ones included
+    rows = torch.tensor([1, 7, 7, 11])
     some = model.forward(model.embed(tokens.gather(1, win)), win, cache, lens, write_back=False, logits_rows=rows)
     torch.testing.assert_close(some, part[rows])
+    refill = model.new_cache(2, S)  # ... and a refresh still writes every row's K/V
+    model.forward(model.embed(tokens), pos, refill, lens, logits_rows=rows)
+    assert all(torch.equal(a, b) for a, b in zip(refill.keys + refill.values, cache.keys + cache.values))
 
 
 def llada_reference(model, prompt, gen_length, block_length, steps):

@@ -52,6 +52,10 @@ def test_training_ops_match_kernel_ops(name):
     skipped = trainable.forward(trainable.embed(tokens), positions, no_cache, lengths,
                                 ffn_rows=valid.nonzero().flatten())
     torch.testing.assert_close(skipped[valid], expected, rtol=0, atol=1e-4 * scale)
+    rows = valid.nonzero().flatten()[::3]  # training's call: logits of some valid rows, MLPs on all valid
+    some = trainable.forward(trainable.embed(tokens), positions, no_cache, lengths, logits_rows=rows,
+                             ffn_rows=valid.nonzero().flatten())
+    torch.testing.assert_close(some, expected[::3], rtol=0, atol=1e-4 * scale)
     padding = trainable.forward(trainable.embed(tokens), positions, no_cache, lengths)[~valid]
     assert (skipped[~valid] - padding).abs().max() > 1e-2 * scale  # ... and padding rows were skipped
     full = DiffusionLM(config, weights, ops=ops).forward(trainable.embed(tokens), positions, no_cache, None)

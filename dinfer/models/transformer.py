@@ -5,7 +5,8 @@ and a per-layer KV cache [B, S, Hkv, D]. Every row attends bidirectionally to ke
 of its sequence: cached keys outside the window, the fresh keys of the window inside it. With
 write_back=True the window's fresh K/V replace the cache rows in place (a full-sequence forward with
 W = S therefore *fills* the cache); with False the cache is left as it was (dInfer's vicinity step).
-The LM head runs only on the rows the caller asks for (`logits_rows`).
+The LM head runs only on the rows the caller asks for (`logits_rows`), and so do the last layer's
+output projection and MLP.
 
 Weights use the canonical names of dinfer.models.checkpoint (embed, layers.{i}.q, ..., lm_head).
 The ops (rms_norm, rope, attention, moe) come from `ops`: dinfer_kernels for inference, the
@@ -76,12 +77,17 @@ class DiffusionLM:
         B, W, H = inputs_embeds.shape
         h = inputs_embeds
         for i in range(c.num_layers):
-            h = h + self._attention(i, h, positions, cache, seq_lens, write_back, attn_mask)
+            o = self._attention(i, h, positions, cache, seq_lens, write_back, attn_mask)
+            if i == c.num_layers - 1 and logits_rows is not None:
+                # Past the last attention (whose K/V come from its input) only the logits rows are
+                # read: the other rows' output projection and MLP would be thrown away. A refresh's
+                # window is the whole sequence but its logits rows are one block: 1/8 to 1/9 here.
+                h = h.reshape(B * W, H).index_select(0, logits_rows)[None]
+                o = o.reshape(B * W, -1).index_select(0, logits_rows)[None]
+                ffn_rows = None  # every logits row is a real one
+            h = h + o @ self.w[f"layers.{i}.o"].t()
             h = h + self._mlp(i, h, ffn_rows)
-        rows = h.reshape(B * W, H)
-        if logits_rows is not None:
-            rows = rows.index_select(0, logits_rows)
-        return self.ops.rms_norm(rows, self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
+        return self.ops.rms_norm(h.reshape(-1, H), self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
 
     def _attention(self, i, h, positions, cache, seq_lens, write_back, attn_mask):
         c, w = self.config, self.w
@@ -98,7 +104,7 @@ class DiffusionLM:
         k = self.ops.rope(k, positions, c.rope_theta, c.rotary_dim)
         o = self.ops.attention(q, k, v, cache.keys[i], cache.values[i], positions, seq_lens,
                          write_back=write_back, attn_mask=attn_mask)
-        return o.reshape(B, W, c.num_heads * c.head_dim) @ w[p + "o"].t()
+        return o.reshape(B, W, c.num_heads * c.head_dim)  # the output projection is the caller's
 
     def _mlp(self, i, h, ffn_rows):
         c, w = self.config, self.w
