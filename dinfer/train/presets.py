@@ -1,7 +1,8 @@
 """The two embedded models: architecture, training schedule and generation defaults.
 
-Both are small enough to train on a 2-core CPU in well under 45 minutes and to ship in the package
-(bf16 weights, < 20 MB each): tiny-llada-moe (the default model; LLaDA-MoE: QK-norm, 8 experts,
+Both train on a 2-core CPU in under 45 minutes (shipped runs, one thread each with the other core
+busy: MoE 42 min, dense 34 min; RESULTS.md, session 15) and ship in the package (bf16 weights,
+< 20 MB each): tiny-llada-moe (the default model; LLaDA-MoE: QK-norm, 8 experts,
 top-2, no renormalisation) and tiny-llada (the dense LLaDA block: SwiGLU MLP, no QK-norm).
 """
 from dataclasses import dataclass
