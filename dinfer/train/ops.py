@@ -9,7 +9,7 @@ are padding.
 import torch
 import torch.nn.functional as F
 
-from dinfer_kernels.reference.moe import route
+from dinfer_kernels.reference.moe import moe_reference
 from dinfer_kernels.reference.rms_norm import rms_norm_reference
 from dinfer_kernels.reference.rope import rope_reference
 
@@ -39,19 +39,4 @@ def attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back=True, a
 
 
 def moe(hidden, router_weight, w13, w2, top_k, renormalize=False, expert_bias=None):
-    """The reference's routing and sums, with the rows grouped by expert once (one gather, one
-    index_add) instead of a mask, gather and index_add per expert. Fewer ops per step; the step time
-    it saved was within the host's noise (RESULTS.md, round 11), and the shipped models were trained
-    with it."""
-    T, H = hidden.shape
-    weight, experts = route(hidden, router_weight, top_k, renormalize, expert_bias)
-    inter = w13.shape[1] // 2
-    order = experts.flatten().argsort(stable=True)
-    counts = torch.bincount(experts.flatten(), minlength=w13.shape[0]).tolist()
-    token = order // top_k
-    outs = []
-    for e, x in enumerate(hidden.index_select(0, token).split(counts)):
-        gu = (x @ w13[e].t()).float()
-        outs.append((F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype) @ w2[e].t())
-    routed = torch.cat(outs).float() * weight.flatten()[order, None]
-    return hidden.new_zeros(T, H, dtype=torch.float32).index_add(0, token, routed).to(hidden.dtype)
+    return moe_reference(hidden, router_weight, w13, w2, top_k, renormalize, expert_bias)

@@ -2,7 +2,7 @@
 combine). Contract: dinfer_kernels/reference/moe.py.
 
 Backends: "cuda" (csrc/moe, when the extension was built with it), "triton"
-(dinfer_kernels/triton/moe.py) and "torch" (the reference: a loop over experts; the host path). The
+(dinfer_kernels/triton/moe.py) and "torch" (the reference: rows grouped by expert once, a loop over experts; the host path). The
 cuda and triton backends keep everything on the device with grids fixed by the shapes, so a call can
 sit in a CUDA graph; the torch reference switches to its static-shape path under capture.
 """

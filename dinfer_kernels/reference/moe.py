@@ -70,12 +70,19 @@ def route(hidden, router_weight, top_k, renormalize=False, expert_bias=None, *, 
     return w, order
 
 
+def _expert(x, w13_e, w2_e, dt, acc):
+    """One expert on rows x: W2 · cast(silu(g) ⊙ u), [g; u] = W13 · x, as the docstring above says."""
+    gu = (x @ w13_e.to(dt).t()).to(acc)
+    inter = gu.shape[1] // 2
+    a = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(dt)
+    return (a @ w2_e.to(dt).t()).to(acc)
+
+
 def moe_reference(hidden, router_weight, w13, w2, top_k, renormalize=False, expert_bias=None,
                   expert_range=None, compute_dtype=None, static_shapes=None, *, router_logits=None,
                   scoring="softmax", num_groups=1, topk_groups=1, routed_scaling=1.0):
     T, H = hidden.shape
-    E, two_i, _ = w13.shape
-    inter = two_i // 2
+    E = w13.shape[0]
     e0, e1 = (0, E) if expert_range is None else expert_range
     dt = hidden.dtype if compute_dtype is None else compute_dtype
     acc = torch.float32 if compute_dtype is None else compute_dtype
@@ -88,17 +95,16 @@ def moe_reference(hidden, router_weight, w13, w2, top_k, renormalize=False, expe
     # token with weight 0 where it was not chosen (same sums, more FLOPs).
     if static_shapes is None:
         static_shapes = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-    for e in range(e0, e1):
-        if static_shapes:
-            tok = torch.arange(T, device=hidden.device)
-            weight = (w * (experts == e)).sum(-1)
-        else:
-            tok, slot = torch.nonzero(experts == e, as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            weight = w[tok, slot]
-        gu = (x[tok] @ w13[e].to(dt).t()).to(acc)
-        a = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(dt)
-        y = (a @ w2[e].to(dt).t()).to(acc)
-        out.index_add_(0, tok, y * weight[:, None].to(acc))
+    if static_shapes:
+        for e in range(e0, e1):
+            out += _expert(x, w13[e], w2[e], dt, acc) * (w * (experts == e)).sum(-1, keepdim=True).to(acc)
+    elif e0 < e1:  # (an empty expert range contributes nothing)
+        # The (token, slot) pairs grouped by expert once: one sort, one gather, one index_add.
+        flat = experts.flatten()
+        counts = torch.bincount(flat, minlength=E).tolist()
+        order = flat.argsort(stable=True)[sum(counts[:e0]):sum(counts[:e1])]
+        token = order // top_k
+        ys = [_expert(rows, w13[e], w2[e], dt, acc)
+              for e, rows in zip(range(e0, e1), x.index_select(0, token).split(counts[e0:e1]))]
+        out.index_add_(0, token, torch.cat(ys) * w.flatten()[order, None].to(acc))
     return out.to(hidden.dtype if compute_dtype is None else compute_dtype)
