@@ -81,7 +81,7 @@ class DiffusionLM:
             if i == c.num_layers - 1 and logits_rows is not None:
                 # Past the last attention (whose K/V come from its input) only the logits rows are
                 # read: the other rows' output projection and MLP would be thrown away. A refresh's
-                # window is the whole sequence but its logits rows are one block: 1/8 to 1/9 here.
+                # window is the whole sequence but its logits rows are one block (~1/9 of it on the embedded models).
                 h = h.reshape(B * W, H).index_select(0, logits_rows)[None]
                 o = o.reshape(B * W, -1).index_select(0, logits_rows)[None]
                 ffn_rows = None  # every logits row is a real one
