@@ -32,9 +32,10 @@ def _find_triton():
 _EXTENSION = _load_extension()
 _TRITON_VERSION = _find_triton()
 _EXTENSION_HAS_CUDA = _EXTENSION is not None and _EXTENSION.built_with_cuda()
-# The attention kernels come with their own build step: only usable once _C exports them (the
-# host kernel in every build, the CUDA one with its workspace query in CUDA builds).
-_EXTENSION_HAS_CPU_ATTENTION = _EXTENSION is not None and hasattr(_EXTENSION, "attention")
+# Kernels came with their own build steps: an op's host kernel is only usable once _C exports it (a
+# build from an older tree lacks the newer ones); the CUDA attention also needs its workspace query.
+_EXTENSION_HOST_OPS = {op for op in ("decode_step", "attention", "rms_norm", "rope")
+                       if _EXTENSION is not None and hasattr(_EXTENSION, op)}
 _EXTENSION_HAS_ATTENTION = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "attention_workspace_bytes")
 # Likewise the CUDA MoE kernels (csrc/moe): only usable once _C exports them.
 _EXTENSION_HAS_MOE = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "moe")
@@ -54,12 +55,12 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Which backends implement each op; the attention and MoE kernels come with their own issues.
+# Which backends implement each op, fastest first.
 IMPLEMENTED = {
     "decode_step": ("cuda", "triton", "cpu", "torch"),
     "soft_embedding": ("triton", "torch"),
-    "rms_norm": ("torch",),
-    "rope": ("torch",),
+    "rms_norm": ("cpu", "torch"),
+    "rope": ("cpu", "torch"),
     "attention": ("cuda", "triton", "cpu", "torch"),
     "moe": ("cuda", "triton", "torch"),
 }
@@ -71,7 +72,7 @@ def available_backends(device, op: str = "decode_step") -> list:
 
     kind = torch.device(device).type
     usable = {"torch"}
-    if _EXTENSION is not None and kind == "cpu" and (op != "attention" or _EXTENSION_HAS_CPU_ATTENTION):
+    if kind == "cpu" and op in _EXTENSION_HOST_OPS:
         usable.add("cpu")
     if (_EXTENSION_HAS_CUDA and kind == "cuda" and (op != "attention" or _EXTENSION_HAS_ATTENTION)
             and (op != "moe" or _EXTENSION_HAS_MOE)):

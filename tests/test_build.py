@@ -45,7 +45,9 @@ def test_ptxas_reports_no_spills():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("example,kernel", [("decode_cpu_example", "csrc/decode/decode_step_cpu.cpp"),
-                                            ("attention_cpu_example", "csrc/attention/attention_cpu.cpp")])
+                                            ("attention_cpu_example", "csrc/attention/attention_cpu.cpp"),
+                                            ("rms_norm_cpu_example", "csrc/rms_norm/rms_norm_cpu.cpp"),
+                                            ("rope_cpu_example", "csrc/rope/rope_cpu.cpp")])
 def test_cpp_runtime_calls_the_kernel_without_python(tmp_path, example, kernel):
     exe = tmp_path / example
     subprocess.run(["g++", "-std=c++17", "-O2", "-fopenmp", "-Wall", "-Wextra", "-Werror",

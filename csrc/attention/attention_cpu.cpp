@@ -18,13 +18,11 @@
 #include <vector>
 
 #include <omp.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 #include "dinfer_kernels/attention.h"
 #include "dinfer_kernels/attention_math.h"
 #include "dinfer_kernels/host_math.h"
+#include "dinfer_kernels/host_rows.h"
 #include "dinfer_kernels/scalar.h"
 
 // The 16-float vector helpers below pass vectors by value. Without AVX-512 enabled GCC warns that
@@ -40,39 +38,8 @@ namespace {
 using attention_math::row_valid;
 using attention_math::valid_len;
 
-void store(void* base, int64_t i, float x, ScalarType t) {
-  switch (t) {
-    case ScalarType::kFloat16:
-      static_cast<uint16_t*>(base)[i] = scalar::float_to_fp16(x);
-      break;
-    case ScalarType::kBFloat16:
-      static_cast<uint16_t*>(base)[i] = scalar::float_to_bf16(x);
-      break;
-    default:
-      static_cast<float*>(base)[i] = x;
-  }
-}
-
-size_t elem_bytes(ScalarType t) { return t == ScalarType::kFloat32 ? 4 : 2; }
-
-// D contiguous elements of `src` (element offset `at`) converted to fp32 in `dst`.
-void load_row(const void* src, int64_t at, int64_t d, ScalarType t, float* dst) {
-  if (t == ScalarType::kFloat32) {
-    std::memcpy(dst, static_cast<const float*>(src) + at, static_cast<size_t>(d) * sizeof(float));
-    return;
-  }
-  const uint16_t* h = static_cast<const uint16_t*>(src) + at;
-  if (t == ScalarType::kBFloat16) {   // a shift per element: this loop vectorises
-    for (int64_t i = 0; i < d; ++i) dst[i] = scalar::bf16_to_float(h[i]);
-    return;
-  }
-  int64_t i = 0;
-#if defined(__F16C__)   // eight exact conversions per instruction
-  for (; i + 8 <= d; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-#endif
-  for (; i < d; ++i) dst[i] = scalar::fp16_to_float(h[i]);
-}
+using host::elem_bytes;
+using host::load_row;
 
 // Element offset of [i0, i1, i2, 0] in an array with leading strides s.
 int64_t offset(const int64_t (&s)[3], int64_t i0, int64_t i1, int64_t i2) {
@@ -136,17 +103,7 @@ inline v16 load16(const float* p) {
 }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
-// Sum of x[0, n) in kLanes independent accumulators: vectorises without -ffast-math.
-float lane_sum(const float* x, int64_t n) {
-  float lane[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += x[i + j];
-  float total = 0.f;
-  for (int j = 0; j < kLanes; ++j) total += lane[j];
-  for (; i < n; ++i) total += x[i];
-  return total;
-}
+using host::lane_sum;
 
 constexpr int64_t kTileRows = 64;  // query rows whose scores are computed together
 
@@ -271,7 +228,7 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
   const float* zeros = s.zeros.data();
   auto finish_row = [&](int64_t w, const float* o, float row_lse) {
     const int64_t at = offset(p.out_stride, b, w, h);
-    for (int64_t d = 0; d < D; ++d) store(p.out, at + d, o[d], p.dtype);
+    host::store_row(o, D, p.dtype, p.out, at);
     if (p.lse) p.lse[(b * W + w) * p.heads_q + h] = row_lse;
   };
 

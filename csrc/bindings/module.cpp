@@ -9,6 +9,8 @@
 namespace dinfer_bindings {
 void register_decode(pybind11::module_& m);
 void register_attention(pybind11::module_& m);
+void register_rms_norm(pybind11::module_& m);
+void register_rope(pybind11::module_& m);
 #ifdef DINFER_WITH_CUDA
 void register_moe(pybind11::module_& m);
 #endif
@@ -22,6 +24,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("omp_max_threads", &omp_get_max_threads);
   dinfer_bindings::register_decode(m);
   dinfer_bindings::register_attention(m);
+  dinfer_bindings::register_rms_norm(m);
+  dinfer_bindings::register_rope(m);
 #ifdef DINFER_WITH_CUDA
   dinfer_bindings::register_moe(m);
 #endif

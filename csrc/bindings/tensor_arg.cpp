@@ -97,15 +97,20 @@ py::object export_capsule(py::handle obj, bool cuda, const std::string& name) {
 }  // namespace
 
 TensorArg::TensorArg(py::handle obj, std::string name) : name_(std::move(name)) {
-  if (!py::hasattr(obj, "__dlpack__") || !py::hasattr(obj, "__dlpack_device__"))
-    throw_type_error(name_ + ": expected an array with __dlpack__ (torch, CuPy, NumPy), got " +
-                     std::string(py::str(py::type::of(obj).attr("__name__"))));
-  py::tuple dev = obj.attr("__dlpack_device__")();
-  const int dev_type = dev[0].cast<int>();
-  if (dev_type != dlpack::kCPU && dev_type != dlpack::kCUDA && dev_type != dlpack::kCUDAManaged)
-    throw_value_error(name_ + ": unsupported device type " + std::to_string(dev_type) +
-                      " (expected CPU or CUDA)");
-  py::object cap = export_capsule(obj, dev_type != dlpack::kCPU, name_);
+  py::object cap;
+  if (PyCapsule_CheckExact(obj.ptr())) {
+    // A capsule the caller exported itself (torch.utils.dlpack.to_dlpack): the cheap path for hot
+    // loops, since __dlpack__ is a Python-level method in torch (a few microseconds per array).
+    cap = py::reinterpret_borrow<py::object>(obj);
+  } else {
+    if (!py::hasattr(obj, "__dlpack__") || !py::hasattr(obj, "__dlpack_device__"))
+      throw_type_error(name_ + ": expected an array with __dlpack__ (torch, CuPy, NumPy) or a DLPack "
+                       "capsule, got " + std::string(py::str(py::type::of(obj).attr("__name__"))));
+    py::tuple dev = obj.attr("__dlpack_device__")();
+    const int dev_type = dev[0].cast<int>();
+    if (!supported_device(dev_type)) throw_device_error(dev_type);
+    cap = export_capsule(obj, dev_type != dlpack::kCPU, name_);
+  }
   PyObject* c = cap.ptr();
   if (PyCapsule_IsValid(c, "dltensor_versioned")) {
     auto* m = static_cast<dlpack::ManagedTensorVersioned*>(PyCapsule_GetPointer(c, "dltensor_versioned"));
@@ -126,12 +131,29 @@ TensorArg::TensorArg(py::handle obj, std::string name) : name_(std::move(name)) 
     managed_ = m;
     t_ = &m->dl_tensor;
   } else {
-    throw_type_error(name_ + ": __dlpack__ did not return a DLPack capsule");
+    throw_type_error(name_ + (obj.ptr() == c
+                                  ? ": not an unused DLPack capsule (each capsule can be passed once)"
+                                  : ": __dlpack__ did not return a DLPack capsule"));
+  }
+  const int dev_type = t_->device.device_type;
+  if (!supported_device(dev_type)) {
+    release();   // the constructor throws: no destructor will run
+    throw_device_error(dev_type);
   }
   dtype_ = classify(t_->dtype);
 }
 
-TensorArg::~TensorArg() {
+bool TensorArg::supported_device(int dev_type) {
+  return dev_type == dlpack::kCPU || dev_type == dlpack::kCUDA || dev_type == dlpack::kCUDAManaged;
+}
+
+void TensorArg::throw_device_error(int dev_type) const {
+  throw_value_error(name_ + ": unsupported device type " + std::to_string(dev_type) + " (expected CPU or CUDA)");
+}
+
+TensorArg::~TensorArg() { release(); }
+
+void TensorArg::release() {
   // We own the managed tensor once the capsule is renamed "used_*": release the producer's view.
   if (versioned_) {
     auto* m = static_cast<dlpack::ManagedTensorVersioned*>(managed_);
@@ -140,6 +162,7 @@ TensorArg::~TensorArg() {
     auto* m = static_cast<dlpack::ManagedTensor*>(managed_);
     if (m && m->deleter) m->deleter(m);
   }
+  managed_ = nullptr;
 }
 
 int64_t TensorArg::stride(int d) const {

@@ -1,5 +1,6 @@
-// A borrowed view of any `__dlpack__` object (torch, CuPy, NumPy), plus argument checks that raise
-// Python TypeError/ValueError naming the argument -- the bindings never trust their inputs.
+// A borrowed view of any `__dlpack__` object (torch, CuPy, NumPy) or of a DLPack capsule, plus
+// argument checks that raise Python TypeError/ValueError naming the argument -- the bindings never
+// trust their inputs.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -20,8 +21,8 @@ const char* dtype_name(DType t);
 
 class TensorArg {
  public:
-  // Imports `obj` through DLPack. CUDA producers are asked for no stream synchronisation: the caller
-  // passes the stream its tensors were produced on.
+  // Imports `obj` through DLPack (a capsule is consumed as it is). CUDA producers are asked for no
+  // stream synchronisation: the caller passes the stream its tensors were produced on.
   TensorArg(py::handle obj, std::string name);
   ~TensorArg();
   TensorArg(const TensorArg&) = delete;
@@ -48,6 +49,10 @@ class TensorArg {
   void expect_same_device(const TensorArg& other) const;
 
  private:
+  static bool supported_device(int dev_type);
+  [[noreturn]] void throw_device_error(int dev_type) const;
+  void release();
+
   std::string name_;
   dlpack::Tensor* t_ = nullptr;
   void* managed_ = nullptr;

@@ -1,5 +1,6 @@
 """dinfer_kernels.rms_norm, the torch.library op `dinfer::rms_norm`.
-Contract: dinfer_kernels/reference/rms_norm.py."""
+Contract: dinfer_kernels/reference/rms_norm.py. Backends: cpu (the compiled host kernel) and torch
+(the reference, on any device)."""
 import torch
 
 from .. import _backend, _checks, _dispatch
@@ -8,6 +9,9 @@ from ..reference.rms_norm import rms_norm_reference
 
 @_dispatch.op("rms_norm")
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
+    if backend == "cpu":
+        from ..cpu.rms_norm import rms_norm as impl
+        return impl(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 

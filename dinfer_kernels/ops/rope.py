@@ -1,5 +1,6 @@
 """dinfer_kernels.rope, the torch.library op `dinfer::rope` (rotate-half rotary embedding at each row's
-own absolute position). Contract: dinfer_kernels/reference/rope.py."""
+own absolute position). Contract: dinfer_kernels/reference/rope.py. Backends: cpu (the compiled host
+kernel) and torch (the reference, on any device)."""
 from typing import Optional
 
 import torch
@@ -11,6 +12,9 @@ from ..reference.rope import rope_reference
 @_dispatch.op("rope")
 def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int,
              backend: str) -> torch.Tensor:
+    if backend == "cpu":
+        from ..cpu.rope import rope as impl
+        return impl(x, positions, theta, rotary_dim)
     return rope_reference(x, positions, theta, rotary_dim)
 
 
@@ -26,6 +30,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: Opt
     B, T, _, D = x.shape
     _checks.tensor("positions", positions, (torch.int64, torch.int32), ndim=2, device=x.device)
     _checks.shape("positions", positions, [B, T])
+    if positions.numel() and _checks.data_checks_possible(positions) and int(positions.min()) < 0:
+        raise ValueError(f"positions: must be >= 0, got {int(positions.min())}")
     _checks.number("theta", theta, lo=0.0, lo_open=True)
     rd = D if rotary_dim is None else _checks.integer("rotary_dim", rotary_dim, 2, D + 1)
     if rd % 2:

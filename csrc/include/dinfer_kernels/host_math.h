@@ -1,6 +1,6 @@
-// Softmax pieces of the host kernels (the CPU decode step and the CPU attention) written so that
+// Reduction and softmax pieces of the host kernels (decode step, attention, rms_norm) written so that
 // GCC/Clang vectorise them without -ffast-math: exp as a polynomial (libm's expf does not
-// vectorise), within ~1 ulp, and a max in independent lanes.
+// vectorise), within ~1 ulp, and max / sum / sum of squares in independent lanes.
 #pragma once
 
 #include <cmath>
@@ -47,6 +47,30 @@ inline float lane_max(const float* x, int64_t n) {
   for (int j = 0; j < kLanes; ++j) m = lane[j] > m ? lane[j] : m;
   for (; i < n; ++i) m = x[i] > m ? x[i] : m;
   return m;
+}
+
+// Sum of x[0, n) in kLanes independent accumulators: vectorises without -ffast-math.
+inline float lane_sum(const float* x, int64_t n) {
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] += x[i + j];
+  float total = 0.f;
+  for (int j = 0; j < kLanes; ++j) total += lane[j];
+  for (; i < n; ++i) total += x[i];
+  return total;
+}
+
+// Sum of x[i]^2 over [0, n), in the same lanes.
+inline float lane_sum_squares(const float* x, int64_t n) {
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] += x[i + j] * x[i + j];
+  float total = 0.f;
+  for (int j = 0; j < kLanes; ++j) total += lane[j];
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
 }
 
 }  // namespace host
