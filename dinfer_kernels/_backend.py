@@ -32,10 +32,13 @@ def _find_triton():
 _EXTENSION = _load_extension()
 _TRITON_VERSION = _find_triton()
 _EXTENSION_HAS_CUDA = _EXTENSION is not None and _EXTENSION.built_with_cuda()
-# Kernels came with their own build steps: an op's host kernel is only usable once _C exports it (a
-# build from an older tree lacks the newer ones); the CUDA attention also needs its workspace query.
-_EXTENSION_HOST_OPS = {op for op in ("decode_step", "attention", "rms_norm", "rope")
-                       if _EXTENSION is not None and hasattr(_EXTENSION, op)}
+# Kernels came with their own build steps: an op's host kernel is only usable once _C lists it (a
+# build from an older tree lacks the newer ones, and lists nothing: there, a binding meant a host
+# kernel, except moe's); the CUDA attention also needs its workspace query.
+if _EXTENSION is not None and hasattr(_EXTENSION, "host_kernels"):
+    _EXTENSION_HOST_OPS = set(_EXTENSION.host_kernels())
+else:
+    _EXTENSION_HOST_OPS = {op for op in ("decode_step", "attention") if hasattr(_EXTENSION, op)}
 _EXTENSION_HAS_ATTENTION = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "attention_workspace_bytes")
 # Likewise the CUDA MoE kernels (csrc/moe): only usable once _C exports them.
 _EXTENSION_HAS_MOE = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "moe")
@@ -62,7 +65,7 @@ IMPLEMENTED = {
     "rms_norm": ("cpu", "torch"),
     "rope": ("cpu", "torch"),
     "attention": ("cuda", "triton", "cpu", "torch"),
-    "moe": ("cuda", "triton", "torch"),
+    "moe": ("cuda", "triton", "cpu", "torch"),
 }
 
 

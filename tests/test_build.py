@@ -47,7 +47,8 @@ def test_ptxas_reports_no_spills():
 @pytest.mark.parametrize("example,kernel", [("decode_cpu_example", "csrc/decode/decode_step_cpu.cpp"),
                                             ("attention_cpu_example", "csrc/attention/attention_cpu.cpp"),
                                             ("rms_norm_cpu_example", "csrc/rms_norm/rms_norm_cpu.cpp"),
-                                            ("rope_cpu_example", "csrc/rope/rope_cpu.cpp")])
+                                            ("rope_cpu_example", "csrc/rope/rope_cpu.cpp"),
+                                            ("moe_cpu_example", "csrc/moe/moe_cpu.cpp")])
 def test_cpp_runtime_calls_the_kernel_without_python(tmp_path, example, kernel):
     exe = tmp_path / example
     subprocess.run(["g++", "-std=c++17", "-O2", "-fopenmp", "-Wall", "-Wextra", "-Werror",

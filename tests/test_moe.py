@@ -5,7 +5,8 @@ Backends are called directly with a NaN-poisoned, caller-allocated output (an un
 fails), and through the public op. Without a GPU the Triton kernels run in the interpreter
 (conftest sets TRITON_INTERPRET): shapes stay small (H/I = 200/72, not powers of two), fp32 and
 fp16 only (the interpreter's bf16 arithmetic is unreliable); some cases widen the GEMM tiles to keep
-the interpreter's program count down. bf16 and the LLaDA-MoE shape run on a GPU only.
+the interpreter's program count down. bf16 runs on the host kernel and on a GPU; the LLaDA-MoE shape
+on a GPU only.
 Tolerance: conftest.assert_precision — the error against the float64 truth is at most twice that of
 the reference run in the same dtype, plus a few fp32 ulps of the output's magnitude.
 """
@@ -275,6 +276,39 @@ def test_deterministic(backend, device):
     a = call_backend(backend, device, hidden, router, w13, w2, 2, config=WIDE)
     b = call_backend(backend, device, hidden, router, w13, w2, 2, config=WIDE)
     assert torch.equal(a, b)
+
+
+# ---- the host kernel ---------------------------------------------------------------------------------
+
+host_kernel = pytest.mark.skipif("cpu" not in _backend.available_backends("cpu", "moe"),
+                                 reason="dinfer_kernels._C lacks the host MoE kernel")
+
+
+@host_kernel
+@pytest.mark.parametrize("T,E,k,h,inter,dtype", [
+    (5, 8, 2, H, I, torch.bfloat16), (96, 64, 8, H, I, torch.bfloat16),
+    (70, 8, 2, 256, 256, torch.bfloat16), (560, 8, 2, 256, 256, torch.float32),   # the embedded model
+    (61, 4, 2, 257, 37, torch.float16), (7, 1, 1, 33, 5, torch.float32)])         # odd tails, one expert
+def test_host_kernel_bf16_embedded_and_odd_shapes(T, E, k, h, inter, dtype):
+    """bf16 (the interpreter cannot run it for Triton, the host kernel can), the embedded model's
+    shapes (both GEMM paths: dot products below 8 rows per expert, transposed chunks above), and
+    sizes that are no multiple of the kernel's 16-wide chunks or 8-row blocks."""
+    hidden, router, w13, w2 = make(T, E, dtype, h=h, inter=inter, seed=T)
+    check("cpu", "cpu", hidden, router, w13, w2, k, name=f"host T={T}")
+
+
+@host_kernel
+def test_host_kernel_results_do_not_depend_on_the_thread_count():
+    hidden, router, w13, w2 = make(300, 8, torch.bfloat16, h=256, inter=256)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(call_backend("cpu", "cpu", hidden, router, w13, w2, 2))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 # ---- Triton internals ------------------------------------------------------------------------------

@@ -1,15 +1,19 @@
 """The compiled MoE entry on its own: dinfer_kernels._C.moe over DLPack. Its argument checks run
-before the device is looked at, so they are tested with NumPy (host) arrays on any machine with a
-CUDA build; host arrays themselves are refused by name. With a GPU: agreement with the reference,
-bit-reproducibility and the workspace checks. Numerical coverage of the CUDA backend is in
-tests/test_moe.py (it runs every available backend)."""
+before the device is looked at, so they are tested with NumPy (host) arrays; host arrays run the host
+kernel (poisoned outputs, against the reference, thread-count independence, no CUDA limits). With a
+GPU: agreement with the reference, bit-reproducibility and the workspace checks. Numerical coverage of
+every backend is in tests/test_moe.py (it runs every available backend)."""
 import numpy as np
 import pytest
 import torch
-from conftest import EXT, HAS_GPU
+from conftest import EXT, HAS_GPU, assert_precision
 
-pytestmark = pytest.mark.skipif(EXT is None or not hasattr(EXT, "moe"),
-                                reason="dinfer_kernels._C was built without the CUDA MoE kernels")
+from dinfer_kernels.reference.moe import moe_reference
+
+pytestmark = pytest.mark.skipif(EXT is None or "moe" not in getattr(EXT, "host_kernels", list)(),
+                                reason="dinfer_kernels._C was built without the MoE kernels")
+needs_cuda_build = pytest.mark.skipif(EXT is None or not hasattr(EXT, "moe_workspace_bytes"),
+                                      reason="dinfer_kernels._C was built without the CUDA kernels")
 
 T, H, E, I, K = 5, 24, 8, 16, 2
 ORDER = ["hidden", "router_weight", "router_logits", "w13", "w2", "top_k", "renormalize", "scoring",
@@ -30,11 +34,29 @@ def call(a, **kw):
     EXT.moe(*[a[k] for k in ORDER], **kw)
 
 
-def test_host_arrays_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"^hidden\b.*no host kernel"):
-        call(host_args())
-    with pytest.raises(ValueError, match=r"^hidden\b.*no host kernel"):
-        call(host_args(np.float16))
+def reference_of(a):
+    """The reference's output for a dict of host arguments (NumPy)."""
+    t = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in a.items()}
+    return moe_reference(t["hidden"], t["router_weight"], t["w13"], t["w2"], t["top_k"], t["renormalize"],
+                         t["expert_bias"], (t["e0"], t["e1"]), router_logits=t["router_logits"],
+                         scoring=t["scoring"], num_groups=t["num_groups"], topk_groups=t["topk_groups"],
+                         routed_scaling=t["routed_scaling"])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_host_arrays_run_the_host_kernel(dtype, threads):
+    a = host_args(dtype)
+    a["out"] = np.full((T, H), np.nan, dtype)
+    call(a, num_threads=threads)
+    assert np.isfinite(a["out"]).all()
+    want = reference_of(a)
+    truth = moe_reference(*[torch.from_numpy(a[k]).double() for k in ("hidden", "router_weight", "w13", "w2")],
+                          K, False, torch.from_numpy(a["expert_bias"]), compute_dtype=torch.float64)
+    assert_precision(torch.from_numpy(a["out"]), want, truth, "host moe")
+    first = a["out"].copy()
+    call(a, num_threads=1)
+    assert np.array_equal(a["out"], first), "the result must not depend on the thread count"
 
 
 def _readonly(x):
@@ -52,7 +74,6 @@ BAD = [
     ("w13", lambda a: a["w13"][:, :-1], ValueError),
     ("w13", lambda a: a["w13"][:, :, :-1], ValueError),
     ("w13", lambda a: a["w13"][:0], ValueError),
-    ("w13", lambda a: np.zeros((513, 2, H), np.float32), ValueError),
     ("w13", lambda a: a["w13"][None], ValueError),
     ("w2", lambda a: a["w2"][:, :, :-1], ValueError),
     ("w2", lambda a: a["w2"].astype(np.float16), TypeError),
@@ -116,24 +137,28 @@ def test_router_source_and_group_errors():
     with pytest.raises(ValueError, match=r"^e1\b"):
         call(a)
     a = host_args()
-    a["e0"] = a["e1"] = 3                               # an empty expert range is valid
-    with pytest.raises(ValueError, match=r"^hidden\b.*no host kernel"):
+    a["e0"] = a["e1"] = 3                               # an empty expert range is valid: zeros
+    a["out"] = np.full((T, H), np.nan, np.float32)
+    call(a)
+    assert not a["out"].any()
+
+
+def test_host_kernel_has_no_cuda_limits():
+    """More than 512 experts and top_k past 32 (the CUDA kernels' limits) run on the host."""
+    rng = np.random.default_rng(1)
+    for E_, k in ((40, 33), (600, 3)):
+        a = host_args()
+        a.update(w13=(rng.standard_normal((E_, 2 * I, H)) / H ** 0.5).astype(np.float32),
+                 w2=(rng.standard_normal((E_, H, I)) / I ** 0.5).astype(np.float32),
+                 router_weight=(rng.standard_normal((E_, H)) * 0.2).astype(np.float32), expert_bias=None,
+                 e1=E_, top_k=k, out=np.full((T, H), np.nan, np.float32))
         call(a)
+        truth = moe_reference(*[torch.from_numpy(a[n]).double() for n in ("hidden", "router_weight", "w13", "w2")],
+                              k, compute_dtype=torch.float64)
+        assert_precision(torch.from_numpy(a["out"]), reference_of(a), truth, f"host moe E={E_} k={k}")
 
 
-def test_top_k_limit_of_the_kernels():
-    a = host_args()
-    a["w13"] = np.zeros((40, 2 * I, H), np.float32)
-    a["w2"] = np.zeros((40, H, I), np.float32)
-    a["router_weight"] = np.zeros((40, H), np.float32)
-    a.update(expert_bias=None, e1=40, top_k=33)
-    with pytest.raises(ValueError, match=r"^top_k\b.*at most 32"):
-        call(a)
-    a["top_k"] = 32
-    with pytest.raises(ValueError, match=r"^hidden\b.*no host kernel"):
-        call(a)
-
-
+@needs_cuda_build
 def test_workspace_bytes():
     small = EXT.moe_workspace_bytes(96, 64, 8, 2048, 1024)
     assert small > 96 * 8 * 2048 * 4                    # at least the per-slot fp32 rows
@@ -183,6 +208,18 @@ def test_gpu_matches_reference_and_is_bit_reproducible(T_, E_, k, dtype):
     truth = moe_reference(hidden.double(), router.double(), w13.double(), w2.double(), k,
                           compute_dtype=torch.float64)
     assert_precision(a.cpu(), same.cpu(), truth.cpu(), f"moe cuda T={T_}")
+
+
+@gpu
+def test_gpu_limits_of_the_cuda_kernels():
+    hidden, router, w13, w2 = gpu_case(4, 40, 2, torch.bfloat16)
+    args = [hidden, router, None, w13, w2, 33, False, "softmax", None, 1, 1, 1.0, 0, 40, torch.empty_like(hidden)]
+    with pytest.raises(ValueError, match=r"^top_k\b.*at most 32"):
+        EXT.moe(*args)
+    big = gpu_case(4, 513, 2, torch.bfloat16, h=8, inter=8)
+    with pytest.raises(ValueError, match=r"^w13\b.*at most 512"):
+        EXT.moe(big[0], big[1], None, big[2], big[3], 2, False, "softmax", None, 1, 1, 1.0, 0, 513,
+                torch.empty_like(big[0]))
 
 
 @gpu

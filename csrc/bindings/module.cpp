@@ -1,6 +1,10 @@
 // dinfer_kernels._C: thin pybind11 bindings over the torch-free launchers. No libtorch: arrays
 // arrive through DLPack, so torch, CuPy and NumPy callers share one binary.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
 
 #include <omp.h>
 
@@ -11,9 +15,7 @@ void register_decode(pybind11::module_& m);
 void register_attention(pybind11::module_& m);
 void register_rms_norm(pybind11::module_& m);
 void register_rope(pybind11::module_& m);
-#ifdef DINFER_WITH_CUDA
 void register_moe(pybind11::module_& m);
-#endif
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -26,7 +28,10 @@ PYBIND11_MODULE(_C, m) {
   dinfer_bindings::register_attention(m);
   dinfer_bindings::register_rms_norm(m);
   dinfer_bindings::register_rope(m);
-#ifdef DINFER_WITH_CUDA
   dinfer_bindings::register_moe(m);
-#endif
+  // Which ops have a host kernel in this build (a binding alone does not say: before the host MoE,
+  // CUDA builds had a moe binding that refused host arrays).
+  m.def("host_kernels", [] {
+    return std::vector<std::string>{"decode_step", "attention", "rms_norm", "rope", "moe"};
+  });
 }

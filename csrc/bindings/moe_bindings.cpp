@@ -1,10 +1,6 @@
 // pybind11 entry for the fused MoE layer: validates every argument (dtype, shape, device, layout,
-// ranges) and names it in the error, then calls the torch-free CUDA launcher. CUDA arrays only:
-// the host path of the op is the torch reference. Registered only in CUDA builds.
-#include "tensor_arg.h"
-
-#ifdef DINFER_WITH_CUDA
-
+// ranges) and names it in the error, then calls the torch-free launcher of the arrays' device: the
+// host kernel (every build) or the CUDA one (CUDA builds; CUDA arrays are refused otherwise).
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -12,6 +8,7 @@
 #include <string>
 
 #include "dinfer_kernels/moe.h"
+#include "tensor_arg.h"
 
 namespace dinfer_bindings {
 
@@ -42,10 +39,11 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
          py::handle w2_o, py::handle top_k_o, py::handle renormalize_o, py::handle scoring_o,
          py::handle expert_bias_o, py::handle num_groups_o, py::handle topk_groups_o,
          py::handle routed_scaling_o, py::handle e0_o, py::handle e1_o, py::handle out_o,
-         py::handle workspace_o, py::handle stream_o) {
+         py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
   const int64_t top_k = int_arg(top_k_o, "top_k"), num_groups = int_arg(num_groups_o, "num_groups"),
                 topk_groups = int_arg(topk_groups_o, "topk_groups"), e0 = int_arg(e0_o, "e0"),
                 e1 = int_arg(e1_o, "e1"), stream = int_arg(stream_o, "stream");
+  const int num_threads = threads_arg(num_threads_o, "num_threads");
   const bool renormalize = bool_arg(renormalize_o, "renormalize");
   const MoeScoring scoring = scoring_arg(scoring_o);
   const double routed_scaling = float_arg(routed_scaling_o, "routed_scaling");
@@ -58,13 +56,14 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   hidden.expect_contiguous();
   const int64_t T = hidden.size(0), H = hidden.size(1);
   const DType dt = hidden.dtype();
+  const bool on_host = !hidden.on_cuda();
 
   TensorArg w13(w13_o, "w13");
   w13.expect_dtype({dt});
   if (w13.ndim() != 3) throw_value_error("w13: expected a 3-D array [E, 2I, H]");
   const int64_t E = w13.size(0), two_i = w13.size(1);
   if (E < 1) throw_value_error("w13: expected at least one expert");
-  if (E > dinfer_kernels::kMoeMaxExperts)
+  if (!on_host && E > dinfer_kernels::kMoeMaxExperts)
     throw_value_error("w13: the CUDA kernels take at most " + std::to_string(dinfer_kernels::kMoeMaxExperts) +
                       " experts, got " + std::to_string(E));
   if (two_i < 2 || two_i % 2) throw_value_error("w13: the middle dimension is gate + up rows (2 * I), got " +
@@ -123,29 +122,18 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
                                         ", got " + std::to_string(num_groups));
   in_range(topk_groups, 1, num_groups, "topk_groups");
   const int64_t selectable = topk_groups * (E / num_groups);
-  const int64_t max_k = selectable < dinfer_kernels::kMoeMaxTopK ? selectable : dinfer_kernels::kMoeMaxTopK;
+  const int64_t max_k = on_host || selectable < dinfer_kernels::kMoeMaxTopK ? selectable
+                                                                             : dinfer_kernels::kMoeMaxTopK;
   if (top_k < 1 || top_k > max_k)
     throw_value_error("top_k: " + std::to_string(top_k) + " is outside [1, " + std::to_string(max_k) +
                       "] (experts that can be chosen: " + std::to_string(selectable) +
-                      "; the CUDA kernels take at most " + std::to_string(dinfer_kernels::kMoeMaxTopK) + ")");
+                      (on_host ? std::string(")")
+                               : "; the CUDA kernels take at most " +
+                                     std::to_string(dinfer_kernels::kMoeMaxTopK) + ")"));
   in_range(e0, 0, E, "e0");
   in_range(e1, e0, E, "e1");
   if (T * top_k > INT32_MAX) throw_value_error("hidden: T * top_k must be < 2^31");
   if (H > INT32_MAX || I > INT32_MAX) throw_value_error("hidden: H and I must be < 2^31");
-
-  if (!hidden.on_cuda())
-    throw_value_error("hidden: moe has no host kernel (CUDA arrays only; the torch backend runs on the CPU)");
-
-  if (workspace_o.is_none()) throw_value_error("workspace: required (moe_workspace_bytes(T, E, top_k, H, I) bytes)");
-  TensorArg workspace(workspace_o, "workspace");
-  workspace.expect_dtype({DType::kUInt8});
-  workspace.expect_contiguous();
-  workspace.expect_writable();
-  workspace.expect_same_device(hidden);
-  const size_t need = dinfer_kernels::moe_cuda_workspace_bytes(T, E, static_cast<int32_t>(top_k), H, I);
-  if (static_cast<size_t>(workspace.numel()) < need)
-    throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
-                      std::to_string(workspace.numel()));
 
   p.hidden = hidden.data<void>();
   p.dtype = scalar_type(dt);
@@ -164,6 +152,22 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   p.expert_begin = static_cast<int32_t>(e0);
   p.expert_end = static_cast<int32_t>(e1);
   p.out = out.data<void>();
+  if (on_host) {
+    py::gil_scoped_release release;
+    dinfer_kernels::moe_cpu(p, num_threads);
+    return;
+  }
+#ifdef DINFER_WITH_CUDA
+  if (workspace_o.is_none()) throw_value_error("workspace: required (moe_workspace_bytes(T, E, top_k, H, I) bytes)");
+  TensorArg workspace(workspace_o, "workspace");
+  workspace.expect_dtype({DType::kUInt8});
+  workspace.expect_contiguous();
+  workspace.expect_writable();
+  workspace.expect_same_device(hidden);
+  const size_t need = dinfer_kernels::moe_cuda_workspace_bytes(T, E, static_cast<int32_t>(top_k), H, I);
+  if (static_cast<size_t>(workspace.numel()) < need)
+    throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
+                      std::to_string(workspace.numel()));
   int err;
   {
     py::gil_scoped_release release;
@@ -171,6 +175,11 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
                                    reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
   }
   if (err != 0) throw std::runtime_error("moe_cuda: CUDA error " + std::to_string(err));
+#else
+  (void)workspace_o;
+  (void)stream;
+  throw_value_error("hidden: CUDA arrays need a CUDA build of dinfer_kernels (this one has the host kernel only)");
+#endif
 }
 
 void register_moe(py::module_& m) {
@@ -178,13 +187,15 @@ void register_moe(py::module_& m) {
         py::arg("w2"), py::arg("top_k"), py::arg("renormalize"), py::arg("scoring"), py::arg("expert_bias"),
         py::arg("num_groups"), py::arg("topk_groups"), py::arg("routed_scaling"), py::arg("e0"), py::arg("e1"),
         py::arg("out"), py::kw_only(), py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
-        "Fused MoE layer over DLPack CUDA arrays (contract: dinfer_kernels/reference/moe.py): router, "
-        "top-k, grouped expert GEMMs and the weighted combine, written to `out` [T, H]. Needs a uint8 "
-        "workspace of moe_workspace_bytes(T, E, top_k, H, I) bytes; runs on `stream`.");
+        py::arg("num_threads") = py::int_(0),
+        "Fused MoE layer over DLPack arrays (contract: dinfer_kernels/reference/moe.py): router, "
+        "top-k, grouped expert GEMMs and the weighted combine, written to `out` [T, H]. CUDA arrays: "
+        "needs a uint8 workspace of moe_workspace_bytes(T, E, top_k, H, I) bytes and runs on `stream`. "
+        "Host arrays: runs on num_threads OpenMP threads (0: OpenMP's default).");
+#ifdef DINFER_WITH_CUDA
   m.def("moe_workspace_bytes", &dinfer_kernels::moe_cuda_workspace_bytes, py::arg("num_tokens"),
         py::arg("num_experts"), py::arg("top_k"), py::arg("hidden_size"), py::arg("inter_size"));
+#endif
 }
 
 }  // namespace dinfer_bindings
-
-#endif  // DINFER_WITH_CUDA

@@ -2,9 +2,10 @@
 combine). Contract: dinfer_kernels/reference/moe.py.
 
 Backends: "cuda" (csrc/moe, when the extension was built with it), "triton"
-(dinfer_kernels/triton/moe.py) and "torch" (the reference: rows grouped by expert once, a loop over experts; the host path). The
-cuda and triton backends keep everything on the device with grids fixed by the shapes, so a call can
-sit in a CUDA graph; the torch reference switches to its static-shape path under capture.
+(dinfer_kernels/triton/moe.py), "cpu" (csrc/moe/moe_cpu.cpp: host arrays) and "torch" (the
+reference: rows grouped by expert once, a loop over experts). The cuda and triton backends keep
+everything on the device with grids fixed by the shapes, so a call can sit in a CUDA graph; the torch
+reference switches to its static-shape path under capture.
 """
 from typing import Optional, Tuple
 
@@ -28,6 +29,8 @@ def _moe_op(hidden: torch.Tensor, router_weight: Optional[torch.Tensor],
                              topk_groups=topk_groups, routed_scaling=routed_scaling)
     if backend == "cuda":
         from ..cuda.moe import moe as impl
+    elif backend == "cpu":
+        from ..cpu.moe import moe as impl
     else:
         from ..triton.moe import moe as impl
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)

@@ -1,5 +1,5 @@
 // Fused mixture-of-experts layer (router + top-k + grouped expert GEMMs + weighted combine):
-// torch-free CUDA launcher.
+// torch-free launchers, CUDA (moe_cuda) and host (moe_cpu).
 //
 // The contract (shapes, dtypes, rounding points, tie rules) is the pure-torch reference
 // dinfer_kernels/reference/moe.py; every pointer below mirrors one of its arguments. All arrays are
@@ -16,7 +16,7 @@ namespace dinfer_kernels {
 
 enum class MoeScoring : int32_t { kSoftmax = 0, kSigmoid = 1 };
 
-// Limits of the CUDA kernels (the bindings check them and name the argument).
+// Limits of the CUDA kernels (the bindings check them and name the argument); the host kernel has none.
 constexpr int64_t kMoeMaxExperts = 512;  // E: the router keeps 16 scores per lane of a warp
 constexpr int32_t kMoeMaxTopK = 32;      // top_k: one chosen expert per lane
 
@@ -54,5 +54,11 @@ size_t moe_cuda_workspace_bytes(int64_t num_tokens, int64_t num_experts, int32_t
 // Launches the routing, the two grouped GEMMs and the combine on `stream`. Never synchronises.
 // Returns 0 (cudaSuccess) or the cudaError_t of the first failing call.
 int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Host launcher over host arrays: math in fp32 (g, u and W2 a kept in fp32; a rounded to the dtype),
+// the k slots of a token summed in expert order. Runs on num_threads OpenMP threads (0: OpenMP's
+// default) when the call is large enough; the result does not depend on the thread count. Allocates
+// its scratch (host memory), needs no workspace.
+void moe_cpu(const MoeParams& p, int num_threads);
 
 }  // namespace dinfer_kernels

@@ -1,0 +1,572 @@
+// Host MoE layer: the MoeParams contract over host arrays (router, top-k, the two expert GEMMs and the
+// weighted combine in one call, where the torch reference runs ~10 ops per call plus ~6 per expert).
+//
+// 1. Route, one token at a time: fp32 logits (dot products, or the given ones), softmax / sigmoid,
+//    bias, groups and top-k with the reference's tie rule (moe_math), the weights; the slots are then
+//    sorted by expert id so that the combine adds them in the reference's order.
+// 2. Bucket the (token, slot) entries of experts [e0, e1) by expert (counting sort, token order).
+// 3. Gather each expert's rows (fp32, or bf16 as they are on the AVX512-BF16 path), then two rounds
+//    of tasks, each a chunk of kCols weight rows of one expert run over all of the expert's rows, so
+//    every weight chunk is brought into its vector layout once per call: (a) the gate and up rows of
+//    kCols intermediate outputs, finishing a = round(silu(g) u) to the dtype; (b) kCols rows of W2,
+//    finishing each entry's w * y into its slot row. Experts with fewer than kMinGemmRows rows take
+//    dot products along K instead (the layout change would cost more than their products).
+// 4. Combine, one token at a time: the token's slots summed in fp32, in expert order, rounded once.
+// Every output element is computed by one thread in a fixed order: the result does not depend on the
+// thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include <omp.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "dinfer_kernels/host_math.h"
+#include "dinfer_kernels/host_rows.h"
+#include "dinfer_kernels/moe.h"
+#include "dinfer_kernels/moe_math.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"   // 16-float vectors by value, internal only (see attention_cpu)
+#endif
+
+namespace dinfer_kernels {
+namespace {
+
+using host::kLanes;
+constexpr int kCols = kLanes;            // weight rows per transposed chunk: one vector of outputs
+constexpr int kRows = 8;                 // rows of x per register block (8 independent FMA chains)
+constexpr int64_t kMinGemmRows = 8;      // below this, dot products (no transposition)
+constexpr int64_t kChunkTokens = 1024;   // tokens per pass: bounds the slot buffer
+constexpr int64_t kMacsPerThread = 1 << 20;  // multiply-adds below which another thread does not pay
+
+typedef float v16 __attribute__((vector_size(kLanes * sizeof(float))));
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline float sum16(v16 v) {
+  float a[kLanes];
+  store16(a, v);
+  return host::lane_sum(a, kLanes);
+}
+
+// silu(g) * u in fp32 with the vectorisable exp of host_math (libm's expf is not): exp(-|g|) <= 1.
+inline float silu_mul(float g, float u) {
+  const float e = host::exp_nonpositive(g >= 0.f ? -g : g);
+  return (g >= 0.f ? g : g * e) / (1.f + e) * u;
+}
+
+float round_to(float x, ScalarType t) {
+  switch (t) {
+    case ScalarType::kBFloat16: return scalar::bf16_to_float(scalar::float_to_bf16(x));
+    case ScalarType::kFloat16: return scalar::fp16_to_float(scalar::float_to_fp16(x));
+    default: return x;
+  }
+}
+
+// ---- GEMM pieces -------------------------------------------------------------------------------------
+// Every product is rows x W^T with W [N, K] row-major (the layout of w13, w2 and the router). A task
+// takes a chunk of kCols rows of W, brings it into a layout where one vector holds the chunk's
+// kCols outputs (fp32 transposed [K][kCols], or bf16 pairs [K / 2][kCols] for the AVX512-BF16 dot
+// instruction), and runs every row of its expert through it, kRows rows at a time.
+
+
+// acc[r][c] = sum_k X[r][k] * Wt[k][c] for the kRows rows of X (ld K).
+void block_fp32(const float* X, int64_t K, const float* Wt, v16 (&acc)[kRows]) {
+  for (int r = 0; r < kRows; ++r) acc[r] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    const v16 w = load16(Wt + k * kCols);
+    for (int r = 0; r < kRows; ++r) acc[r] += X[r * K + k] * w;
+  }
+}
+
+// Two chunks at once (the gate and up rows of the same outputs): each x value loaded once.
+void block2_fp32(const float* X, int64_t K, const float* Wg, const float* Wu, v16 (&g)[kRows],
+                 v16 (&u)[kRows]) {
+  for (int r = 0; r < kRows; ++r) g[r] = u[r] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    const v16 wg = load16(Wg + k * kCols), wu = load16(Wu + k * kCols);
+    for (int r = 0; r < kRows; ++r) {
+      const float x = X[r * K + k];
+      g[r] += x * wg;
+      u[r] += x * wu;
+    }
+  }
+}
+
+// x . w over K in kLanes lanes.
+inline float dot(const float* x, const float* w, int64_t K) {
+  v16 acc = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) acc += load16(x + k) * load16(w + k);
+  float s = sum16(acc);
+  for (; k < K; ++k) s += x[k] * w[k];
+  return s;
+}
+
+// Row n of W in fp32: in place for fp32 weights, else converted into `row`.
+inline const float* weight_row(const void* W, ScalarType wt, int64_t n, int64_t K, float* row) {
+  if (wt == ScalarType::kFloat32) return static_cast<const float*>(W) + n * K;
+  host::load_row(W, n * K, K, wt, row);
+  return row;
+}
+
+// Wt[k * kCols + c] = W[n0 + c][k] in fp32, zero for c >= nc.
+void transpose_chunk(const void* W, ScalarType wt, int64_t n0, int nc, int64_t K, float* row, float* Wt) {
+  if (nc < kCols) std::fill(Wt, Wt + K * kCols, 0.f);
+  for (int c = 0; c < nc; ++c) {
+    const float* w = weight_row(W, wt, n0 + c, K, row);
+    for (int64_t k = 0; k < K; ++k) Wt[k * kCols + c] = w[k];
+  }
+}
+
+inline int64_t even(int64_t k) { return (k + 1) / 2 * 2; }
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Pairs = true;
+
+// Wp[kp * kCols + c] = W[n0 + c][2 kp] | W[n0 + c][2 kp + 1] << 16 (zeros past nc and past K).
+void pack_pairs(const uint16_t* W, int64_t n0, int nc, int64_t K, uint32_t* Wp) {
+  const int64_t half = even(K) / 2;
+  if (nc < kCols || K % 2) std::fill(Wp, Wp + half * kCols, 0u);
+  for (int c = 0; c < nc; ++c) {
+    const uint16_t* w = W + (n0 + c) * K;
+    for (int64_t kp = 0; kp < K / 2; ++kp) {
+      uint32_t pair;
+      std::memcpy(&pair, w + 2 * kp, sizeof pair);
+      Wp[kp * kCols + c] = pair;
+    }
+    if (K % 2) Wp[(K / 2) * kCols + c] = w[K - 1];
+  }
+}
+
+inline __m512 dp(__m512 acc, const uint16_t* x_pair, const __m512i& w) {
+  int32_t pair;
+  std::memcpy(&pair, x_pair, sizeof pair);
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+}
+
+// The bf16 versions of block_fp32 / block2_fp32: X bf16 rows of even(K) (zero-padded), fp32 sums.
+void block_pairs(const uint16_t* X, int64_t K, const uint32_t* Wp, __m512 (&acc)[kRows]) {
+  const int64_t half = even(K) / 2;
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < half; ++kp) {
+    const __m512i w = _mm512_loadu_si512(Wp + kp * kCols);
+    for (int r = 0; r < kRows; ++r) acc[r] = dp(acc[r], X + r * 2 * half + 2 * kp, w);
+  }
+}
+
+void block2_pairs(const uint16_t* X, int64_t K, const uint32_t* Wg, const uint32_t* Wu, __m512 (&g)[kRows],
+                  __m512 (&u)[kRows]) {
+  const int64_t half = even(K) / 2;
+  for (int r = 0; r < kRows; ++r) g[r] = u[r] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < half; ++kp) {
+    const __m512i wg = _mm512_loadu_si512(Wg + kp * kCols), wu = _mm512_loadu_si512(Wu + kp * kCols);
+    for (int r = 0; r < kRows; ++r) {
+      const uint16_t* x = X + r * 2 * half + 2 * kp;
+      g[r] = dp(g[r], x, wg);
+      u[r] = dp(u[r], x, wu);
+    }
+  }
+}
+#else
+constexpr bool kBf16Pairs = false;
+#endif
+
+// ---- routing ------------------------------------------------------------------------------------
+
+// logit[e] = x . W[e] over K, accumulated in fp64 and rounded once: the choice of experts and their
+// weights are sensitive to the logits' last bits, so they should be as close as possible to any
+// accurate fp32 GEMM's (an fp32 dot product in lanes is off by a few ulps). Cheap: E dot products.
+void router_logits(const float* x, int64_t K, const void* W, ScalarType wt, int64_t E, float* logit, float* row) {
+  constexpr int kDLanes = 8;
+  for (int64_t e = 0; e < E; ++e) {
+    const float* w = row;
+    if (wt == ScalarType::kFloat32) {
+      w = static_cast<const float*>(W) + e * K;
+    } else {
+      host::load_row(W, e * K, K, wt, row);
+    }
+    double lane[kDLanes] = {};
+    int64_t k = 0;
+    for (; k + kDLanes <= K; k += kDLanes)
+      for (int j = 0; j < kDLanes; ++j) lane[j] += static_cast<double>(x[k + j]) * w[k + j];
+    double sum = 0.0;
+    for (int j = 0; j < kDLanes; ++j) sum += lane[j];
+    for (; k < K; ++k) sum += static_cast<double>(x[k]) * w[k];
+    logit[e] = static_cast<float>(sum);
+  }
+}
+
+struct Route {
+  std::vector<float> logits, sel, wsrc, gscore;
+  std::vector<char> excluded, kept;
+  std::vector<float> x;   // the token's hidden row in fp32
+};
+
+// Experts and weights of token t into id[0, k), wt[0, k), sorted by expert id (-1: none left).
+void route_token(const MoeParams& p, int64_t t, Route& s, int32_t* id, float* wt) {
+  const int64_t E = p.num_experts, H = p.hidden_size;
+  const int k = p.top_k;
+  float* logit = s.logits.data();
+  if (p.router_logits != nullptr) {
+    std::memcpy(logit, p.router_logits + t * E, static_cast<size_t>(E) * sizeof(float));
+  } else {
+    host::load_row(p.hidden, t * H, H, p.dtype, s.x.data());
+    router_logits(s.x.data(), H, p.router_weight, p.router_dtype, E, logit, s.sel.data());
+  }
+  float* sel = s.sel.data();
+  float* wsrc = s.wsrc.data();
+  if (p.scoring == MoeScoring::kSoftmax) {
+    float m = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) m = (logit[e] > m || logit[e] != logit[e]) ? logit[e] : m;
+    if (m == -INFINITY) m = 0.f;   // every logit -inf: keep exp() finite (the output is NaN anyway)
+    for (int64_t e = 0; e < E; ++e) sel[e] = std::exp(logit[e] - m);
+    // As torch does: a lane-wise sum (a running one loses ~sqrt(E) ulps over hundreds of experts),
+    // then a multiply by its reciprocal.
+    const float inv_z = 1.f / host::lane_sum(sel, E);
+    for (int64_t e = 0; e < E; ++e) {
+      sel[e] = sel[e] * inv_z + (p.expert_bias ? p.expert_bias[e] : 0.f);
+      wsrc[e] = sel[e];   // softmax: the bias stays in the weights
+    }
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      wsrc[e] = moe_math::sigmoid(logit[e]);   // sigmoid: the weights are the unbiased scores
+      sel[e] = wsrc[e] + (p.expert_bias ? p.expert_bias[e] : 0.f);
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) sel[e] = moe_math::rankable(sel[e]);
+  char* excluded = s.excluded.data();
+  std::fill(excluded, excluded + E, 0);
+  if (p.num_groups > 1) {   // keep the topk_groups groups with the best sum of their two best scores
+    const int64_t G = p.num_groups, gs = E / G;
+    for (int64_t g = 0; g < G; ++g) {
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (int64_t j = 0; j < gs; ++j) {
+        const float v = sel[g * gs + j];
+        if (v > b1) {
+          b2 = b1;
+          b1 = v;
+        } else if (v > b2) {
+          b2 = v;
+        }
+      }
+      s.gscore[g] = moe_math::rankable(gs >= 2 ? b1 + b2 : b1);
+    }
+    std::fill(s.kept.begin(), s.kept.end(), 0);
+    for (int r = 0; r < p.topk_groups; ++r) {
+      float bv = -INFINITY;
+      int32_t bi = INT32_MAX;
+      for (int64_t g = 0; g < G; ++g)
+        if (!s.kept[g] && moe_math::beats(s.gscore[g], static_cast<int32_t>(g), bv, bi)) {
+          bv = s.gscore[g];
+          bi = static_cast<int32_t>(g);
+        }
+      if (bi != INT32_MAX) s.kept[bi] = 1;
+    }
+    for (int64_t e = 0; e < E; ++e) excluded[e] = !s.kept[e / gs];
+  }
+  float total = 0.f;
+  for (int j = 0; j < k; ++j) {   // k rounds of an argmax (ties: lower expert), in slot order
+    float bv = -INFINITY;
+    int32_t bi = INT32_MAX;
+    for (int64_t e = 0; e < E; ++e)
+      if (!excluded[e] && moe_math::beats(sel[e], static_cast<int32_t>(e), bv, bi)) {
+        bv = sel[e];
+        bi = static_cast<int32_t>(e);
+      }
+    id[j] = bi != INT32_MAX ? bi : -1;
+    wt[j] = bi != INT32_MAX ? wsrc[bi] : 0.f;
+    if (bi != INT32_MAX) excluded[bi] = 1;
+    total += wt[j];
+  }
+  for (int j = 0; j < k; ++j) {
+    if (p.renormalize) wt[j] = wt[j] / (total + 1e-20f);
+    wt[j] = wt[j] * p.routed_scaling;
+  }
+  for (int j = 1; j < k; ++j)   // insertion sort by expert id: the combine's order
+    for (int i = j; i > 0 && id[i] < id[i - 1]; --i) {
+      std::swap(id[i], id[i - 1]);
+      std::swap(wt[i], wt[i - 1]);
+    }
+}
+
+// ---- experts ------------------------------------------------------------------------------------
+
+// The entries of one expert: list[first, first + n), rows [row0, row0 + n) of the row buffers
+// (padded to a multiple of kRows when the chunk GEMMs run, so a block never reads another expert's).
+struct Segment {
+  int32_t e;
+  int64_t first, n, row0;
+  bool gemm;    // n >= kMinGemmRows: chunk GEMMs; else dot products
+  bool pairs;   // bf16 through the AVX512-BF16 dot instruction (x and a kept in bf16)
+};
+
+// The chunk's rows grouped by expert: x (the gathered hidden rows) and a = silu(g) u.
+struct Rows {
+  int64_t H, I, Hp, Ip;
+  std::vector<float> x, a;         // [rows, H], [rows, I] fp32 (segments off the pair path)
+  std::vector<uint16_t> xh, ah;    // [rows, even(H)], [rows, even(I)] bf16 (pair-path segments)
+};
+
+struct Scratch {
+  std::vector<float> wg, wu, row, row2;   // transposed chunks, converted weight rows
+  std::vector<uint32_t> pg, pu;           // bf16 pair chunks
+};
+
+// The kRows x kCols block of products as plain floats (__m512 is this same vector type).
+inline void spill(const v16 (&acc)[kRows], float (&out)[kRows][kCols]) {
+  for (int r = 0; r < kRows; ++r) store16(out[r], acc[r]);
+}
+
+// a[:, n0 + c] = round(silu(g) u) of segment s for the outputs [n0, n0 + nc) of the intermediate dim.
+void gate_up_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, Rows& R, Scratch& sc) {
+  const int64_t H = R.H, I = R.I;
+  const size_t elem = host::elem_bytes(p.dtype);
+  const void* w13 = static_cast<const char*>(p.w13) + s.e * 2 * I * H * elem;
+  // a of one row's nc outputs, rounded to the dtype as the reference does before W2 (bf16 rows of the
+  // pair path are rounded by their conversion).
+  auto finish = [&](int64_t row, const float* g, const float* u) {
+    float a[kCols];
+    for (int c = 0; c < kCols; ++c) a[c] = silu_mul(g[c], u[c]);
+    if (s.pairs) {
+      host::store_row(a, nc, ScalarType::kBFloat16, R.ah.data(), row * R.Ip + n0);
+      return;
+    }
+    if (p.dtype != ScalarType::kFloat32)
+      for (int c = 0; c < nc; ++c) a[c] = round_to(a[c], p.dtype);
+    std::memcpy(R.a.data() + row * I + n0, a, static_cast<size_t>(nc) * sizeof(float));
+  };
+  if (!s.gemm) {
+    float G[kMinGemmRows][kCols] = {}, U[kMinGemmRows][kCols] = {};
+    for (int c = 0; c < nc; ++c) {
+      const float* wg = weight_row(w13, p.dtype, n0 + c, H, sc.row.data());
+      const float* wu = weight_row(w13, p.dtype, I + n0 + c, H, sc.row2.data());
+      for (int64_t i = 0; i < s.n; ++i) {
+        const float* x = R.x.data() + (s.row0 + i) * H;
+        G[i][c] = dot(x, wg, H);
+        U[i][c] = dot(x, wu, H);
+      }
+    }
+    for (int64_t i = 0; i < s.n; ++i) finish(s.row0 + i, G[i], U[i]);
+    return;
+  }
+  float G[kRows][kCols], U[kRows][kCols];
+#if defined(__AVX512BF16__)
+  if (s.pairs) {
+    pack_pairs(static_cast<const uint16_t*>(w13), n0, nc, H, sc.pg.data());
+    pack_pairs(static_cast<const uint16_t*>(w13), I + n0, nc, H, sc.pu.data());
+  }
+#endif
+  if (!s.pairs) {
+    transpose_chunk(w13, p.dtype, n0, nc, H, sc.row.data(), sc.wg.data());
+    transpose_chunk(w13, p.dtype, I + n0, nc, H, sc.row.data(), sc.wu.data());
+  }
+  for (int64_t r0 = 0; r0 < s.n; r0 += kRows) {
+    const int64_t row = s.row0 + r0;
+#if defined(__AVX512BF16__)
+    if (s.pairs) {
+      __m512 g[kRows], u[kRows];
+      block2_pairs(R.xh.data() + row * R.Hp, H, sc.pg.data(), sc.pu.data(), g, u);
+      spill(g, G);
+      spill(u, U);
+    }
+#endif
+    if (!s.pairs) {
+      v16 g[kRows], u[kRows];
+      block2_fp32(R.x.data() + row * H, H, sc.wg.data(), sc.wu.data(), g, u);
+      spill(g, G);
+      spill(u, U);
+    }
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, s.n - r0));
+    for (int r = 0; r < rows; ++r) finish(row + r, G[r], U[r]);
+  }
+}
+
+// slots[entry][n0 + c] = w_entry * (W2 a)[n0 + c] for the entries of segment s.
+void down_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, const int32_t* list,
+               const float* weights, Rows& R, Scratch& sc, float* slots) {
+  const int64_t H = R.H, I = R.I;
+  const size_t elem = host::elem_bytes(p.dtype);
+  const void* w2 = static_cast<const char*>(p.w2) + s.e * H * I * elem;
+  auto finish = [&](int64_t i, const float* y) {   // entry i of the segment: w * y into its slot
+    const int32_t entry = list[s.first + i];
+    const float w = weights[entry];
+    float* dst = slots + static_cast<int64_t>(entry) * H + n0;
+    for (int c = 0; c < nc; ++c) dst[c] = w * y[c];
+  };
+  if (!s.gemm) {
+    float Y[kMinGemmRows][kCols] = {};
+    for (int c = 0; c < nc; ++c) {
+      const float* w = weight_row(w2, p.dtype, n0 + c, I, sc.row.data());
+      for (int64_t i = 0; i < s.n; ++i) Y[i][c] = dot(R.a.data() + (s.row0 + i) * I, w, I);
+    }
+    for (int64_t i = 0; i < s.n; ++i) finish(i, Y[i]);
+    return;
+  }
+  float Y[kRows][kCols];
+#if defined(__AVX512BF16__)
+  if (s.pairs) pack_pairs(static_cast<const uint16_t*>(w2), n0, nc, I, sc.pg.data());
+#endif
+  if (!s.pairs) transpose_chunk(w2, p.dtype, n0, nc, I, sc.row.data(), sc.wg.data());
+  for (int64_t r0 = 0; r0 < s.n; r0 += kRows) {
+    const int64_t row = s.row0 + r0;
+#if defined(__AVX512BF16__)
+    if (s.pairs) {
+      __m512 y[kRows];
+      block_pairs(R.ah.data() + row * R.Ip, I, sc.pg.data(), y);
+      spill(y, Y);
+    }
+#endif
+    if (!s.pairs) {
+      v16 y[kRows];
+      block_fp32(R.a.data() + row * I, I, sc.wg.data(), y);
+      spill(y, Y);
+    }
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, s.n - r0));
+    for (int r = 0; r < rows; ++r) finish(r0 + r, Y[r]);
+  }
+}
+
+int threads_for(int64_t macs, int64_t tasks, int max_threads) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({max_threads, macs / kMacsPerThread, tasks})));
+}
+
+void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
+  const int64_t E = p.num_experts, H = p.hidden_size, I = p.inter_size, k = p.top_k;
+  std::vector<int32_t> ids(T * k);
+  std::vector<float> w(T * k);
+  const int64_t route_macs = p.router_logits ? T * E : T * E * H;
+  const int rt = threads_for(route_macs, T, max_threads);
+#pragma omp parallel num_threads(rt)
+  {
+    Route s;
+    s.logits.resize(E);
+    s.sel.resize(std::max(E, H));
+    s.wsrc.resize(E);
+    s.gscore.resize(p.num_groups);
+    s.kept.resize(p.num_groups);
+    s.excluded.resize(E);
+    s.x.resize(H);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) route_token(p, t0 + t, s, ids.data() + t * k, w.data() + t * k);
+  }
+
+  // Entries (t * k + j) of each expert in [e0, e1), in token order.
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t i = 0; i < T * k; ++i)
+    if (ids[i] >= p.expert_begin && ids[i] < p.expert_end) ++start[ids[i] + 1];
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int32_t> list(start[E]);
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < T * k; ++i)
+      if (ids[i] >= p.expert_begin && ids[i] < p.expert_end) list[fill[ids[i]]++] = static_cast<int32_t>(i);
+  }
+  std::vector<Segment> segs;
+  int64_t rows = 0;
+  for (int32_t e = p.expert_begin; e < p.expert_end; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    const bool gemm = n >= kMinGemmRows;
+    segs.push_back({e, start[e], n, rows, gemm, kBf16Pairs && gemm && p.dtype == ScalarType::kBFloat16});
+    rows += gemm ? (n + kRows - 1) / kRows * kRows : n;
+  }
+  Rows R{H, I, even(H), even(I), {}, {}, {}, {}};
+  bool any_pairs = false, any_fp32 = false;
+  for (const Segment& s : segs) (s.pairs ? any_pairs : any_fp32) = true;
+  if (any_fp32) {   // zeros: the padding rows of a block
+    R.x.assign(rows * H, 0.f);
+    R.a.assign(rows * I, 0.f);
+  }
+  if (any_pairs) {
+    R.xh.assign(rows * R.Hp, 0);
+    R.ah.assign(rows * R.Ip, 0);
+  }
+  struct Task {
+    int32_t seg;
+    int64_t n0;
+  };
+  std::vector<Task> up_tasks, down_tasks;
+  for (int32_t i = 0; i < static_cast<int32_t>(segs.size()); ++i) {
+    for (int64_t n0 = 0; n0 < I; n0 += kCols) up_tasks.push_back({i, n0});
+    for (int64_t n0 = 0; n0 < H; n0 += kCols) down_tasks.push_back({i, n0});
+  }
+  // Only the slots of experts in [e0, e1) are written, and only those are read.
+  std::unique_ptr<float[]> slots(new float[T * k * H]);
+  const int64_t nseg = static_cast<int64_t>(segs.size());
+  const int64_t nup = static_cast<int64_t>(up_tasks.size()), ndown = static_cast<int64_t>(down_tasks.size());
+  const int et = threads_for(start[E] * 3 * I * H, std::min(nup, ndown), max_threads);
+#pragma omp parallel num_threads(et)
+  {
+    Scratch sc;
+    const int64_t K = std::max(H, I);
+    sc.row.resize(K);
+    sc.row2.resize(K);
+    sc.wg.resize(K * kCols);
+    sc.wu.resize(K * kCols);
+    sc.pg.resize(even(K) / 2 * kCols);
+    sc.pu.resize(even(K) / 2 * kCols);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < nseg; ++i) {   // gather each expert's rows
+      const Segment& s = segs[i];
+      for (int64_t r = 0; r < s.n; ++r) {
+        const int64_t token = t0 + list[s.first + r] / k;
+        if (s.pairs) {
+          std::memcpy(R.xh.data() + (s.row0 + r) * R.Hp, static_cast<const uint16_t*>(p.hidden) + token * H,
+                      static_cast<size_t>(H) * sizeof(uint16_t));
+        } else {
+          host::load_row(p.hidden, token * H, H, p.dtype, R.x.data() + (s.row0 + r) * H);
+        }
+      }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < nup; ++i) {
+      const int64_t n0 = up_tasks[i].n0;
+      gate_up_task(p, segs[up_tasks[i].seg], n0, static_cast<int>(std::min<int64_t>(kCols, I - n0)), R, sc);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ndown; ++i) {
+      const int64_t n0 = down_tasks[i].n0;
+      down_task(p, segs[down_tasks[i].seg], n0, static_cast<int>(std::min<int64_t>(kCols, H - n0)), list.data(),
+                w.data(), R, sc, slots.get());
+    }
+  }
+
+  const int ct = threads_for(T * k * H / 8, T, max_threads);
+#pragma omp parallel num_threads(ct)
+  {
+    std::vector<float> acc(H);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < k; ++j) {   // slots in expert order: the reference's summation order
+        const int32_t e = ids[t * k + j];
+        if (e < p.expert_begin || e >= p.expert_end) continue;
+        const float* src = slots.get() + (t * k + j) * H;
+        for (int64_t h = 0; h < H; ++h) acc[h] += src[h];
+      }
+      host::store_row(acc.data(), H, p.dtype, p.out, (t0 + t) * H);
+    }
+  }
+}
+
+}  // namespace
+
+void moe_cpu(const MoeParams& p, int num_threads) {
+  if (p.num_tokens <= 0 || p.hidden_size <= 0) return;
+  const int max_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+  for (int64_t t0 = 0; t0 < p.num_tokens; t0 += kChunkTokens)
+    moe_chunk(p, t0, std::min(kChunkTokens, p.num_tokens - t0), max_threads);
+}
+
+}  // namespace dinfer_kernels
