@@ -95,13 +95,9 @@ void listed_blocks(const AttentionParams& p, int64_t b, int64_t g, int64_t j, in
 using host::kLanes;
 using host::lane_max;
 constexpr int kChains = 4;
-typedef float v16 __attribute__((vector_size(kLanes * sizeof(float))));
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+using host::load16;
+using host::store16;
+using host::v16;
 
 using host::lane_sum;
 

@@ -46,13 +46,9 @@ constexpr int64_t kMinGemmRows = 8;      // below this, dot products (no transpo
 constexpr int64_t kChunkTokens = 1024;   // tokens per pass: bounds the slot buffer
 constexpr int64_t kMacsPerThread = 1 << 20;  // multiply-adds below which another thread does not pay
 
-typedef float v16 __attribute__((vector_size(kLanes * sizeof(float))));
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+using host::load16;
+using host::store16;
+using host::v16;
 inline float sum16(v16 v) {
   float a[kLanes];
   store16(a, v);

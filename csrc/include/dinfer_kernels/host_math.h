@@ -49,6 +49,25 @@ inline float lane_max(const float* x, int64_t n) {
   return m;
 }
 
+// 16 floats as one vector (GCC/Clang vector extensions: one AVX-512 register, or two AVX / four SSE
+// ones, whatever -march allows), loaded and stored unaligned. Passed by value only between inlined
+// internal functions, so GCC's note that the ABI of such signatures differs between ISAs does not
+// apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef float v16 __attribute__((vector_size(kLanes * sizeof(float))));
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 // Sum of x[0, n) in kLanes independent accumulators: vectorises without -ffast-math.
 inline float lane_sum(const float* x, int64_t n) {
   float lane[kLanes] = {};
