@@ -288,7 +288,8 @@ host_kernel = pytest.mark.skipif("cpu" not in _backend.available_backends("cpu",
 @pytest.mark.parametrize("T,E,k,h,inter,dtype", [
     (5, 8, 2, H, I, torch.bfloat16), (96, 64, 8, H, I, torch.bfloat16),
     (70, 8, 2, 256, 256, torch.bfloat16), (560, 8, 2, 256, 256, torch.float32),   # the embedded model
-    (61, 4, 2, 257, 37, torch.float16), (7, 1, 1, 33, 5, torch.float32)])         # odd tails, one expert
+    (61, 4, 2, 257, 37, torch.float16), (61, 4, 2, 129, 37, torch.bfloat16),      # odd tails
+    (7, 1, 1, 33, 5, torch.float32)])                                             # one expert
 def test_host_kernel_bf16_embedded_and_odd_shapes(T, E, k, h, inter, dtype):
     """bf16 (the interpreter cannot run it for Triton, the host kernel can), the embedded model's
     shapes (both GEMM paths: dot products below 8 rows per expert, transposed chunks above), and

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include <omp.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -116,12 +116,66 @@ inline const float* weight_row(const void* W, ScalarType wt, int64_t n, int64_t 
   return row;
 }
 
+#if defined(__AVX512F__)
+// GCC 12's unpack intrinsics pass an _mm512_undefined_ps() merge source that -Wuninitialized flags.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// out[j * 16 + i] = word j of row i, for 16 rows of 16 32-bit words at base + i * stride_bytes: four
+// rounds of in-register shuffles instead of 256 scalar moves.
+void transpose16(const char* base, int64_t stride_bytes, void* out) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(base + i * stride_bytes);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  float* o = static_cast<float*>(out);
+  for (int i = 0; i < 4; ++i) {
+    _mm512_storeu_ps(o + i * 16, _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
+    _mm512_storeu_ps(o + (i + 8) * 16, _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD));
+    _mm512_storeu_ps(o + (i + 4) * 16, _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88));
+    _mm512_storeu_ps(o + (i + 12) * 16, _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD));
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+constexpr bool kTranspose16 = true;
+#else
+constexpr bool kTranspose16 = false;
+void transpose16(const char*, int64_t, void*) {}
+#endif
+
 // Wt[k * kCols + c] = W[n0 + c][k] in fp32, zero for c >= nc.
 void transpose_chunk(const void* W, ScalarType wt, int64_t n0, int nc, int64_t K, float* row, float* Wt) {
-  if (nc < kCols) std::fill(Wt, Wt + K * kCols, 0.f);
+  int64_t k0 = 0;
+  if (kTranspose16 && wt == ScalarType::kFloat32 && nc == kCols) {   // whole 16 x 16 blocks
+    const char* base = static_cast<const char*>(W) + n0 * K * sizeof(float);
+    for (; k0 + 16 <= K; k0 += 16)
+      transpose16(base + k0 * sizeof(float), K * static_cast<int64_t>(sizeof(float)), Wt + k0 * kCols);
+    if (k0 == K) return;
+  }
+  if (nc < kCols) std::fill(Wt + k0 * kCols, Wt + K * kCols, 0.f);
   for (int c = 0; c < nc; ++c) {
     const float* w = weight_row(W, wt, n0 + c, K, row);
-    for (int64_t k = 0; k < K; ++k) Wt[k * kCols + c] = w[k];
+    for (int64_t k = k0; k < K; ++k) Wt[k * kCols + c] = w[k];
   }
 }
 
@@ -133,10 +187,16 @@ constexpr bool kBf16Pairs = true;
 // Wp[kp * kCols + c] = W[n0 + c][2 kp] | W[n0 + c][2 kp + 1] << 16 (zeros past nc and past K).
 void pack_pairs(const uint16_t* W, int64_t n0, int nc, int64_t K, uint32_t* Wp) {
   const int64_t half = even(K) / 2;
-  if (nc < kCols || K % 2) std::fill(Wp, Wp + half * kCols, 0u);
+  int64_t kp0 = 0;
+  if (nc == kCols) {   // whole 16 x 16 blocks of pairs: a transpose of 32-bit words
+    const char* base = reinterpret_cast<const char*>(W + n0 * K);
+    for (; kp0 + 16 <= K / 2; kp0 += 16)
+      transpose16(base + kp0 * 4, K * static_cast<int64_t>(sizeof(uint16_t)), Wp + kp0 * kCols);
+  }
+  if (nc < kCols || K % 2) std::fill(Wp + kp0 * kCols, Wp + half * kCols, 0u);
   for (int c = 0; c < nc; ++c) {
     const uint16_t* w = W + (n0 + c) * K;
-    for (int64_t kp = 0; kp < K / 2; ++kp) {
+    for (int64_t kp = kp0; kp < K / 2; ++kp) {
       uint32_t pair;
       std::memcpy(&pair, w + 2 * kp, sizeof pair);
       Wp[kp * kCols + c] = pair;
