@@ -62,8 +62,8 @@ def triton_interpreted() -> bool:
 IMPLEMENTED = {
     "decode_step": ("cuda", "triton", "cpu", "torch"),
     "soft_embedding": ("triton", "torch"),
-    "rms_norm": ("cpu", "torch"),
-    "rope": ("cpu", "torch"),
+    "rms_norm": ("triton", "cpu", "torch"),
+    "rope": ("triton", "cpu", "torch"),
     "attention": ("cuda", "triton", "cpu", "torch"),
     "moe": ("cuda", "triton", "cpu", "torch"),
 }

@@ -2,10 +2,12 @@
 random inputs, awkward shapes, partial rotary dims, far positions and strided views, with the
 precision-tied tolerance (and, for the host kernel, bit equality: its table is the reference's own
 fp32 math); then the compiled entry point on its own (poisoned outputs, in place, thread-count
-independence, errors that name the argument)."""
+independence, errors that name the argument). Without a GPU Triton runs in
+the interpreter, in fp32 / fp16 (its bf16 rounding is unreliable); on a GPU every dtype, and inside a
+CUDA graph."""
 import pytest
 import torch
-from conftest import EXT, assert_precision
+from conftest import EXT, HAS_GPU, assert_precision
 from torch.utils.dlpack import to_dlpack
 
 import dinfer_kernels as dk
@@ -16,6 +18,11 @@ from dinfer_kernels.reference.rope import rope_reference
 BACKENDS = _backend.available_backends("cpu", "rope")
 needs_kernel = pytest.mark.skipif("cpu" not in BACKENDS, reason="dinfer_kernels._C lacks the rope kernel")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def interpreter_trap(backend, dtype):
+    if backend == "triton" and dtype == torch.bfloat16 and not HAS_GPU:
+        pytest.skip("the Triton interpreter's bf16 rounding is unreliable; bf16 runs on a GPU")
 
 
 def check(out, x, pos, theta, rd, name):
@@ -32,6 +39,7 @@ def check(out, x, pos, theta, rd, name):
                                               ((3, 5, 2, 64), 32, 4096), ((1, 13, 5, 10), 2, 50),
                                               ((2, 97, 4, 128), 64, 9000), ((1, 3, 2, 6), 4, 200_000)])
 def test_matches_reference(backend, dtype, shape, rd, max_pos):
+    interpreter_trap(backend, dtype)
     x = torch.randn(shape).to(dtype)
     pos = torch.randint(0, max_pos, shape[:2])
     out = dk.rope(x, pos, 10000.0, rd, backend=backend)
@@ -69,6 +77,12 @@ def test_table_grows_and_far_positions_get_their_own():
         pos = torch.tensor([[0, 1, top // 2, top]])
         assert torch.equal(dk.rope(x, pos, theta, backend="cpu"), rope_reference(x, pos, theta))
     assert cpu_rope.cached_table(theta, 8, 1).shape[0] == 8192   # the far call did not grow it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    x = torch.randn(2, 5, 3, 8)
+    torch.library.opcheck(torch.ops.dinfer.rope.default, (x, torch.randint(0, 40, (2, 5)), 1e4, 6, backend))
 
 
 # ---- the compiled entry point ---------------------------------------------------------------------
@@ -134,3 +148,27 @@ def test_binding_errors_name_the_argument(change, name, exc):
     a.update(change)
     with pytest.raises(exc, match=f"^{name}:"):
         EXT.rope(a["x"], a["positions"], a["cos_sin"], a["out"], num_threads=a["num_threads"])
+
+
+# ---- on a GPU -------------------------------------------------------------------------------------
+
+GPU_BACKENDS = [b for b in _backend.available_backends("cuda", "rope") if b != "torch"]
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,rd,max_pos", [((2, 7, 3, 16), None, 300), ((3, 5, 2, 128), 64, 9000),
+                                              ((1, 97, 16, 128), None, 4096), ((2, 3, 5, 10), 2, 50)])
+def test_gpu_matches_reference_and_captures(backend, dtype, shape, rd, max_pos):
+    x = torch.randn(shape).to(dtype)
+    pos = torch.randint(0, max_pos, shape[:2])
+    out = dk.rope(x.cuda(), pos.cuda(), 10000.0, rd, backend=backend)
+    check(out.cpu(), x, pos, 10000.0, rd, f"{backend} {dtype} {shape}")
+    xs, ps = x.cuda(), pos.cuda()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = dk.rope(xs, ps, 10000.0, rd, backend=backend)
+    ps.add_(1)                                  # new positions, same graph
+    g.replay()
+    torch.testing.assert_close(captured, dk.rope(xs, ps, 10000.0, rd, backend=backend), rtol=0, atol=0)

@@ -1,6 +1,6 @@
 """dinfer_kernels.rms_norm, the torch.library op `dinfer::rms_norm`.
-Contract: dinfer_kernels/reference/rms_norm.py. Backends: cpu (the compiled host kernel) and torch
-(the reference, on any device)."""
+Contract: dinfer_kernels/reference/rms_norm.py. Backends: triton (the GPU path),
+cpu (the compiled host kernel) and torch (the reference, on any device)."""
 import torch
 
 from .. import _backend, _checks, _dispatch
@@ -11,6 +11,9 @@ from ..reference.rms_norm import rms_norm_reference
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
     if backend == "cpu":
         from ..cpu.rms_norm import rms_norm as impl
+        return impl(x, weight, eps)
+    if backend == "triton":
+        from ..triton.rms_norm import rms_norm as impl
         return impl(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 

@@ -1,6 +1,6 @@
 """dinfer_kernels.rope, the torch.library op `dinfer::rope` (rotate-half rotary embedding at each row's
-own absolute position). Contract: dinfer_kernels/reference/rope.py. Backends: cpu (the compiled host
-kernel) and torch (the reference, on any device)."""
+own absolute position). Contract: dinfer_kernels/reference/rope.py. Backends: triton (the GPU path),
+cpu (the compiled host kernel) and torch (the reference, on any device)."""
 from typing import Optional
 
 import torch
@@ -14,6 +14,9 @@ def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim:
              backend: str) -> torch.Tensor:
     if backend == "cpu":
         from ..cpu.rope import rope as impl
+        return impl(x, positions, theta, rotary_dim)
+    if backend == "triton":
+        from ..triton.rope import rope as impl
         return impl(x, positions, theta, rotary_dim)
     return rope_reference(x, positions, theta, rotary_dim)
 
