@@ -41,7 +41,7 @@ def cached_rope(cos_sin):
 
 def run(args):
     import dinfer_kernels as dk
-    from dinfer_kernels.reference.rope import inv_freq
+    from dinfer_kernels.reference.rope import cos_sin_table
 
     device, dtype = args.device, common.torch_dtype(args.dtype)
     if device == "cuda" and not torch.cuda.is_available():
@@ -54,8 +54,7 @@ def run(args):
           f"(hidden {H}, {heads} x {D})  dtype={args.dtype}  rows={rows_list}  commit={env['commit']}")
     bw = common.copy_bandwidth(device, quick=args.quick)
     g = torch.Generator().manual_seed(0)
-    ang = torch.arange(8192, dtype=torch.float32)[:, None] * inv_freq(THETA, D)
-    table = torch.cat([ang.cos(), ang.sin()], -1).to(device)
+    table = cos_sin_table(torch.arange(8192), THETA, D).to(device)
     torch_rope = cached_rope(table)
     results, tables, notes = [], [], []
     for rows in rows_list:

@@ -13,7 +13,7 @@ from torch.utils.dlpack import to_dlpack
 import dinfer_kernels as dk
 from dinfer_kernels import _backend
 from dinfer_kernels.cpu import rope as cpu_rope
-from dinfer_kernels.reference.rope import rope_reference
+from dinfer_kernels.reference.rope import cos_sin_table, rope_reference
 
 BACKENDS = _backend.available_backends("cpu", "rope")
 needs_kernel = pytest.mark.skipif("cpu" not in BACKENDS, reason="dinfer_kernels._C lacks the rope kernel")
@@ -88,7 +88,7 @@ def test_opcheck(backend):
 # ---- the compiled entry point ---------------------------------------------------------------------
 
 def table(n, rd, theta=1e4):
-    return cpu_rope._angles_table(torch.arange(n), theta, rd)
+    return cos_sin_table(torch.arange(n), theta, rd)
 
 
 @needs_kernel

@@ -20,15 +20,9 @@ namespace {
 // so for them (`vectors`) the other strides must be multiples of 8 elements and the data 16-byte
 // aligned.
 void row_layout(const TensorArg& t, bool vectors, int64_t (&out)[3]) {
-  if (t.numel() == 0) {
-    out[0] = out[1] = out[2] = 0;
-    return;
-  }
-  if (t.stride(3) != 1)
-    throw_value_error(t.name() + ": the last dimension must be contiguous (stride 1), got stride " +
-                      std::to_string(t.stride(3)));
+  leading_strides(t, out);
+  if (t.numel() == 0) return;
   for (int d = 0; d < 3; ++d) {
-    out[d] = t.size(d) == 1 ? 0 : t.stride(d);
     if (vectors && out[d] % 8 != 0)
       throw_value_error(t.name() + ": the stride of dim " + std::to_string(d) + " (" +
                         std::to_string(out[d]) + ") must be a multiple of 8 elements");

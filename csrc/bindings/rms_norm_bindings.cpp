@@ -1,5 +1,5 @@
 // pybind11 entry for RMSNorm: validates every argument (dtype, shape, device, strides, eps), then
-// calls the torch-free host launcher. There is no CUDA kernel for it yet: CUDA arrays are refused.
+// calls the torch-free host launcher. Host arrays only: the GPU path is the Triton backend.
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -9,19 +9,6 @@
 
 namespace dinfer_bindings {
 
-namespace {
-
-// Row stride of an [N, D] array whose rows are contiguous (0 when it is never used).
-int64_t row_stride(const TensorArg& t) {
-  if (t.numel() == 0) return 0;
-  if (t.size(1) != 1 && t.stride(1) != 1)
-    throw_value_error(t.name() + ": each row must be contiguous (stride 1 along D), got stride " +
-                      std::to_string(t.stride(1)));
-  return t.size(0) == 1 ? 0 : t.stride(0);
-}
-
-}  // namespace
-
 void rms_norm(py::handle x_o, py::handle weight_o, py::handle out_o, py::handle eps_o,
               py::handle num_threads_o) {
   const double eps = float_arg(eps_o, "eps");
@@ -30,7 +17,7 @@ void rms_norm(py::handle x_o, py::handle weight_o, py::handle out_o, py::handle 
     throw_value_error("eps: must be a finite float32 value > 0, got " + std::to_string(eps));
   TensorArg x(x_o, "x"), weight(weight_o, "weight"), out(out_o, "out");
   x.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
-  if (x.on_cuda()) throw_value_error("x: host arrays only (there is no CUDA rms_norm kernel)");
+  if (x.on_cuda()) throw_value_error("x: host arrays only (the GPU path is the Triton backend)");
   if (x.ndim() != 2) throw_value_error("x: expected a 2-D array [N, D]");
   const int64_t N = x.size(0), D = x.size(1);
   weight.expect_dtype({x.dtype()});
@@ -47,10 +34,10 @@ void rms_norm(py::handle x_o, py::handle weight_o, py::handle out_o, py::handle 
   p.dim = D;
   p.dtype = scalar_type(x.dtype());
   p.x = x.data<void>();
-  p.x_row_stride = row_stride(x);
+  leading_strides(x, &p.x_row_stride);
   p.weight = weight.data<void>();
   p.out = out.data<void>();
-  p.out_row_stride = row_stride(out);
+  leading_strides(out, &p.out_row_stride);
   p.eps = static_cast<float>(eps);
   py::gil_scoped_release release;
   dinfer_kernels::rms_norm_cpu(p, num_threads);

@@ -1,6 +1,6 @@
 // pybind11 entry for the rotary embedding: validates every argument (dtype, shape, device, strides,
-// rotary_dim, and every position against the table), then calls the torch-free host launcher. There
-// is no CUDA kernel for it yet: CUDA arrays are refused.
+// rotary_dim, and every position against the table), then calls the torch-free host launcher. Host
+// arrays only: the GPU path is the Triton backend.
 #include <cstdint>
 #include <string>
 
@@ -9,28 +9,13 @@
 
 namespace dinfer_bindings {
 
-namespace {
-
-// The three leading strides of a [B, T, H, D] array whose last dimension is contiguous (strides of
-// size-1 dimensions are never used: 0).
-void head_layout(const TensorArg& t, int64_t (&out)[3]) {
-  out[0] = out[1] = out[2] = 0;
-  if (t.numel() == 0) return;
-  if (t.size(3) != 1 && t.stride(3) != 1)
-    throw_value_error(t.name() + ": the last dimension must be contiguous (stride 1), got stride " +
-                      std::to_string(t.stride(3)));
-  for (int d = 0; d < 3; ++d) out[d] = t.size(d) == 1 ? 0 : t.stride(d);
-}
-
-}  // namespace
-
 void rope(py::handle x_o, py::handle positions_o, py::handle cos_sin_o, py::handle out_o,
           py::handle num_threads_o) {
   const int num_threads = threads_arg(num_threads_o, "num_threads");
   TensorArg x(x_o, "x"), positions(positions_o, "positions"), cos_sin(cos_sin_o, "cos_sin"),
       out(out_o, "out");
   x.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
-  if (x.on_cuda()) throw_value_error("x: host arrays only (there is no CUDA rope kernel)");
+  if (x.on_cuda()) throw_value_error("x: host arrays only (the GPU path is the Triton backend)");
   if (x.ndim() != 4) throw_value_error("x: expected a 4-D array [B, T, H, D]");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3);
   positions.expect_dtype({DType::kInt64});
@@ -61,12 +46,12 @@ void rope(py::handle x_o, py::handle positions_o, py::handle cos_sin_o, py::hand
   p.rotary_dim = rd;
   p.dtype = scalar_type(x.dtype());
   p.x = x.data<void>();
-  head_layout(x, p.x_stride);
+  leading_strides(x, p.x_stride);
   p.positions = pos;
   p.cos_sin = cos_sin.data<float>();
   p.table_len = P;
   p.out = out.data<void>();
-  head_layout(out, p.out_stride);
+  leading_strides(out, p.out_stride);
   py::gil_scoped_release release;
   dinfer_kernels::rope_cpu(p, num_threads);
 }

@@ -26,6 +26,16 @@ int threads_arg(py::handle o, const char* name) {
   return static_cast<int>(v);
 }
 
+void leading_strides(const TensorArg& t, int64_t* out) {
+  const int last = t.ndim() - 1;
+  for (int d = 0; d < last; ++d) out[d] = 0;
+  if (t.numel() == 0) return;
+  if (t.stride(last) != 1)
+    throw_value_error(t.name() + ": the last dimension must be contiguous (stride 1), got stride " +
+                      std::to_string(t.stride(last)));
+  for (int d = 0; d < last; ++d) out[d] = t.size(d) == 1 ? 0 : t.stride(d);
+}
+
 dinfer_kernels::ScalarType scalar_type(DType t) {
   using dinfer_kernels::ScalarType;
   return t == DType::kFloat16 ? ScalarType::kFloat16

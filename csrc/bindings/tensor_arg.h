@@ -71,6 +71,11 @@ bool bool_arg(py::handle o, const char* name);
 // An OpenMP thread count for the host kernels: 0 (OpenMP's default) to 4096.
 int threads_arg(py::handle o, const char* name);
 
+// The strides of the leading ndim - 1 dimensions of an array whose last dimension must be contiguous
+// (stride 1; else the error names the array), into out[0, ndim - 1). Size-1 dimensions get 0 (their
+// stride is never used), and an empty array all 0.
+void leading_strides(const TensorArg& t, int64_t* out);
+
 // The kernels' element type of a float array whose dtype was checked to be fp32, fp16 or bf16.
 dinfer_kernels::ScalarType scalar_type(DType t);
 

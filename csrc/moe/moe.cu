@@ -368,19 +368,7 @@ __device__ __forceinline__ void score_token(const RouteArgs& a, RouteShared& sh,
     for (int i = 0; i < kScoresPerLane; ++i)
       if (lane + 32 * i < E) s_sel[lane + 32 * i] = sel[i];
     __syncwarp();
-    for (int g = lane; g < G; g += 32) {  // group score: sum of the group's two best selection scores
-      float b1 = -INFINITY, b2 = -INFINITY;
-      for (int j = 0; j < gs; ++j) {
-        const float x = s_sel[g * gs + j];
-        if (x > b1) {
-          b2 = b1;
-          b1 = x;
-        } else if (x > b2) {
-          b2 = x;
-        }
-      }
-      s_g[g] = moe_math::rankable(gs >= 2 ? b1 + b2 : b1);
-    }
+    for (int g = lane; g < G; g += 32) s_g[g] = moe_math::group_score(s_sel + g * gs, gs);
     __syncwarp();
     float gsc[kScoresPerLane];
     DINFER_MOE_UNROLL

@@ -305,19 +305,7 @@ void route_token(const MoeParams& p, int64_t t, Route& s, int32_t* id, float* wt
   std::fill(excluded, excluded + E, 0);
   if (p.num_groups > 1) {   // keep the topk_groups groups with the best sum of their two best scores
     const int64_t G = p.num_groups, gs = E / G;
-    for (int64_t g = 0; g < G; ++g) {
-      float b1 = -INFINITY, b2 = -INFINITY;
-      for (int64_t j = 0; j < gs; ++j) {
-        const float v = sel[g * gs + j];
-        if (v > b1) {
-          b2 = b1;
-          b1 = v;
-        } else if (v > b2) {
-          b2 = v;
-        }
-      }
-      s.gscore[g] = moe_math::rankable(gs >= 2 ? b1 + b2 : b1);
-    }
+    for (int64_t g = 0; g < G; ++g) s.gscore[g] = moe_math::group_score(sel + g * gs, gs);
     std::fill(s.kept.begin(), s.kept.end(), 0);
     for (int r = 0; r < p.topk_groups; ++r) {
       float bv = -INFINITY;

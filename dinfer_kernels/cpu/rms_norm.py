@@ -14,7 +14,7 @@ def rms_norm(x, weight, eps):
         return out
     D = x.shape[-1]
     rows = x.reshape(-1, D)
-    if D > 1 and rows.stride(1) != 1:   # the kernel reads each row as one contiguous run
+    if rows.stride(1) != 1:   # the kernel reads each row as one contiguous run
         rows = rows.contiguous()
     compiled().rms_norm(*capsules(rows, weight.contiguous(), out.view(-1, D)), eps=eps,
                         num_threads=torch.get_num_threads())

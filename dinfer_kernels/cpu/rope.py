@@ -10,16 +10,10 @@ import torch
 
 from .._backend import compiled
 from . import capsules
-from ..reference.rope import inv_freq
+from ..reference.rope import cos_sin_table
 
 kMaxCachedPositions = 1 << 16
 _tables = {}   # (theta, rotary_dim) -> [P, rotary_dim] fp32
-
-
-def _angles_table(positions, theta, rotary_dim):
-    """[len(positions), rotary_dim]: cos then sin of each position's angles (the reference's math)."""
-    ang = positions.to(torch.float32)[:, None] * inv_freq(theta, rotary_dim)
-    return torch.cat([ang.cos(), ang.sin()], -1)
 
 
 def cached_table(theta, rotary_dim, need):
@@ -27,7 +21,7 @@ def cached_table(theta, rotary_dim, need):
     table = _tables.get((theta, rotary_dim))
     if table is None or table.shape[0] < need:
         size = max(256, 1 << (need - 1).bit_length())
-        table = _angles_table(torch.arange(size), theta, rotary_dim)
+        table = cos_sin_table(torch.arange(size), theta, rotary_dim)
         _tables[(theta, rotary_dim)] = table
     return table
 
@@ -36,14 +30,14 @@ def rope(x, positions, theta, rotary_dim):
     out = torch.empty(x.shape, dtype=x.dtype)
     if x.numel() == 0:
         return out
-    if x.shape[-1] > 1 and x.stride(-1) != 1:   # the kernel reads each head row as one run
+    if x.stride(-1) != 1:   # the kernel reads each head row as one run
         x = x.contiguous()
     positions = positions.to(torch.int64).contiguous()
     need = int(positions.max()) + 1
     if need <= kMaxCachedPositions:
         table = cached_table(theta, rotary_dim, need)
     else:
-        table = _angles_table(positions.reshape(-1), theta, rotary_dim)
+        table = cos_sin_table(positions.reshape(-1), theta, rotary_dim)
         positions = torch.arange(positions.numel()).view(positions.shape)
     compiled().rope(*capsules(x, positions, table, out), num_threads=torch.get_num_threads())
     return out

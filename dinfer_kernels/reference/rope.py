@@ -17,6 +17,13 @@ def inv_freq(theta, rotary_dim, device=None):
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device).float() / rotary_dim))
 
 
+def cos_sin_table(positions, theta, rotary_dim):
+    """[len(positions), rotary_dim] fp32: cos, then sin, of each position's angles, with the
+    reference's own math below (so the kernels that read it agree with the reference bit for bit)."""
+    ang = positions.to(torch.float32)[:, None] * inv_freq(theta, rotary_dim, positions.device)
+    return torch.cat([ang.cos(), ang.sin()], -1)
+
+
 def rope_reference(x, positions, theta, rotary_dim=None, compute_dtype=torch.float32):
     D = x.shape[-1]
     rd = D if rotary_dim is None else rotary_dim

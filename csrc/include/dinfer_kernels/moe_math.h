@@ -37,6 +37,22 @@ DINFER_MOE_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 // A selection score as the top-k sees it: NaN ranks like -inf, so every candidate stays selectable.
 DINFER_MOE_HD float rankable(float x) { return x != x ? -INFINITY : x; }
 
+// A group's score for the grouped top-k: the sum of its two best selection scores (the one score of
+// a single-expert group), ranked like the scores themselves.
+DINFER_MOE_HD float group_score(const float* sel, int64_t size) {
+  float b1 = -INFINITY, b2 = -INFINITY;
+  for (int64_t j = 0; j < size; ++j) {
+    const float x = sel[j];
+    if (x > b1) {
+      b2 = b1;
+      b1 = x;
+    } else if (x > b2) {
+      b2 = x;
+    }
+  }
+  return rankable(size >= 2 ? b1 + b2 : b1);
+}
+
 // ---- expert MLP -------------------------------------------------------------------------------
 
 // silu(g) * u in fp32 (g and u already rounded to the compute dtype, like the reference's GEMM
