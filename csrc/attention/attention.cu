@@ -23,6 +23,7 @@
 
 #include "dinfer_kernels/attention.h"
 #include "dinfer_kernels/attention_math.h"
+#include "dinfer_kernels/detail/mma_layout.h"
 #include "dinfer_kernels/scalar.h"
 
 namespace dinfer_kernels {
@@ -40,9 +41,11 @@ using attention_math::kTileN;
 #define DINFER_UNROLL
 #endif
 
-constexpr int kThreads = 128;  // 4 warps; warp w owns packed query rows [16w, 16w + 16) of the tile
-constexpr int kWarps = kThreads / 32;
-static_assert(kTileM == 16 * kWarps, "one m16 slice of the query tile per warp");
+// 4 warps; warp w owns packed query rows [16w, 16w + 16) of the tile. Every shared-memory offset
+// and fragment coordinate comes from mma_layout::AttentionTiles (tested lane by lane on the host).
+constexpr int kThreads = mma_layout::kAttentionThreads;
+template <int kD>
+using Tiles = mma_layout::AttentionTiles<kD>;
 constexpr int kAuxThreads = 128;  // prologue and epilogue CTAs
 constexpr size_t kWorkspaceAlign = 256;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -191,16 +194,6 @@ using scalar::fast_exp2;  // ex2(-inf) = +0: the masking relies on it
 
 DINFER_DEV int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
 
-// ---- shared-memory layout ------------------------------------------------------------------------
-// A [rows][kD] tile of b16 elements, rows of kD / 8 16-byte chunks. Chunk c of row r is stored at
-// chunk position c ^ (r % 8): the 8 rows an ldmatrix phase reads (same logical chunk, 8 consecutive
-// rows) then hit 8 different 16-byte bank groups, and so do the 8 chunks of one row a cp.async
-// phase writes. Rows are kD * 2 bytes (128 or 256), a multiple of the 128-byte bank period.
-template <int kD>
-DINFER_DEV int swz(int row, int chunk) {
-  return row * kD + ((chunk ^ (row & 7)) << 3);
-}
-
 // ---- the attention kernel ------------------------------------------------------------------------
 
 struct FwdArgs {
@@ -240,32 +233,31 @@ constexpr size_t fwd_smem_bytes() {
 template <int kD>
 DINFER_DEV void load_kv_tile(uint16_t* sk, uint16_t* sv, const FwdArgs& a, int b, int g,
                              const KeyTile& t, int tid) {
-  constexpr int kChunks = kD / 8;
+  using T = Tiles<kD>;
   const uint16_t* kbase = a.k_cache + b * a.kcs[0] + g * a.kcs[2];
   const uint16_t* vbase = a.v_cache + b * a.vcs[0] + g * a.vcs[2];
   const int n = t.k1 - t.k0;
   DINFER_UNROLL
-  for (int i = 0; i < kTileN * kChunks / kThreads; ++i) {
-    const int c = tid + i * kThreads;
-    const int r = c / kChunks, ch = c % kChunks;
+  for (int i = 0; i < T::kKVRounds; ++i) {
+    const int r = T::copy_row(tid, i), ch = T::copy_chunk(tid, i);
     const bool ok = r < n;
     const int64_t key = t.k0 + (ok ? r : 0);
-    cp_async16(sk + swz<kD>(r, ch), kbase + key * a.kcs[1] + ch * 8, ok);
-    cp_async16(sv + swz<kD>(r, ch), vbase + key * a.vcs[1] + ch * 8, ok);
+    cp_async16(sk + T::copy_offset(tid, i), kbase + key * a.kcs[1] + ch * 8, ok);
+    cp_async16(sv + T::copy_offset(tid, i), vbase + key * a.vcs[1] + ch * 8, ok);
   }
 }
 
 template <class Tag, int kD, bool kMass>
 __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid_constant__ FwdArgs a) {
-  constexpr int kChunks = kD / 8;
-  constexpr int kDT = kD / 8;  // n8 tiles of the output per warp
+  using T = Tiles<kD>;
+  constexpr int kDT = T::kDT;  // n8 tiles of the output per warp
   extern __shared__ __align__(128) unsigned char smem_raw[];
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sk = sq + kTileM * kD;       // [2][kTileN][kD]
   uint16_t* sv = sk + 2 * kTileN * kD;   // [2][kTileN][kD]
 
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
-  const int gid = lane / 4, tig = lane % 4;  // mma fragment coordinates
+  const int tig = lane % 4;  // the quad's lane 0 writes the per-row statistics
 
   // Work unit. Flattened so that neighbouring CTAs share (sequence, kv head, split): the same keys.
   uint32_t bid = blockIdx.x;
@@ -314,21 +306,20 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
   {
     const uint16_t* qb = a.q + b * a.qs[0];
     DINFER_UNROLL
-    for (int i = 0; i < kTileM * kChunks / kThreads; ++i) {
-      const int c = tid + i * kThreads;
-      const int r = c / kChunks, ch = c % kChunks;
+    for (int i = 0; i < T::kQRounds; ++i) {
+      const int r = T::copy_row(tid, i), ch = T::copy_chunk(tid, i);
       const int p = p0 + r;
       const bool ok = p < P;
       const int w = w0 + (ok ? p / a.G : 0);
       const int h = g * a.G + (ok ? p % a.G : 0);
-      cp_async16(sq + swz<kD>(r, ch), qb + w * a.qs[1] + h * a.qs[2] + ch * 8, ok);
+      cp_async16(sq + T::copy_offset(tid, i), qb + w * a.qs[1] + h * a.qs[2] + ch * 8, ok);
     }
   }
   KeyTile cur = attention_math::find_tile(walk, ord0, ord1);
   if (cur.valid()) load_kv_tile<kD>(sk, sv, a, b, g, cur, tid);
   cp_async_commit();
 
-  // Per thread: rows r0 = 16 * warp + gid and r1 = r0 + 8 of the tile (index 0 / 1 below).
+  // Per thread: rows r0 = T::acc_row(warp, lane, 0) and r1 = r0 + 8 of the tile (index 0 / 1 below).
   float o[kDT][4];
   DINFER_UNROLL
   for (int dt = 0; dt < kDT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
@@ -337,25 +328,9 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
   float bm[2] = {0.f, 0.f};             // same, over the current key block only (kMass)
   int buf = 0;
 
-  // Shared-memory row each lane addresses for the ldmatrix loads (see ldsm_x4):
-  //   A of Q K^T (Q rows):       row 16 * warp + (lane % 8) + 8 * ((lane / 8) % 2), chunk 2kk + lane / 16
-  //     -> matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-  //        = a[0..3] of the A fragment.
-  //   B of Q K^T (K rows = n):   key 16np + (lane % 8) + 8 * (lane / 16), chunk 2kk + (lane / 8) % 2
-  //     -> (keys 0-7, k 0-7) = b0 of n-tile 2np, (keys 0-7, k 8-15) = b1 of n-tile 2np,
-  //        (keys 8-15, k 0-7) = b0 of n-tile 2np+1, (keys 8-15, k 8-15) = b1 of n-tile 2np+1.
-  //        B[k][n] = K[n][k], so a non-transposed row of K is a column of B: lane l gets
-  //        K[n = l/4][k = 2(l%4)..+1] = B[2t..2t+1][g], the b0 layout.
-  //   B of P V (V rows = k):     key 16kc + (lane % 8) + 8 * ((lane / 8) % 2), chunk 2dp + lane / 16,
-  //     transposed -> (keys 0-7, d 0-7) = b0 of d-tile 2dp, (keys 8-15, d 0-7) = b1 of d-tile 2dp,
-  //        (keys 0-7, d 8-15) = b0 of d-tile 2dp+1, (keys 8-15, d 8-15) = b1 of d-tile 2dp+1;
-  //        B[k][n] = V[k][n], the transpose gives lane l V[k = 2(l%4)..+1][n = l/4], the b0 layout.
-  const int a_row = 16 * warp + (lane % 8) + 8 * ((lane / 8) % 2);
-  const int a_chunk = lane / 16;
-  const int kb_row = (lane % 8) + 8 * (lane / 16);
-  const int kb_chunk = (lane / 8) % 2;
-  const int v_row = (lane % 8) + 8 * ((lane / 8) % 2);
-  const int v_chunk = lane / 16;
+  // ldmatrix addresses (Tiles::q_frag, k_frag, v_frag): Q rows give the A fragment of Q K^T; K
+  // rows (n-major) the B fragments of two key n8 tiles per load; V rows (k-major), loaded .trans,
+  // the B fragments of two output n8 tiles per load.
 
   while (cur.valid()) {
     const KeyTile nxt = attention_math::find_tile(walk, cur.ord + 1, ord1);
@@ -373,28 +348,28 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
     // S = Q K^T: 16 rows x 64 keys per warp, s[nt] is the n8 tile of keys [8nt, 8nt + 8).
     float s[8][4];
     DINFER_UNROLL
-    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    for (int nt = 0; nt < 2 * T::kKeyChunks; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
     DINFER_UNROLL
-    for (int kk = 0; kk < kD / 16; ++kk) {
+    for (int kk = 0; kk < T::kKSteps; ++kk) {
       uint32_t qa[4];
-      ldsm_x4(qa, sq + swz<kD>(a_row, 2 * kk + a_chunk));
+      ldsm_x4(qa, sq + T::q_frag(warp, lane, kk));
       DINFER_UNROLL
-      for (int np = 0; np < 4; ++np) {
+      for (int np = 0; np < T::kKeyChunks; ++np) {
         uint32_t kf[4];
-        ldsm_x4(kf, kt + swz<kD>(16 * np + kb_row, 2 * kk + kb_chunk));
+        ldsm_x4(kf, kt + T::k_frag(lane, kk, np));
         mma_16816(s[2 * np], qa, kf[0], kf[1], Tag{});
         mma_16816(s[2 * np + 1], qa, kf[2], kf[3], Tag{});
       }
     }
 
-    // Online softmax. s[nt][i] is row (i < 2 ? r0 : r1), key column 8nt + 2 tig + (i & 1).
+    // Online softmax. s[nt][i] is row (i < 2 ? r0 : r1), key column T::acc_col(lane, nt, i).
     const int nvalid = cur.k1 - cur.k0;
     float mx[2] = {-INFINITY, -INFINITY};
     DINFER_UNROLL
     for (int nt = 0; nt < 8; ++nt) {
       DINFER_UNROLL
       for (int i = 0; i < 4; ++i) {
-        const int col = 8 * nt + 2 * tig + (i & 1);
+        const int col = T::acc_col(lane, nt, i);
         const float x = col < nvalid ? s[nt][i] * a.scale_log2 : -INFINITY;
         s[nt][i] = x;
         mx[i >> 1] = fmaxf(mx[i >> 1], x);
@@ -434,19 +409,17 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
     }
 
     // O += P V. The C fragments of key n-tiles 2kc and 2kc+1 are exactly the A fragment of the
-    // 16-key chunk kc: a[0] = (row g, keys 2t..+1) = s[2kc][0..1], a[1] = (row g+8) = s[2kc][2..3],
-    // a[2] = (row g, keys 8+2t..) = s[2kc+1][0..1], a[3] = s[2kc+1][2..3].
+    // 16-key chunk kc (T::p_tile, p_reg).
     DINFER_UNROLL
-    for (int kc = 0; kc < 4; ++kc) {
-      uint32_t pa[4];
-      pa[0] = pack2(s[2 * kc][0], s[2 * kc][1], Tag{});
-      pa[1] = pack2(s[2 * kc][2], s[2 * kc][3], Tag{});
-      pa[2] = pack2(s[2 * kc + 1][0], s[2 * kc + 1][1], Tag{});
-      pa[3] = pack2(s[2 * kc + 1][2], s[2 * kc + 1][3], Tag{});
+    for (int kc = 0; kc < T::kKeyChunks; ++kc) {
+      const uint32_t pa[4] = {pack2(s[T::p_tile(kc, 0)][T::p_reg(0, 0)], s[T::p_tile(kc, 0)][T::p_reg(0, 1)], Tag{}),
+                              pack2(s[T::p_tile(kc, 1)][T::p_reg(1, 0)], s[T::p_tile(kc, 1)][T::p_reg(1, 1)], Tag{}),
+                              pack2(s[T::p_tile(kc, 2)][T::p_reg(2, 0)], s[T::p_tile(kc, 2)][T::p_reg(2, 1)], Tag{}),
+                              pack2(s[T::p_tile(kc, 3)][T::p_reg(3, 0)], s[T::p_tile(kc, 3)][T::p_reg(3, 1)], Tag{})};
       DINFER_UNROLL
-      for (int dp = 0; dp < kD / 16; ++dp) {
+      for (int dp = 0; dp < T::kKSteps; ++dp) {
         uint32_t vf[4];
-        ldsm_x4_trans(vf, vt + swz<kD>(16 * kc + v_row, 2 * dp + v_chunk));
+        ldsm_x4_trans(vf, vt + T::v_frag(lane, kc, dp));
         mma_16816(o[2 * dp], pa, vf[0], vf[1], Tag{});
         mma_16816(o[2 * dp + 1], pa, vf[2], vf[3], Tag{});
       }
@@ -457,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
       for (int r = 0; r < 2; ++r) {
         float v = bm[r] + shfl_xor(bm[r], 1);
         v += shfl_xor(v, 2);
-        const int p = p0 + 16 * warp + gid + 8 * r;
+        const int p = p0 + T::acc_row(warp, lane, 2 * r);
         if (tig == 0 && p < P) {
           const int w = w0 + p / a.G, h = g * a.G + p % a.G;
           if (attention_math::row_valid(a.positions[static_cast<int64_t>(b) * a.W + w], L))
@@ -481,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
   }
   DINFER_UNROLL
   for (int r = 0; r < 2; ++r) {
-    const int p = p0 + 16 * warp + gid + 8 * r;
+    const int p = p0 + T::acc_row(warp, lane, 2 * r);
     if (p >= P) continue;
     const int w = w0 + p / a.G, h = g * a.G + p % a.G;
     const int64_t bw = static_cast<int64_t>(b) * a.W + w;
@@ -495,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
       // Exact zeros for padding rows: their (poisoned) queries may have made o NaN.
       DINFER_UNROLL
       for (int dt = 0; dt < kDT; ++dt)
-        *reinterpret_cast<uint32_t*>(orow + 8 * dt + 2 * tig) =
+        *reinterpret_cast<uint32_t*>(orow + T::acc_col(lane, dt, 2 * r)) =
             any ? pack2(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv, Tag{}) : 0u;
       if (tig == 0) {
         if (a.lse != nullptr) a.lse[row] = lse2 * kLn2;
@@ -506,7 +479,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
       float* prow = a.part_o + srow * kD;
       DINFER_UNROLL
       for (int dt = 0; dt < kDT; ++dt)
-        *reinterpret_cast<float2*>(prow + 8 * dt + 2 * tig) =
+        *reinterpret_cast<float2*>(prow + T::acc_col(lane, dt, 2 * r)) =
             make_float2(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
       if (tig == 0) a.part_lse[srow] = lse2;
     }

@@ -25,24 +25,8 @@
 // (128 x 128 tiles, 8 warps) for prefill-sized batches. fp32 weights, or H / I not multiples of 8,
 // take a plain SIMT GEMM with the same tiling of rows (correct, not fast).
 //
-// mma.sync.m16n8k16 (.row.col, bf16/fp16 in, fp32 accumulate) fragment layouts, from the PTX ISA
-// ("Matrix Fragments for mma.m16n8k16 with floating point type"), with g = lane / 4, t = lane % 4:
-//   A (16 x 16, row-major M x K), 4 regs of 2 halves: reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..],
-//     reg2 = A[g][2t+8..2t+9], reg3 = A[g+8][2t+8..]  (lower column in the low 16 bits)
-//   B (16 x 8, K x N, "col" = stored N-major, i.e. our weight rows), 2 regs:
-//     reg0 = B[k = 2t..2t+1][n = g], reg1 = B[k = 2t+8..2t+9][n = g]
-//   C/D (16 x 8 fp32), 4 regs: c0, c1 = C[g][2t], C[g][2t+1]; c2, c3 = C[g+8][2t], C[g+8][2t+1]
-// ldmatrix.m8n8.x4.b16: lanes 8q..8q+7 give the row addresses of matrix q; register q of lane l
-// receives row l / 4, elements 2(l % 4) and 2(l % 4) + 1 of matrix q. Hence:
-//   A fragment: lane l points at row (l % 16), 8-column chunk (l / 16) of the 16 x 16 block, so the
-//     matrices are (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-//     = reg0..reg3 above.
-//   B fragments of two n8 tiles P, Q: lane l points at weight row (l % 8) of tile (l < 16 ? P : Q),
-//     chunk ((l / 8) % 2): matrices (P, k 0-7), (P, k 8-15), (Q, k 0-7), (Q, k 8-15) = b0/b1 of P,
-//     then b0/b1 of Q (a weight row is an N index; its 8 consecutive k are one ldmatrix row).
-// Shared-memory tiles are rows of BLOCK_K elements (>= 128 bytes) stored as 16-byte chunks with
-// chunk c of row r at position c ^ (r % 8): the 8 rows one ldmatrix phase reads hit 8 different
-// bank groups, and a cp.async chunk stays 16-byte aligned.
+// The mma.m16n8k16 fragment layouts, the ldmatrix addressing, the shared-memory swizzle and the
+// tile geometry are in dinfer_kernels/detail/mma_layout.h.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -50,6 +34,7 @@
 #include <type_traits>
 
 #include "dinfer_kernels/moe.h"
+#include "dinfer_kernels/detail/mma_layout.h"
 #include "dinfer_kernels/moe_math.h"
 
 namespace dinfer_kernels {
@@ -581,23 +566,12 @@ struct GemmArgs {
   int32_t K, N, top_k, bm;
 };
 
-template <int BM, int BN, int BK, int STAGES, int WM, int WN>
-struct TcConfig {
-  static constexpr int kBM = BM, kBN = BN, kBK = BK, kStages = STAGES, kWM = WM, kWN = WN;
-  static constexpr int kThreads = WM * WN * 32;
-  static constexpr int kMinBlocks = 2;  // CTAs per SM the registers must allow (smem allows 2)
-  // k16 steps unrolled per stage: all of them for the thin tiles; 2 for the 128 x 128 ones, whose
-  // 64 accumulators plus prefetched fragments otherwise spill at 128 registers on sm_90.
-  static constexpr int kKUnroll = BM >= 128 ? 2 : BK / 16;
-};
-// Small-token path: 16 rows, 4 warps side by side along N, 4 stages of 128 K (3 in flight,
-// 80 KB per CTA, 2 CTAs per SM on sm_80 and sm_90): enough bytes in flight for every SM to stream
-// at full rate.
-using SmallGemm1 = TcConfig<16, 32, 128, 4, 1, 4>;   // 32 act columns = 64 weight rows per CTA
-using SmallGemm2 = TcConfig<16, 64, 128, 4, 1, 4>;
-// Large batches: 128 x 128 weight-row tiles, 8 warps (2 x 4).
-using LargeGemm1 = TcConfig<128, 64, 64, 3, 2, 4>;
-using LargeGemm2 = TcConfig<128, 128, 64, 3, 2, 4>;
+// The tile configurations and every shared-memory offset and fragment coordinate of the
+// tensor-core GEMM: mma_layout::TcConfig / GemmTiles (tested lane by lane on the host).
+using mma_layout::LargeGemm1;
+using mma_layout::LargeGemm2;
+using mma_layout::SmallGemm1;
+using mma_layout::SmallGemm2;
 
 template <class Cfg, bool GLU>
 constexpr int tc_smem_bytes() {
@@ -606,20 +580,11 @@ constexpr int tc_smem_bytes() {
 
 template <class Tag, class Cfg, bool GLU>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) gemm_tc_kernel(const __grid_constant__ GemmArgs a) {
+  using T = mma_layout::GemmTiles<Cfg, GLU>;
   constexpr int BM = Cfg::kBM, BN = Cfg::kBN, BK = Cfg::kBK, STAGES = Cfg::kStages;
-  constexpr int WN = Cfg::kWN, kThreads = Cfg::kThreads;
-  constexpr int CPR = BK / 8;                 // 16-byte chunks per smem row
-  constexpr int BROWS = GLU ? 2 * BN : BN;    // weight rows per tile: [gate | up] or [down]
-  constexpr int WTM = BM / Cfg::kWM, WTN = BN / WN;
-  constexpr int MI = WTM / 16, NI = WTN / 8;
-  constexpr int NT = GLU ? 2 * NI : NI;       // n8 fragments per warp: gate tiles, then up tiles
-  constexpr int A_ELEMS = BM * BK, STAGE_ELEMS = (BM + BROWS) * BK;
-  constexpr int RSTEP = kThreads / CPR;       // rows between one thread's chunks
-  constexpr int A_ITERS = BM / RSTEP, B_ITERS = BROWS / RSTEP;
-  static_assert(CPR % 8 == 0, "swizzle needs rows of >= 8 chunks");
-  static_assert(kThreads % CPR == 0 && RSTEP % 8 == 0, "loader rows must keep row % 8");
-  static_assert(BM % RSTEP == 0 && BROWS % RSTEP == 0, "loader must cover the tiles exactly");
-  static_assert(WTM % 16 == 0 && WTN % 8 == 0 && NT % 2 == 0, "warp tile must be whole fragments");
+  constexpr int NI = T::NI, NT = T::NT, MI = T::MI;
+  constexpr int A_ELEMS = T::A_ELEMS, STAGE_ELEMS = T::STAGE_ELEMS;
+  constexpr int RSTEP = T::RSTEP, A_ITERS = T::A_ITERS, B_ITERS = T::B_ITERS, B_HALF = T::B_HALF;
 
   const int tile = blockIdx.x;
   if (tile >= *a.num_tiles) return;  // uniform per CTA: grid sized for the worst case
@@ -631,17 +596,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) gemm_tc_kernel
   uint16_t* smem = reinterpret_cast<uint16_t*>(smem_u4);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wm = warp / WN, wn = warp % WN;
+  const int wm = T::warp_m(warp), wn = T::warp_n(warp);
 
-  // Loader: this thread copies chunk column lc of rows lr0 + i * RSTEP (same row % 8 for all i).
+  // Loader: this thread copies chunk column lc of rows lr0 + i * RSTEP (T::load_offset).
   // Weight rows i of a tile are consecutive from one base (GEMM 2), or from two (the gate half and
   // the up half of GEMM 1): base + (i % half) * RSTEP rows, valid while n < N.
-  const int lc = tid % CPR, lr0 = tid / CPR;
-  const int sw = (lc ^ (lr0 % 8)) * 8;  // swizzled element offset of the chunk within its row
+  const int lc = T::load_chunk(tid), lr0 = T::load_row(tid, 0);
   const uint16_t* src_a = static_cast<const uint16_t*>(a.a_src);
   const uint16_t* src_w = static_cast<const uint16_t*>(a.w);
-  constexpr int B_HALF = GLU ? B_ITERS / 2 : B_ITERS;  // rows per base
-  static_assert(!GLU || BN % RSTEP == 0, "a thread's rows must split evenly into gate and up");
   const int n_first = n0 + lr0;  // output column of the thread's first weight row (per base)
   const uint16_t* b_base0 =
       src_w + (static_cast<int64_t>(expert) * (GLU ? 2 * N : N) + n_first) * K;  // gate / down
@@ -668,14 +630,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) gemm_tc_kernel
       const bool ok = kin && (!GLU || a_tok[GLU ? i : 0] >= 0);
       const uint16_t* src = GLU ? src_a + static_cast<int64_t>(a_tok[GLU ? i : 0]) * K + k
                                 : a_base + static_cast<int64_t>(i * RSTEP) * K + k;
-      cp_async_16(s + (lr0 + i * RSTEP) * BK + sw, ok ? src : src_w, ok ? 16 : 0);
+      cp_async_16(s + T::load_offset(tid, i), ok ? src : src_w, ok ? 16 : 0);
     }
     DINFER_MOE_UNROLL
     for (int i = 0; i < B_ITERS; ++i) {
       const int ii = i % B_HALF;
       const bool ok = kin && n_first + ii * RSTEP < N;
       const uint16_t* src = (i < B_HALF ? b_base0 : b_base1) + static_cast<int64_t>(ii * RSTEP) * K + k;
-      cp_async_16(s + A_ELEMS + (lr0 + i * RSTEP) * BK + sw, ok ? src : src_w, ok ? 16 : 0);
+      cp_async_16(s + A_ELEMS + T::load_offset(tid, i), ok ? src : src_w, ok ? 16 : 0);
     }
   };
 
@@ -693,13 +655,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) gemm_tc_kernel
     cp_async_commit();  // always commit: group counting stays uniform
   }
 
-  // Fragment addressing (see the layout notes at the top of the file).
-  const int a_row_l = lane % 16, a_chunk_l = lane / 16;
-  const int b_row_l = lane % 8, b_chunk_l = (lane / 8) % 2, b_tile_l = lane / 16;
-  auto b_tile_row = [&](int nt) {  // smem row of n8 fragment nt of this warp
-    return GLU ? (nt < NI ? wn * WTN + nt * 8 : BN + wn * WTN + (nt - NI) * 8) : wn * WTN + nt * 8;
-  };
-
   for (int kt = 0; kt < ktiles; ++kt) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile kt landed for every thread; stage (kt - 1) % STAGES is free again
@@ -716,10 +671,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) gemm_tc_kernel
       uint32_t bf[NT][2];
       DINFER_MOE_UNROLL
       for (int p = 0; p < NT / 2; ++p) {
-        const int row = b_tile_row(2 * p + b_tile_l) + b_row_l;
-        const int chunk = ks * 2 + b_chunk_l;
         uint32_t r[4];
-        ldmatrix_x4(r, sb + row * BK + ((chunk ^ (row % 8)) * 8));
+        ldmatrix_x4(r, sb + T::b_frag(wn, lane, ks, p));
         bf[2 * p][0] = r[0];
         bf[2 * p][1] = r[1];
         bf[2 * p + 1][0] = r[2];
@@ -727,10 +680,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) gemm_tc_kernel
       }
       DINFER_MOE_UNROLL
       for (int mi = 0; mi < MI; ++mi) {
-        const int row = wm * WTM + mi * 16 + a_row_l;
-        const int chunk = ks * 2 + a_chunk_l;
         uint32_t af[4];
-        ldmatrix_x4(af, sa + row * BK + ((chunk ^ (row % 8)) * 8));
+        ldmatrix_x4(af, sa + T::a_frag(wm, lane, ks, mi));
         DINFER_MOE_UNROLL
         for (int nt = 0; nt < NT; ++nt) mma_16816<Tag::kBF16>(acc[mi][nt], af, bf[nt]);
       }
@@ -738,19 +689,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) gemm_tc_kernel
   }
   cp_async_wait<0>();  // nothing may be in flight when the CTA exits
 
-  // Epilogue. Thread holds C[g][2t..2t+1] and C[g+8][2t..2t+1] of every (mi, nt) fragment.
-  const int g = lane / 4, t4 = lane % 4;
+  // Epilogue. Registers 2 half and 2 half + 1 of fragment (mi, j) are two adjacent columns of
+  // one row (T::acc_row / acc_col).
   DINFER_MOE_UNROLL
   for (int mi = 0; mi < MI; ++mi)
     DINFER_MOE_UNROLL
     for (int half = 0; half < 2; ++half) {
-      const int r = wm * WTM + mi * 16 + g + half * 8;
+      const int r = T::acc_row(wm, lane, mi, 2 * half);
       const int64_t row = static_cast<int64_t>(tile) * BM + r;
       if (GLU) {
         uint16_t* act = static_cast<uint16_t*>(a.act);
         DINFER_MOE_UNROLL
         for (int j = 0; j < NI; ++j) {
-          const int col = n0 + wn * WTN + j * 8 + 2 * t4;
+          const int col = n0 + T::acc_col(wn, lane, j, 2 * half);
           if (col >= N) continue;  // N % 8 == 0: the pair is wholly inside or outside
           const float* gv = acc[mi][j] + half * 2;
           const float* uv = acc[mi][NI + j] + half * 2;
@@ -764,7 +715,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) gemm_tc_kernel
         const float w = a.topk_w[entry];
         DINFER_MOE_UNROLL
         for (int j = 0; j < NI; ++j) {
-          const int col = n0 + wn * WTN + j * 8 + 2 * t4;
+          const int col = n0 + T::acc_col(wn, lane, j, 2 * half);
           if (col >= N) continue;
           const float* cv = acc[mi][j] + half * 2;
           *reinterpret_cast<float2*>(a.ypart + static_cast<int64_t>(entry) * N + col) =
