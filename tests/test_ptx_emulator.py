@@ -22,7 +22,7 @@ EMU = ROOT / "tests" / "ptx_emu"
 TILES = [("attention", "D64"), ("attention", "D128"), ("moe", "SmallGemm1"), ("moe", "SmallGemm2"),
          ("moe", "LargeGemm1"), ("moe", "LargeGemm2")]
 DTYPES = ["bf16", "fp16"]
-HAZARDS = ["inflight_read", "unsynced_read", "war", "double_copy", "misaligned", "exit_inflight"]
+HAZARDS = ["inflight_read", "unsynced_read", "war", "double_copy", "bad_address", "exit_inflight"]
 
 
 def _wrong(r):
@@ -41,6 +41,10 @@ def _unsynced(r):
     return r["war"] + r["unsynced_read"] > 0
 
 
+def _overran(r):
+    return r["bad_address"] > 0
+
+
 def _conflicted(r):
     return r["ldmatrix_wavefronts"] > r["ldmatrix_phases"]
 
@@ -54,6 +58,7 @@ MUTATIONS = {
     "no_wait": (_raced, TILES),                     # cp.async.wait_group left out
     "shallow_wait": (_raced, TILES),                # one group too few waited for
     "no_barrier": (_unsynced, TILES),               # the barrier before a refill left out
+    "buffer_overrun": (_overran, TILES),            # the last K/V buffer or stage past the allocation
     "no_swizzle": (_conflicted, TILES),             # right product, 8-way bank conflicts
 }
 

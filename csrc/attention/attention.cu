@@ -225,7 +225,7 @@ struct FwdArgs {
 
 template <int kD>
 constexpr size_t fwd_smem_bytes() {
-  return static_cast<size_t>(kTileM + 4 * kTileN) * kD * sizeof(uint16_t);  // Q + 2 x (K, V)
+  return static_cast<size_t>(Tiles<kD>::kSmemElems) * sizeof(uint16_t);  // Q + 2 x (K, V)
 }
 
 // One K/V tile (keys [t.k0, t.k1)) into the given buffers; rows past t.k1 are zero-filled, so
@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
   constexpr int kDT = T::kDT;  // n8 tiles of the output per warp
   extern __shared__ __align__(128) unsigned char smem_raw[];
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem_raw);
-  uint16_t* sk = sq + kTileM * kD;       // [2][kTileN][kD]
-  uint16_t* sv = sk + 2 * kTileN * kD;   // [2][kTileN][kD]
+  uint16_t* sk = sq + T::kKBase;  // [2][kTileN][kD]
+  uint16_t* sv = sq + T::kVBase;  // [2][kTileN][kD]
 
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int tig = lane % 4;  // the quad's lane 0 writes the per-row statistics
@@ -335,15 +335,15 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
   while (cur.valid()) {
     const KeyTile nxt = attention_math::find_tile(walk, cur.ord + 1, ord1);
     if (nxt.valid()) {
-      load_kv_tile<kD>(sk + (buf ^ 1) * kTileN * kD, sv + (buf ^ 1) * kTileN * kD, a, b, g, nxt, tid);
+      load_kv_tile<kD>(sk + (buf ^ 1) * T::kBufElems, sv + (buf ^ 1) * T::kBufElems, a, b, g, nxt, tid);
       cp_async_commit();
       cp_async_wait<1>();  // everything but the prefetch has landed (Q and this tile)
     } else {
       cp_async_wait<0>();
     }
     block_sync();
-    const uint16_t* kt = sk + buf * kTileN * kD;
-    const uint16_t* vt = sv + buf * kTileN * kD;
+    const uint16_t* kt = sk + buf * T::kBufElems;
+    const uint16_t* vt = sv + buf * T::kBufElems;
 
     // S = Q K^T: 16 rows x 64 keys per warp, s[nt] is the n8 tile of keys [8nt, 8nt + 8).
     float s[8][4];

@@ -575,7 +575,7 @@ using mma_layout::SmallGemm2;
 
 template <class Cfg, bool GLU>
 constexpr int tc_smem_bytes() {
-  return Cfg::kStages * (Cfg::kBM + (GLU ? 2 : 1) * Cfg::kBN) * Cfg::kBK * 2;
+  return mma_layout::GemmTiles<Cfg, GLU>::kSmemElems * 2;
 }
 
 template <class Tag, class Cfg, bool GLU>

@@ -10,7 +10,8 @@
 //   - a read of a chunk that another thread's wait landed after the last barrier (a missing
 //     __syncthreads between the wait and the read),
 //   - a cp.async into a chunk read since the last barrier (a missing barrier before a refill),
-//   - two in-flight cp.async to one chunk, a misaligned address, copies in flight at exit.
+//   - two in-flight cp.async to one chunk, an address outside the allocation or not 16-byte
+//     aligned, copies in flight at exit.
 // Unwritten shared memory holds a NaN pattern, so a read of it poisons the product.
 #pragma once
 
@@ -84,9 +85,9 @@ struct Hazards {
   long unsynced_read = 0;   // read of another thread's landed chunk before a barrier
   long war = 0;             // cp.async into a chunk read since the last barrier
   long double_copy = 0;     // two in-flight cp.async to one chunk
-  long misaligned = 0;      // an address that is not 16-byte aligned or out of the tile
+  long bad_address = 0;     // not 16-byte aligned, or outside the shared-memory allocation
   long exit_inflight = 0;   // copies still in flight when the CTA ends
-  long total() const { return inflight_read + unsynced_read + war + double_copy + misaligned + exit_inflight; }
+  long total() const { return inflight_read + unsynced_read + war + double_copy + bad_address + exit_inflight; }
 };
 
 // Bank-conflict accounting: a phase (one 8x8 matrix of an ldmatrix, or 8 consecutive threads'
@@ -193,7 +194,7 @@ class Cta {
   };
   bool chunk_ok(long elem) {
     if (elem < 0 || elem % 8 != 0 || elem / 8 >= static_cast<long>(chunks_.size())) {
-      ++hz.misaligned;
+      ++hz.bad_address;
       return false;
     }
     return true;

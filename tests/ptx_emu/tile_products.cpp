@@ -32,6 +32,7 @@ enum class Mutation {
   kNoWait,           // the main loop's cp.async.wait_group is left out
   kShallowWait,      // the main loop waits for one group too few
   kNoBarrier,        // the barrier that protects a buffer before its refill is left out
+  kBufferOverrun,    // buffers / stages one further on: the last one lies past the allocation
 };
 
 const char* name(Mutation m) {
@@ -45,6 +46,7 @@ const char* name(Mutation m) {
     case Mutation::kNoWait: return "no_wait";
     case Mutation::kShallowWait: return "shallow_wait";
     case Mutation::kNoBarrier: return "no_barrier";
+    case Mutation::kBufferOverrun: return "buffer_overrun";
   }
   return "?";
 }
@@ -96,6 +98,7 @@ struct Hooks {
   bool wait() const { return m != Mutation::kNoWait; }
   int wait_extra() const { return m == Mutation::kShallowWait ? 1 : 0; }
   bool barrier() const { return m != Mutation::kNoBarrier; }
+  int buffer(int b) const { return m == Mutation::kBufferOverrun ? b + 1 : b; }
 };
 
 // What a case found: the output against the fp64 reference, hazards, bank wavefronts.
@@ -147,8 +150,8 @@ Report attention(B16 t, Hooks h, uint64_t seed) {
   const Operand q(M, kD, -2, 2, t, rng, kRows), k(kTiles * N, kD, -1, 1, t, rng, keys), v(kTiles * N, kD, -8, 8, t, rng, keys);
 
   Report rep;
-  Cta cta(T::kThreads, static_cast<long>(M + 4 * N) * kD);
-  const long sq = 0, sk = static_cast<long>(M) * kD, sv = sk + 2L * N * kD;
+  Cta cta(T::kThreads, T::kSmemElems);  // the kernel's allocation: any access past it is flagged
+  const long sq = 0, sk = T::kKBase, sv = T::kVBase;
   auto load_kv = [&](int buf, int tile) {
     const int n = std::min(N, keys - tile * N);
     for (int tid = 0; tid < T::kThreads; ++tid)
@@ -157,8 +160,8 @@ Report attention(B16 t, Hooks h, uint64_t seed) {
         const bool ok = r < n;
         const int key = tile * N + (ok ? r : 0);
         const long off = h.write(T::copy_offset(tid, i), kD);
-        cta.cp_async(tid, sk + buf * N * kD + off, k.at(key, ch * 8), ok);
-        cta.cp_async(tid, sv + buf * N * kD + off, v.at(key, ch * 8), ok);
+        cta.cp_async(tid, sk + buf * T::kBufElems + off, k.at(key, ch * 8), ok);
+        cta.cp_async(tid, sv + h.buffer(buf) * T::kBufElems + off, v.at(key, ch * 8), ok);
       }
   };
   for (int tid = 0; tid < T::kThreads; ++tid)
@@ -181,7 +184,7 @@ Report attention(B16 t, Hooks h, uint64_t seed) {
     }
     cta.count_copy_banks(rep.cp);
     cta.barrier();
-    const long kt = sk + buf * N * kD, vt = sv + buf * N * kD;
+    const long kt = sk + buf * T::kBufElems, vt = sv + h.buffer(buf) * T::kBufElems;
     for (int w = 0; w < 4; ++w) {
       Frag s[8];
       for (auto& f : s) for (auto& l : f) for (float& x : l) x = 0.f;
@@ -263,12 +266,12 @@ Report gemm(B16 t, Hooks h, uint64_t seed) {
   const Operand a(BM, K, -8, 8, t, rng), w(T::BROWS, K, -8, 8, t, rng);  // w: the stage's weight rows
 
   Report rep;
-  Cta cta(T::kThreads, static_cast<long>(STAGES) * T::STAGE_ELEMS);
+  Cta cta(T::kThreads, T::kSmemElems);  // the kernel's allocation: any access past it is flagged
   auto load_stage = [&](int stage, int kt) {
     for (int tid = 0; tid < T::kThreads; ++tid) {
       const int k = kt * BK + T::load_chunk(tid) * 8;
       const bool kin = k < K;
-      const long s = static_cast<long>(stage) * T::STAGE_ELEMS;
+      const long s = static_cast<long>(h.buffer(stage)) * T::STAGE_ELEMS;
       for (int i = 0; i < T::A_ITERS; ++i)
         cta.cp_async(tid, s + h.write(T::load_offset(tid, i), BK), kin ? a.at(T::load_row(tid, i), k) : nullptr, kin);
       for (int i = 0; i < T::B_ITERS; ++i)
@@ -292,7 +295,7 @@ Report gemm(B16 t, Hooks h, uint64_t seed) {
     if (kt + STAGES - 1 < ktiles) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
     for (int tid = 0; tid < T::kThreads; ++tid) cta.commit(tid);
     cta.count_copy_banks(rep.cp);
-    const long sa = static_cast<long>(kt % STAGES) * T::STAGE_ELEMS, sb = sa + T::A_ELEMS;
+    const long sa = static_cast<long>(h.buffer(kt % STAGES)) * T::STAGE_ELEMS, sb = sa + T::A_ELEMS;
     for (int wp = 0; wp < kWarps; ++wp) {
       const int wm = T::warp_m(wp), wn = T::warp_n(wp);
       long addr[32];
@@ -399,12 +402,12 @@ void print(const char* kernel, const char* config, B16 t, Mutation m, const Repo
       "{\"kernel\": \"%s\", \"config\": \"%s\", \"dtype\": \"%s\", \"mutation\": \"%s\", "
       "\"mismatches\": %ld, \"inexact\": %ld, \"max_abs_err\": %g, \"unwritten\": %ld, \"multi_written\": %ld, "
       "\"out_of_tile\": %ld, \"inflight_read\": %ld, \"unsynced_read\": %ld, \"war\": %ld, "
-      "\"double_copy\": %ld, \"misaligned\": %ld, \"exit_inflight\": %ld, "
+      "\"double_copy\": %ld, \"bad_address\": %ld, \"exit_inflight\": %ld, "
       "\"ldmatrix_phases\": %ld, \"ldmatrix_wavefronts\": %ld, \"cp_async_phases\": %ld, "
       "\"cp_async_wavefronts\": %ld}\n",
       kernel, config, t == B16::kBF16 ? "bf16" : "fp16", name(m), r.mismatches, r.inexact,
       std::isinf(r.max_abs_err) ? 1e300 : r.max_abs_err, r.unwritten, r.multi_written, r.out_of_tile,
-      r.hz.inflight_read, r.hz.unsynced_read, r.hz.war, r.hz.double_copy, r.hz.misaligned, r.hz.exit_inflight,
+      r.hz.inflight_read, r.hz.unsynced_read, r.hz.war, r.hz.double_copy, r.hz.bad_address, r.hz.exit_inflight,
       r.ld.phases, r.ld.wavefronts, r.cp.phases, r.cp.wavefronts);
 }
 
@@ -414,7 +417,7 @@ int main() {
   std::printf("{\"kernel\": \"model\", \"self_check_failures\": %ld}\n", model_self_check());
   const Mutation common[] = {Mutation::kNone,         Mutation::kSwapLanes, Mutation::kWriteUnswizzled,
                              Mutation::kNoSwizzle,    Mutation::kRowOffByOne, Mutation::kNoWait,
-                             Mutation::kShallowWait,  Mutation::kNoBarrier};
+                             Mutation::kShallowWait,  Mutation::kNoBarrier, Mutation::kBufferOverrun};
   uint64_t seed = 0x9E3779B97F4A7C15ull;
   for (B16 t : {B16::kBF16, B16::kF16}) {
     for (Mutation m : common) {

@@ -60,7 +60,8 @@ DINFER_HD constexpr int copy_chunk(int tid, int i, int threads, int chunks) { re
 
 // ---- the attention forward kernel's tiles --------------------------------------------------------
 // 4 warps; warp w owns query rows [16w, 16w + 16) of the kTileM-row Q tile; K / V tiles are kTileN
-// keys; all three are swizzled tiles of rows of kD elements.
+// keys; all three are swizzled tiles of rows of kD elements. Shared memory (b16 elements): the Q
+// tile, then two K buffers, then two V buffers.
 constexpr int kAttentionThreads = 128;
 
 template <int kD>
@@ -77,6 +78,9 @@ struct AttentionTiles {
   static constexpr int kDT = kD / 8;       // n8 tiles of the output per warp
   static_assert(kD % 64 == 0, "rows of >= 8 chunks and a multiple of the bank period");
   static_assert(kTileM * kChunks % kThreads == 0 && kTileN * kChunks % kThreads == 0, "whole rounds");
+  static constexpr int kBufElems = kTileN * kD;  // one K or V buffer
+  static constexpr int kKBase = kTileM * kD, kVBase = kKBase + 2 * kBufElems;
+  static constexpr int kSmemElems = kVBase + 2 * kBufElems;
 
   // cp.async round i of thread tid: row and logical chunk of the tile.
   DINFER_HD static constexpr int copy_row(int tid, int i) { return mma_layout::copy_row(tid, i, kThreads, kChunks); }
@@ -137,6 +141,7 @@ struct GemmTiles {
   static constexpr int MI = WTM / 16, NI = WTN / 8;
   static constexpr int NT = GLU ? 2 * NI : NI;   // n8 fragments per warp: gate tiles, then up tiles
   static constexpr int A_ELEMS = BM * BK, STAGE_ELEMS = (BM + BROWS) * BK;
+  static constexpr int kSmemElems = Cfg::kStages * STAGE_ELEMS;  // stage s at s * STAGE_ELEMS
   static constexpr int RSTEP = kThreads / CPR;   // rows between one thread's chunks
   static constexpr int A_ITERS = BM / RSTEP, B_ITERS = BROWS / RSTEP;
   static constexpr int B_HALF = GLU ? B_ITERS / 2 : B_ITERS;  // rows per weight base
