@@ -172,7 +172,8 @@ Report attention(B16 t, Hooks h, uint64_t seed) {
   for (int tid = 0; tid < T::kThreads; ++tid) cta.commit(tid);
   cta.count_copy_banks(rep.cp);
 
-  std::vector<Frag> o(static_cast<size_t>(4 * T::kDT));  // o[4 * dt + warp]
+  constexpr int kWarps = T::kThreads / 32;
+  std::vector<Frag> o(static_cast<size_t>(kWarps * T::kDT));  // o[kWarps * dt + warp]
   for (auto& f : o) for (auto& l : f) for (float& x : l) x = 0.f;
   int buf = 0;
   for (int tile = 0; tile < kTiles; ++tile) {
@@ -185,8 +186,8 @@ Report attention(B16 t, Hooks h, uint64_t seed) {
     cta.count_copy_banks(rep.cp);
     cta.barrier();
     const long kt = sk + buf * T::kBufElems, vt = sv + h.buffer(buf) * T::kBufElems;
-    for (int w = 0; w < 4; ++w) {
-      Frag s[8];
+    for (int w = 0; w < T::kThreads / 32; ++w) {
+      Frag s[2 * T::kKeyChunks];  // key n8 tiles
       for (auto& f : s) for (auto& l : f) for (float& x : l) x = 0.f;
       long addr[32];
       for (int kk = 0; kk < T::kKSteps; ++kk) {
@@ -222,8 +223,8 @@ Report attention(B16 t, Hooks h, uint64_t seed) {
             b0[l][0] = vf[l][0], b0[l][1] = vf[l][1];
             b1[l][0] = vf[l][2], b1[l][1] = vf[l][3];
           }
-          mma_m16n8k16(t, o[4 * (2 * dp) + w], pa, b0);
-          mma_m16n8k16(t, o[4 * (2 * dp + 1) + w], pa, b1);
+          mma_m16n8k16(t, o[kWarps * (2 * dp) + w], pa, b0);
+          mma_m16n8k16(t, o[kWarps * (2 * dp + 1) + w], pa, b1);
         }
       }
     }
@@ -235,13 +236,13 @@ Report attention(B16 t, Hooks h, uint64_t seed) {
 
   // The kernel's epilogue: row half r of each lane, two adjacent columns per n8 tile.
   Out out(M, kD);
-  for (int w = 0; w < 4; ++w)
+  for (int w = 0; w < kWarps; ++w)
     for (int l = 0; l < 32; ++l)
       for (int r = 0; r < 2; ++r)
         for (int dt = 0; dt < T::kDT; ++dt) {
           const int row = T::acc_row(w, l, 2 * r) + h.row_shift(), col = T::acc_col(l, dt, 2 * r);
-          out.put(row, col, o[4 * dt + w][l][2 * r]);
-          out.put(row, col + 1, o[4 * dt + w][l][2 * r + 1]);
+          out.put(row, col, o[kWarps * dt + w][l][2 * r]);
+          out.put(row, col + 1, o[kWarps * dt + w][l][2 * r + 1]);
         }
   std::vector<double> ref(static_cast<size_t>(M) * kD, 0.0);
   for (int i = 0; i < kRows; ++i)
