@@ -2,6 +2,10 @@
 for the bench_kernels scripts (a folder of scripts, not a package)."""
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -72,3 +76,26 @@ def load_bench(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def cpp_examples(tmp_path_factory):
+    """The C++ programs of tests/cpp ({name: path}), built by CMake against the torch-free core as a
+    C++ runtime links it: every ISA's host kernels and the dispatcher, without CUDA."""
+    cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
+    if cmake is None or ninja is None or shutil.which("c++") is None:
+        pytest.skip("needs cmake, ninja and a C++ compiler")
+    import pybind11
+
+    build = tmp_path_factory.mktemp("cpp_examples")
+    for cmd in ([cmake, "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                 "-DDINFER_CUDA=0", "-DDINFER_CPP_EXAMPLES=ON", f"-DPython_EXECUTABLE={sys.executable}",
+                 f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"],
+                [cmake, "--build", str(build), "-j", os.environ.get("MAX_JOBS", "2"), "--target",
+                 "dinfer_cpp_examples"]):
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    return {src.stem: build / src.stem for src in sorted((ROOT / "tests/cpp").glob("*_example.cpp"))}
