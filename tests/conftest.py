@@ -69,6 +69,37 @@ def _seed():
     torch.manual_seed(1234)
 
 
+# The host kernels' ISAs to test: every one this CPU runs, up to the one in use at start (so
+# DINFER_CPU_ISA=avx2 tests what an AVX2-only machine runs). [None]: no per-ISA kernels here.
+DEFAULT_ISA = _backend.cpu_isa()
+HOST_ISAS = _backend.cpu_isas()[: _backend.cpu_isas().index(DEFAULT_ISA) + 1] if DEFAULT_ISA else [None]
+
+
+@pytest.fixture(params=HOST_ISAS)
+def host_isa(request):
+    """Runs the test once per host-kernel ISA (the process-global switch, restored after). Tests that
+    take a `backend` parameter run the lower ISAs for backend "cpu" only (pytest_collection_modifyitems)."""
+    if request.param is not None:
+        _backend.set_cpu_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        if request.param is not None:
+            _backend.set_cpu_isa(DEFAULT_ISA)
+
+
+def pytest_collection_modifyitems(config, items):
+    # Another backend never reaches a host kernel: one ISA is enough for it.
+    def needless(item):
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        return params.get("host_isa", DEFAULT_ISA) != DEFAULT_ISA and params.get("backend", "cpu") != "cpu"
+
+    dropped = [item for item in items if needless(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not needless(item)]
+
+
 def load_bench(name):
     """bench_kernels/<name>.py as a module (its main(argv) runs the benchmark)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
