@@ -346,9 +346,10 @@ def test_auto_picks_the_host_kernel_on_the_host(monkeypatch):
     monkeypatch.setattr(host, "attention", lambda *a: calls.append(1) or real(*a))
     q, k, v, kc, vc, pos, lens = make_case(1, 3, 20, 2, 2, 32, F32, seed=2)
     dk.attention(q, k, v, kc.clone(), vc.clone(), pos, lens)                           # auto
-    assert calls == [1]
+    expected = [1] if "attention" in _backend.cpu_fast_ops() else []   # where it beats the reference
+    assert calls == expected
     dk.attention(q, k, v, kc.clone(), vc.clone(), pos, lens, attn_mask=torch.ones(1, 3, 20, dtype=torch.bool))
-    assert calls == [1]                                  # a dense mask: the torch backend only
+    assert calls == expected                             # a dense mask: the torch backend only
 
 
 @pytest.mark.parametrize("backend,device", kernel_backends())

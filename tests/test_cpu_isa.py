@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import EXT
 
 from dinfer_kernels import _backend
@@ -36,6 +37,16 @@ def test_queries_and_switch():
     with pytest.raises(ValueError, match=r"isa=sse9: unknown ISA \(this build has: generic"):
         _backend.set_cpu_isa("sse9")
     assert EXT.cpu_isa() == before
+
+
+def test_auto_picks_the_host_kernel_only_where_it_is_faster(host_isa):
+    cpu = torch.device("cpu")
+    fast = _backend.cpu_fast_ops()
+    for op in EXT.host_kernels():
+        assert _backend.resolve("auto", cpu, op) == ("cpu" if op in fast else "torch"), (host_isa, op)
+        assert _backend.resolve("cpu", cpu, op) == "cpu"          # an explicit choice always runs it
+        with _backend.prefer_backend("cpu"):
+            assert _backend.resolve("auto", cpu, op) == "cpu"
 
 
 def test_environment_lowers_the_choice():
