@@ -112,19 +112,25 @@ def load_bench(name):
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="session")
-def cpp_examples(tmp_path_factory):
-    """The C++ programs of tests/cpp ({name: path}), built by CMake against the torch-free core as a
-    C++ runtime links it: every ISA's host kernels and the dispatcher, without CUDA."""
+def build_cpp_examples(build, *cmake_args):
+    """Builds the C++ programs of tests/cpp with CMake in `build` against the torch-free core, as a
+    C++ runtime links it (every ISA's host kernels and the dispatcher, no CUDA): {name: path}."""
     cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
-    if cmake is None or ninja is None or shutil.which("c++") is None:
-        pytest.skip("needs cmake, ninja and a C++ compiler")
-    build = tmp_path_factory.mktemp("cpp_examples")
+    if cmake is None or ninja is None:
+        pytest.skip("needs cmake and ninja")
     for cmd in ([cmake, "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                  "-DDINFER_CUDA=0", "-DDINFER_PYTHON_MODULE=OFF", "-DDINFER_CPP_EXAMPLES=ON",
-                 f"-DPython_EXECUTABLE={sys.executable}"],
+                 f"-DPython_EXECUTABLE={sys.executable}", *cmake_args],
                 [cmake, "--build", str(build), "-j", os.environ.get("MAX_JOBS", "2"), "--target",
                  "dinfer_cpp_examples"]):
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.returncode == 0, proc.stdout[-4000:]
     return {src.stem: build / src.stem for src in sorted((ROOT / "tests/cpp").glob("*_example.cpp"))}
+
+
+@pytest.fixture(scope="session")
+def cpp_examples(tmp_path_factory):
+    """The C++ examples built for this machine (build_cpp_examples)."""
+    if shutil.which("c++") is None:
+        pytest.skip("needs a C++ compiler")
+    return build_cpp_examples(tmp_path_factory.mktemp("cpp_examples"))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import EXT
+from conftest import EXT, build_cpp_examples
 
 from dinfer_kernels import _backend
 
@@ -192,3 +192,25 @@ def test_asking_for_more_than_the_cpu_has_is_an_error(cpp_examples):
     proc = under_qemu("Haswell", cpp_examples["cpu_isa_example"], DINFER_CPU_ISA="avx512")
     assert proc.returncode == 2
     assert "DINFER_CPU_ISA=avx512: this CPU does not support it (supported: generic, avx2)" in proc.stderr
+
+
+CROSS, QEMU_ARM = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+
+
+@pytest.mark.skipif(CROSS is None or QEMU_ARM is None,
+                    reason="needs aarch64-linux-gnu-g++ and qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user)")
+def test_aarch64_builds_and_runs_the_generic_copy(tmp_path):
+    exes = build_cpp_examples(tmp_path, "-DCMAKE_SYSTEM_NAME=Linux", "-DCMAKE_SYSTEM_PROCESSOR=aarch64",
+                              f"-DCMAKE_CXX_COMPILER={CROSS}")
+
+    def run(exe, **env):
+        return subprocess.run([QEMU_ARM, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True,
+                              text=True, env={**os.environ, **env}, timeout=300)
+
+    assert run(exes["cpu_isa_example"]).stdout.strip() == "generic: generic"
+    for name, exe in exes.items():
+        if name != "cpu_isa_example":
+            proc = run(exe)
+            assert proc.returncode == 0 and proc.stdout.strip() == "OK", f"{name}: {proc.stderr[-2000:]}"
+    proc = run(exes["cpu_isa_example"], DINFER_CPU_ISA="avx2")
+    assert proc.returncode == 2 and "DINFER_CPU_ISA=avx2: unknown ISA (this build has: generic;" in proc.stderr
