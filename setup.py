@@ -3,8 +3,10 @@
 Environment:
   DINFER_CUDA        auto (default) | 1 (fail if nvcc is missing) | 0
   DINFER_CUDA_ARCHS  default "80;90a"
-  DINFER_CPU_ARCH    -march for the CPU kernels, default "native" ("" for the compiler default)
   MAX_JOBS           parallel compile jobs
+The host kernels are compiled once per x86-64 ISA (generic, avx2, avx512, avx512bf16; generic only
+elsewhere) into the one extension, and the best the CPU runs is chosen at import (DINFER_CPU_ISA lowers
+it at run time): a build made on one x86-64 machine runs on any other.
 The full compiler output, including the `-Xptxas -v` register/spill report, is kept in
 dinfer_kernels/build_log.txt next to the extension.
 """
@@ -35,6 +37,9 @@ class CMakeBuild(build_ext):
         mode = os.environ.get("DINFER_CUDA", "auto").strip().lower()
         if mode not in ("auto", "1", "0"):
             raise SystemExit(f"DINFER_CUDA must be auto, 1 or 0, got {mode!r}")
+        if "DINFER_CPU_ARCH" in os.environ:
+            raise SystemExit("DINFER_CPU_ARCH is gone: the host kernels are built for every ISA and the "
+                             "best the CPU runs is chosen at import (DINFER_CPU_ISA lowers it at run time)")
         nvcc = find_nvcc() if mode != "0" else None
         if mode == "1" and nvcc is None:
             raise SystemExit("DINFER_CUDA=1 but nvcc was not found: put nvcc on PATH or set CUDACXX")
@@ -52,7 +57,6 @@ class CMakeBuild(build_ext):
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DDINFER_CUDA={'1' if nvcc else '0'}",
             f"-DDINFER_CUDA_ARCHS={os.environ.get('DINFER_CUDA_ARCHS', '80;90a')}",
-            f"-DDINFER_CPU_ARCH={os.environ.get('DINFER_CPU_ARCH', 'native')}",
             f"-DDINFER_VERSION={VERSION}",
         ]
         if nvcc:
@@ -65,13 +69,20 @@ class CMakeBuild(build_ext):
             if proc.returncode != 0:
                 sys.stdout.write(proc.stdout)
                 raise SystemExit(f"dinfer: build failed ({cmd[0]} exited {proc.returncode})")
-        # Next to the built extension, and for editable installs in the source package it runs from.
+        # Next to the built extension, and for editable installs in the source package it runs from
+        # (--inplace builds copy it there with the extension, below).
         dirs = {out_dir}
-        if self.inplace or getattr(self, "editable_mode", False):
+        if getattr(self, "editable_mode", False):
             dirs.add(ROOT / "dinfer_kernels")
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
             (d / "build_log.txt").write_text("\n".join(log))
+        self._build_log = out_dir / "build_log.txt"
+
+    def copy_extensions_to_source(self):
+        super().copy_extensions_to_source()
+        if getattr(self, "_build_log", None) is not None:
+            shutil.copyfile(self._build_log, ROOT / "dinfer_kernels" / "build_log.txt")
 
 
 setup(

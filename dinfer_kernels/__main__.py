@@ -4,7 +4,8 @@ import platform
 import torch
 
 from . import __version__
-from ._backend import available_backends, compiled, triton_interpreted, triton_version
+from ._backend import (available_backends, compiled, cpu_fast_ops, cpu_isa, cpu_isas, triton_interpreted,
+                       triton_version)
 
 
 def main():
@@ -20,6 +21,11 @@ def main():
         archs = ext.cuda_archs() if ext.built_with_cuda() else "-"
         print(f"compiled layer   _C {ext.version()}: cpu{' + cuda' if ext.built_with_cuda() else ''}"
               f" (CUDA archs: {archs}; OpenMP threads: {ext.omp_max_threads()})")
+    if cpu_isa() is None:
+        print("host kernel ISA  - (no per-ISA host kernels in this install)")
+    else:
+        print(f"host kernel ISA  {cpu_isa()} (this CPU runs: {', '.join(cpu_isas())}; DINFER_CPU_ISA lowers it;"
+              f" auto picks cpu for: {', '.join(cpu_fast_ops()) or 'none'})")
     gpu = torch.cuda.is_available()
     print(f"GPU visible      {torch.cuda.get_device_name(0) if gpu else 'no'}")
     print(f"backends (cpu)   {', '.join(available_backends('cpu'))}")

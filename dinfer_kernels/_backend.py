@@ -2,7 +2,12 @@
 
 Backends: "cuda" (compiled CUDA kernels), "triton", "cpu" (compiled C++ kernels), "torch" (the pure-torch
 reference; runs anywhere, not CUDA-graph capturable). "auto" picks the fastest available for the
-tensor's device: cuda > triton > torch on a GPU, cpu > torch on the host.
+tensor's device: cuda > triton > torch on a GPU; on the host cpu > torch for the ops whose host kernel
+beats the reference with the ISA in use (cpu_fast_ops()), torch for the others.
+
+The host kernels exist once per x86-64 ISA in the extension; cpu_isa() names the copy in use (the best
+the CPU runs, or the DINFER_CPU_ISA environment variable's), set_cpu_isa() switches it for the whole
+process (tests, benchmarks).
 """
 import contextlib
 import importlib
@@ -11,8 +16,6 @@ import importlib.util
 import os
 
 BACKENDS = ("auto", "cuda", "triton", "cpu", "torch")
-
-
 
 
 def _load_extension():
@@ -42,6 +45,12 @@ else:
 _EXTENSION_HAS_ATTENTION = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "attention_workspace_bytes")
 # Likewise the CUDA MoE kernels (csrc/moe): only usable once _C exports them.
 _EXTENSION_HAS_MOE = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "moe")
+# The host kernels' ISA: asking now makes a bad DINFER_CPU_ISA fail the import, naming the variable
+# (a build from before the per-ISA layer has one copy, fast for every op it has).
+_EXTENSION_HAS_ISAS = _EXTENSION is not None and hasattr(_EXTENSION, "cpu_isa")
+if _EXTENSION_HAS_ISAS:
+    _EXTENSION.cpu_isa()
+_host_fast_ops = frozenset(_EXTENSION.cpu_isa_fast_ops() if _EXTENSION_HAS_ISAS else _EXTENSION_HOST_OPS)
 
 
 def compiled():
@@ -56,6 +65,33 @@ def triton_version():
 
 def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cpu_isa():
+    """The ISA whose copy of the host kernels runs ("generic", "avx2", "avx512", "avx512bf16"), or None
+    without the extension."""
+    return _EXTENSION.cpu_isa() if _EXTENSION_HAS_ISAS else None
+
+
+def cpu_isas():
+    """The ISAs of the host kernels this CPU runs, lowest first ([] without the extension)."""
+    return list(_EXTENSION.cpu_isas_supported()) if _EXTENSION_HAS_ISAS else []
+
+
+def set_cpu_isa(isa: str):
+    """Runs every later host-kernel call with `isa`'s copy, in the whole process (not while another
+    thread runs a host kernel). ValueError for an unknown ISA or one this CPU does not run."""
+    global _host_fast_ops
+    if not _EXTENSION_HAS_ISAS:
+        raise ValueError("isa: this install has no per-ISA host kernels")
+    _EXTENSION.set_cpu_isa(isa)
+    _host_fast_ops = frozenset(_EXTENSION.cpu_isa_fast_ops())
+
+
+def cpu_fast_ops():
+    """The ops whose host kernel, with the ISA in use, beats the torch reference: "auto" picks "cpu"
+    for these only."""
+    return sorted(_host_fast_ops)
 
 
 # Which backends implement each op, fastest first.
@@ -102,6 +138,14 @@ def prefer_backend(backend: str):
         _preferred = before
 
 
+def auto_backends(device, op: str) -> list:
+    """The backends "auto" may pick for `op` on `device`, fastest first: the available ones less the
+    Triton interpreter (a correctness tool on the host) and a host kernel slower than the reference."""
+    host = str(device).startswith("cpu")
+    return [b for b in available_backends(device, op)
+            if not (host and (b == "triton" or (b == "cpu" and op not in _host_fast_ops)))]
+
+
 def resolve(backend: str, device, op: str) -> str:
     """Validates `backend` and turns "auto" into a concrete backend for `device`."""
     if backend not in BACKENDS:
@@ -110,8 +154,7 @@ def resolve(backend: str, device, op: str) -> str:
     if backend == "auto" and _preferred in avail:
         return _preferred
     if backend == "auto":
-        # Under the interpreter Triton is a correctness tool, never the fast choice on the host.
-        return next(b for b in avail if not (b == "triton" and str(device).startswith("cpu")))
+        return auto_backends(device, op)[0]
     if backend not in avail:
         raise ValueError(f"backend: {backend!r} cannot run {op} on {device} in this install "
                          f"(available: {avail})")

@@ -2,6 +2,10 @@
 for the bench_kernels scripts (a folder of scripts, not a package)."""
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -65,6 +69,37 @@ def _seed():
     torch.manual_seed(1234)
 
 
+# The host kernels' ISAs to test: every one this CPU runs, up to the one in use at start (so
+# DINFER_CPU_ISA=avx2 tests what an AVX2-only machine runs). [None]: no per-ISA kernels here.
+DEFAULT_ISA = _backend.cpu_isa()
+HOST_ISAS = _backend.cpu_isas()[: _backend.cpu_isas().index(DEFAULT_ISA) + 1] if DEFAULT_ISA else [None]
+
+
+@pytest.fixture(params=HOST_ISAS)
+def host_isa(request):
+    """Runs the test once per host-kernel ISA (the process-global switch, restored after). Tests that
+    take a `backend` parameter run the lower ISAs for backend "cpu" only (pytest_collection_modifyitems)."""
+    if request.param is not None:
+        _backend.set_cpu_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        if request.param is not None:
+            _backend.set_cpu_isa(DEFAULT_ISA)
+
+
+def pytest_collection_modifyitems(config, items):
+    # Another backend never reaches a host kernel: one ISA is enough for it.
+    def needless(item):
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        return params.get("host_isa", DEFAULT_ISA) != DEFAULT_ISA and params.get("backend", "cpu") != "cpu"
+
+    dropped = [item for item in items if needless(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not needless(item)]
+
+
 def load_bench(name):
     """bench_kernels/<name>.py as a module (its main(argv) runs the benchmark)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,3 +107,30 @@ def load_bench(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_cpp_examples(build, *cmake_args):
+    """Builds the C++ programs of tests/cpp with CMake in `build` against the torch-free core, as a
+    C++ runtime links it (every ISA's host kernels and the dispatcher, no CUDA): {name: path}."""
+    cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
+    if cmake is None or ninja is None:
+        pytest.skip("needs cmake and ninja")
+    for cmd in ([cmake, "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                 "-DDINFER_CUDA=0", "-DDINFER_PYTHON_MODULE=OFF", "-DDINFER_CPP_EXAMPLES=ON",
+                 f"-DPython_EXECUTABLE={sys.executable}", *cmake_args],
+                [cmake, "--build", str(build), "-j", os.environ.get("MAX_JOBS", "2"), "--target",
+                 "dinfer_cpp_examples"]):
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    return {src.stem: build / src.stem for src in sorted((ROOT / "tests/cpp").glob("*_example.cpp"))}
+
+
+@pytest.fixture(scope="session")
+def cpp_examples(tmp_path_factory):
+    """The C++ examples built for this machine (build_cpp_examples)."""
+    if shutil.which("c++") is None:
+        pytest.skip("needs a C++ compiler")
+    return build_cpp_examples(tmp_path_factory.mktemp("cpp_examples"))

@@ -80,10 +80,12 @@ def small_call_matches_reference(device, dtype, write_back):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("write_back", [True, False])
+@pytest.mark.usefixtures("host_isa")
 def test_host_call_matches_reference(dtype, write_back):
     small_call_matches_reference("cpu", dtype, write_back)
 
 
+@pytest.mark.usefixtures("host_isa")
 def test_numpy_arrays_go_through_dlpack():
     a, p = make_args(blocks=False, dtype=torch.float32)
     want = attention_reference(a["q"], a["k"], a["v"], a["k_cache"].clone(), a["v_cache"].clone(),
@@ -136,6 +138,7 @@ def test_binding_errors_name_the_argument(name, make, exc):
         call(a, **p)
 
 
+@pytest.mark.usefixtures("host_isa")
 def test_host_strided_views_match_contiguous():
     """The host kernel reads any leading strides (here a head stride of 68 elements)."""
     a, p = make_args(blocks=False)

@@ -37,6 +37,7 @@ def call(args, **params):
     EXT.decode_step(*[args[k] for k in ORDER], **p)
 
 
+@pytest.mark.usefixtures("host_isa")
 def test_numpy_through_dlpack_matches_reference():
     a = numpy_args()
     tokens_before = a["tokens"].copy()

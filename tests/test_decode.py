@@ -13,6 +13,7 @@ from dinfer_kernels.reference import decode_step_reference
 
 RULES = {"threshold": 0, "hierarchical": 1, "fixed": 2}
 BACKENDS = device_backends()
+pytestmark = pytest.mark.usefixtures("host_isa")  # the host kernels under every ISA this CPU runs
 
 
 def small_vocab(backend, device):

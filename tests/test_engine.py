@@ -75,6 +75,7 @@ def naive_forward(cfg, w, tokens):
 
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+@pytest.mark.usefixtures("host_isa")
 def test_transformer_matches_the_released_forward(cfg):
     model = model_of(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (13,))

@@ -144,6 +144,7 @@ def test_route_nan_scores_rank_like_minus_inf():
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
 def test_nan_router_logits_are_never_chosen(backend, device):
     """Sigmoid routing with a NaN logit per token: the expert is skipped (ranked like -inf), so the
     output equals the one where that logit is -inf (sigmoid 0: also never chosen, top_k < E)."""
@@ -158,6 +159,7 @@ def test_nan_router_logits_are_never_chosen(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
 def test_group_whose_second_best_is_minus_inf(backend, device):
     """A group of two whose second expert has a -inf selection score (a -inf bias) scores -inf (the
     top-2 sum), so it is kept last, like the reference's topk(2).sum; a one-expert group keeps its
@@ -204,6 +206,7 @@ CASES = [  # T, E, top_k, dtype, config overrides
 
 @pytest.mark.parametrize("backend,device", ALL_PAIRS)
 @pytest.mark.parametrize("T,E,k,dtype,config", CASES)
+@pytest.mark.usefixtures("host_isa")
 def test_against_reference(backend, device, T, E, k, dtype, config):
     if dtype != torch.float32 and device == "cpu" and backend == "torch":
         pytest.skip("the reference against itself, with the host's slow 16-bit matmul")
@@ -213,6 +216,7 @@ def test_against_reference(backend, device, T, E, k, dtype, config):
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
 @pytest.mark.parametrize("T,E,k,groups,topk_groups", [(5, 64, 8, 8, 4), (96, 16, 4, 4, 2), (1, 8, 2, 8, 2)])
+@pytest.mark.usefixtures("host_isa")
 def test_llada2_routing(backend, device, T, E, k, groups, topk_groups):
     """Sigmoid scores, selection-only bias, group-limited top-k, renormalisation, scaling."""
     hidden, router, w13, w2 = make(T, E)
@@ -222,6 +226,7 @@ def test_llada2_routing(backend, device, T, E, k, groups, topk_groups):
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
 def test_softmax_with_bias_and_renormalize(backend, device):
     """LLaDA-MoE's HF quirk: the bias stays in the weights."""
     hidden, router, w13, w2 = make(7, 8)
@@ -232,6 +237,7 @@ def test_softmax_with_bias_and_renormalize(backend, device):
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.usefixtures("host_isa")
 def test_router_logits_input_and_ties(backend, device, scoring):
     hidden, router, w13, w2 = make(9, 8)
     logits = torch.randn(9, 8).to(torch.float16)
@@ -245,6 +251,7 @@ def test_router_logits_input_and_ties(backend, device, scoring):
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
 def test_idle_experts_and_every_token_to_one_expert(backend, device):
     hidden, router, w13, w2 = make(96, 8)
     logits = torch.randn(96, 8)
@@ -260,6 +267,7 @@ def test_idle_experts_and_every_token_to_one_expert(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
 def test_expert_parallel_subsets(backend, device):
     hidden, router, w13, w2 = make(40, 16)
     parts = [check(backend, device, hidden, router, w13, w2, 4, expert_range=r, config=WIDE)
@@ -271,6 +279,7 @@ def test_expert_parallel_subsets(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
 def test_deterministic(backend, device):
     hidden, router, w13, w2 = make(96, 8)
     a = call_backend(backend, device, hidden, router, w13, w2, 2, config=WIDE)
@@ -290,6 +299,7 @@ host_kernel = pytest.mark.skipif("cpu" not in _backend.available_backends("cpu",
     (70, 8, 2, 256, 256, torch.bfloat16), (560, 8, 2, 256, 256, torch.float32),   # the embedded model
     (61, 4, 2, 257, 37, torch.float16), (61, 4, 2, 129, 37, torch.bfloat16),      # odd tails
     (7, 1, 1, 33, 5, torch.float32)])                                             # one expert
+@pytest.mark.usefixtures("host_isa")
 def test_host_kernel_bf16_embedded_and_odd_shapes(T, E, k, h, inter, dtype):
     """bf16 (the interpreter cannot run it for Triton, the host kernel can), the embedded model's
     shapes (both GEMM paths: dot products below 8 rows per expert, transposed chunks above), and
@@ -299,6 +309,7 @@ def test_host_kernel_bf16_embedded_and_odd_shapes(T, E, k, h, inter, dtype):
 
 
 @host_kernel
+@pytest.mark.usefixtures("host_isa")
 def test_host_kernel_results_do_not_depend_on_the_thread_count():
     hidden, router, w13, w2 = make(300, 8, torch.bfloat16, h=256, inter=256)
     before = torch.get_num_threads()
@@ -392,6 +403,7 @@ def test_triton_garbage_workspace_never_leaks(device, monkeypatch):
 # ---- the public op -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend,device", ALL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
 def test_public_op(backend, device):
     hidden, router, w13, w2 = make(6, 8)
     bias = torch.rand(8) * 0.1

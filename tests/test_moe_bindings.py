@@ -45,6 +45,7 @@ def reference_of(a):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.usefixtures("host_isa")
 def test_host_arrays_run_the_host_kernel(dtype, threads):
     a = host_args(dtype)
     a["out"] = np.full((T, H), np.nan, dtype)
@@ -143,6 +144,7 @@ def test_router_source_and_group_errors():
     assert not a["out"].any()
 
 
+@pytest.mark.usefixtures("host_isa")
 def test_host_kernel_has_no_cuda_limits():
     """More than 512 experts and top_k past 32 (the CUDA kernels' limits) run on the host."""
     rng = np.random.default_rng(1)

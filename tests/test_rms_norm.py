@@ -40,6 +40,7 @@ def check(out, x, w, eps, name):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (7, 1), (1, 13), (3, 5, 33), (61, 256), (2, 3, 4, 127), (9, 4096),
                                    (97, 1024)])
+@pytest.mark.usefixtures("host_isa")
 def test_matches_reference(backend, dtype, shape):
     interpreter_trap(backend, dtype)
     x, w = case(shape, dtype)
@@ -47,6 +48,7 @@ def test_matches_reference(backend, dtype, shape):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.usefixtures("host_isa")
 def test_extreme_rows(backend):
     """A zero row (the statistic is eps alone), tiny and huge magnitudes, a large eps."""
     x = torch.stack([torch.zeros(40), torch.full((40,), 1e-20), torch.randn(40) * 1e18, torch.randn(40)])
@@ -57,6 +59,7 @@ def test_extreme_rows(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.usefixtures("host_isa")
 def test_strided_views(backend, dtype):
     interpreter_trap(backend, dtype)
     big, w = case((6, 80), dtype)
@@ -70,6 +73,7 @@ def test_strided_views(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.usefixtures("host_isa")
 def test_empty(backend):
     for shape in [(0, 8), (3, 0), (2, 0, 5)]:
         x = torch.randn(shape)
@@ -87,6 +91,7 @@ def test_opcheck(backend):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("host_isa")
 def test_binding_writes_every_element_whatever_the_threads(dtype):
     x, w = case((333, 256), dtype)                        # large enough to split across threads
     ref = rms_norm_reference(x, w, 1e-5)
@@ -101,6 +106,7 @@ def test_binding_writes_every_element_whatever_the_threads(dtype):
 
 
 @needs_kernel
+@pytest.mark.usefixtures("host_isa")
 def test_binding_in_place_numpy_and_capsules():
     x, w = case((5, 24), torch.float32)
     want = rms_norm_reference(x, w, 1e-5)

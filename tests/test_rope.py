@@ -38,6 +38,7 @@ def check(out, x, pos, theta, rd, name):
 @pytest.mark.parametrize("shape,rd,max_pos", [((1, 1, 1, 2), None, 1), ((2, 7, 3, 16), None, 300),
                                               ((3, 5, 2, 64), 32, 4096), ((1, 13, 5, 10), 2, 50),
                                               ((2, 97, 4, 128), 64, 9000), ((1, 3, 2, 6), 4, 200_000)])
+@pytest.mark.usefixtures("host_isa")
 def test_matches_reference(backend, dtype, shape, rd, max_pos):
     interpreter_trap(backend, dtype)
     x = torch.randn(shape).to(dtype)
@@ -51,6 +52,7 @@ def test_matches_reference(backend, dtype, shape, rd, max_pos):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.usefixtures("host_isa")
 def test_strided_views_int32_positions_and_other_theta(backend):
     proj = torch.randn(2, 9, 3 * 4 * 16)                    # q | k | v of 4 heads x 16, as projected
     k = proj[..., 64:128].view(2, 9, 4, 16)                  # a view: row stride 192
@@ -61,6 +63,7 @@ def test_strided_views_int32_positions_and_other_theta(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.usefixtures("host_isa")
 def test_empty_and_negative_positions(backend):
     for shape in [(0, 3, 2, 8), (2, 0, 2, 8), (2, 3, 0, 8)]:
         x = torch.randn(shape)
@@ -70,6 +73,7 @@ def test_empty_and_negative_positions(backend):
 
 
 @needs_kernel
+@pytest.mark.usefixtures("host_isa")
 def test_table_grows_and_far_positions_get_their_own():
     x = torch.randn(1, 4, 2, 8)
     theta = 1234.5                                          # a (theta, rd) no other test uses
@@ -93,6 +97,7 @@ def table(n, rd, theta=1e4):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("host_isa")
 def test_binding_writes_every_element_whatever_the_threads(dtype):
     x = torch.randn(3, 50, 8, 64).to(dtype)               # large enough to split across threads
     pos = torch.randint(0, 1000, (3, 50))
@@ -104,6 +109,7 @@ def test_binding_writes_every_element_whatever_the_threads(dtype):
 
 
 @needs_kernel
+@pytest.mark.usefixtures("host_isa")
 def test_binding_in_place_numpy_and_capsules():
     x = torch.randn(2, 5, 3, 8)
     pos = torch.randint(0, 64, (2, 5))

@@ -24,6 +24,7 @@
 #include "dinfer_kernels/host_math.h"
 #include "dinfer_kernels/host_rows.h"
 #include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/isa_namespace.h"
 
 // The 16-float vector helpers below pass vectors by value. Without AVX-512 enabled GCC warns that
 // such a signature's ABI differs between ISAs; they are internal (anonymous namespace, inlined) and
@@ -33,6 +34,7 @@
 #endif
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace {
 
 using attention_math::row_valid;
@@ -358,4 +360,5 @@ void attention_cpu(const AttentionParams& p, int num_threads) {
   }
 }
 
+DINFER_ISA_END
 }  // namespace dinfer_kernels

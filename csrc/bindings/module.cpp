@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include "dinfer_kernels/build_info.h"
+#include "dinfer_kernels/cpu_isa.h"
 
 namespace dinfer_bindings {
 void register_decode(pybind11::module_& m);
@@ -24,6 +25,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("built_with_cuda", &dinfer_kernels::built_with_cuda);
   m.def("cuda_archs", &dinfer_kernels::cuda_archs);
   m.def("omp_max_threads", &omp_get_max_threads);
+  // The host kernels' ISA (dinfer_kernels/cpu_isa.h); set_cpu_isa is process-global.
+  m.def("cpu_isa", &dinfer_kernels::cpu_isa);
+  m.def("cpu_isas_built", &dinfer_kernels::cpu_isas_built);
+  m.def("cpu_isas_supported", &dinfer_kernels::cpu_isas_supported);
+  m.def("set_cpu_isa", &dinfer_kernels::set_cpu_isa, pybind11::arg("isa"));
+  m.def("cpu_isa_fast_ops", &dinfer_kernels::cpu_isa_fast_ops);
   dinfer_bindings::register_decode(m);
   dinfer_bindings::register_attention(m);
   dinfer_bindings::register_rms_norm(m);

@@ -12,8 +12,10 @@
 #include "dinfer_kernels/decode.h"
 #include "dinfer_kernels/decode_math.h"
 #include "dinfer_kernels/host_math.h"
+#include "dinfer_kernels/isa_namespace.h"
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace {
 
 using decode_math::Partial;
@@ -180,4 +182,5 @@ void decode_step_cpu(const DecodeStepParams& p, int num_threads) {
   }
 }
 
+DINFER_ISA_END
 }  // namespace dinfer_kernels

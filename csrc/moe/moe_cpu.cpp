@@ -31,12 +31,14 @@
 #include "dinfer_kernels/host_rows.h"
 #include "dinfer_kernels/moe.h"
 #include "dinfer_kernels/moe_math.h"
+#include "dinfer_kernels/isa_namespace.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi"   // 16-float vectors by value, internal only (see attention_cpu)
 #endif
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace {
 
 using host::kLanes;
@@ -613,4 +615,5 @@ void moe_cpu(const MoeParams& p, int num_threads) {
     moe_chunk(p, t0, std::min(kChunkTokens, p.num_tokens - t0), max_threads);
 }
 
+DINFER_ISA_END
 }  // namespace dinfer_kernels

@@ -14,8 +14,10 @@
 #include "dinfer_kernels/host_rows.h"
 #include "dinfer_kernels/rms_norm.h"
 #include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/isa_namespace.h"
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace {
 
 // Elements per thread below which a second thread costs more (fork / join) than it saves.
@@ -65,4 +67,5 @@ void rms_norm_cpu(const RmsNormParams& p, int num_threads) {
   }
 }
 
+DINFER_ISA_END
 }  // namespace dinfer_kernels

@@ -12,8 +12,10 @@
 
 #include "dinfer_kernels/host_rows.h"
 #include "dinfer_kernels/rope.h"
+#include "dinfer_kernels/isa_namespace.h"
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace {
 
 // Elements per thread below which a second thread costs more (fork / join) than it saves.
@@ -64,4 +66,5 @@ void rope_cpu(const RopeParams& p, int num_threads) {
   }
 }
 
+DINFER_ISA_END
 }  // namespace dinfer_kernels

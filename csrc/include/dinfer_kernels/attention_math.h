@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "dinfer_kernels/isa_namespace.h"
+
 #ifndef DINFER_HD
 #if defined(__CUDACC__)
 #define DINFER_HD __host__ __device__ __forceinline__
@@ -15,6 +17,7 @@
 #endif
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace attention_math {
 
 constexpr int kTileM = 64;   // packed (query row, head) pairs per CTA: 4 warps x 16 rows
@@ -114,4 +117,5 @@ DINFER_HD float lse2_merge(float a, float b) {
 }
 
 }  // namespace attention_math
+DINFER_ISA_END
 }  // namespace dinfer_kernels

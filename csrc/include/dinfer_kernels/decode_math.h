@@ -11,6 +11,7 @@
 
 #include "dinfer_kernels/decode.h"
 #include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/isa_namespace.h"
 
 #if defined(__CUDACC__)
 #define DINFER_HD __host__ __device__ __forceinline__
@@ -19,6 +20,7 @@
 #endif
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace decode_math {
 
 constexpr int32_t kNoIndex = INT32_MAX;  // "no element yet": loses every tie
@@ -266,4 +268,5 @@ DINFER_HD bool row_commits(int64_t i, int64_t L, const int64_t* tokens, const in
 }
 
 }  // namespace decode_math
+DINFER_ISA_END
 }  // namespace dinfer_kernels

@@ -7,7 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dinfer_kernels/isa_namespace.h"
+
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace host {
 
 // exp(x) for x <= 0 (arguments are z - max): 2^n * e^r with |r| <= ln2/2, degree-7 Taylor
@@ -93,4 +96,5 @@ inline float lane_sum_squares(const float* x, int64_t n) {
 }
 
 }  // namespace host
+DINFER_ISA_END
 }  // namespace dinfer_kernels

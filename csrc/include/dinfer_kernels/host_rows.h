@@ -12,8 +12,10 @@
 
 #include "dinfer_kernels/decode.h"  // ScalarType
 #include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/isa_namespace.h"
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace host {
 
 inline size_t elem_bytes(ScalarType t) { return t == ScalarType::kFloat32 ? 4 : 2; }
@@ -58,4 +60,5 @@ inline void store_row(const float* src, int64_t d, ScalarType t, void* dst, int6
 }
 
 }  // namespace host
+DINFER_ISA_END
 }  // namespace dinfer_kernels

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/isa_namespace.h"
 
 #if defined(__CUDACC__)
 #define DINFER_MOE_HD __host__ __device__ __forceinline__
@@ -16,6 +17,7 @@
 #endif
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace moe_math {
 
 using scalar::bf16_to_float;
@@ -60,4 +62,5 @@ DINFER_MOE_HD float group_score(const float* sel, int64_t size) {
 DINFER_MOE_HD float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 }  // namespace moe_math
+DINFER_ISA_END
 }  // namespace dinfer_kernels

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dinfer_kernels/isa_namespace.h"
+
 #if defined(__CUDACC__)
 #define DINFER_SCALAR_HD __host__ __device__ __forceinline__
 #else
@@ -15,6 +17,7 @@
 #endif
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace scalar {
 
 DINFER_SCALAR_HD float bits_to_float(uint32_t u) {
@@ -121,4 +124,5 @@ DINFER_SCALAR_HD float fast_log2(float x) {
 }
 
 }  // namespace scalar
+DINFER_ISA_END
 }  // namespace dinfer_kernels
