@@ -33,23 +33,6 @@ using host::vreg;
 
 constexpr int64_t kChunk = 4096;  // floats per task: 16 KB stays in L1/L2 between the sub-passes
 
-// Logits [i, i + kRegLanes) of a row as fp32.
-template <ScalarType T>
-inline vreg load_logits(const void* row, int64_t i) {
-  if (T == ScalarType::kFloat32) return host::loadv<vreg>(static_cast<const float*>(row) + i);
-  const uint16_t* h = static_cast<const uint16_t*>(row) + i;
-  if (T == ScalarType::kBFloat16) {   // bf16 is the top half of an fp32: widen, shift
-    typedef uint16_t h16 __attribute__((vector_size(kRegLanes * sizeof(uint16_t))));
-    typedef uint32_t u32 __attribute__((vector_size(kRegLanes * sizeof(uint32_t))));
-    h16 v;
-    std::memcpy(&v, h, sizeof v);
-    return (vreg)(__builtin_convertvector(v, u32) << 16);
-  }
-  float f[kRegLanes];
-  host::load_row(h, 0, kRegLanes, T, f);   // fp16: F16C where the ISA has it
-  return host::loadv<vreg>(f);
-}
-
 // sanitize() with selects only (fminf keeps NaN semantics that block vectorisation).
 inline vreg sanitize_v(vreg z) {
   z = z != z ? host::splat<vreg>(-INFINITY) : z;
@@ -62,8 +45,8 @@ float load_chunk_max(const void* row, int64_t lo, int64_t len, float* buf) {
   vreg m0 = host::splat<vreg>(-INFINITY), m1 = m0;   // two chains: the max latency is not the limit
   int64_t i = 0;
   for (; i + 2 * kRegLanes <= len; i += 2 * kRegLanes) {
-    const vreg z0 = sanitize_v(load_logits<T>(row, lo + i));
-    const vreg z1 = sanitize_v(load_logits<T>(row, lo + i + kRegLanes));
+    const vreg z0 = sanitize_v(host::load_vreg<T>(row, lo + i));
+    const vreg z1 = sanitize_v(host::load_vreg<T>(row, lo + i + kRegLanes));
     host::storev(buf + i, z0);
     host::storev(buf + i + kRegLanes, z1);
     m0 = z0 > m0 ? z0 : m0;
