@@ -8,8 +8,8 @@
 // before any task reads the cache).
 //
 // The rows of a query block share its key list and go through it together, up to kTileRows at a time:
-// scores in chunks of 16 keys (each chunk transposed once, then four rows per pass, 16 keys per
-// vector FMA), a two-pass softmax per row, and P.V four rows per pass (each value chunk loaded once
+// scores in chunks of one vector of keys (each chunk transposed once, then four rows per pass, a chunk
+// per vector FMA), a two-pass softmax per row, and P.V four rows per pass (each value chunk loaded once
 // for the four).
 #include <algorithm>
 #include <cmath>
@@ -91,15 +91,16 @@ void listed_blocks(const AttentionParams& p, int64_t b, int64_t g, int64_t j, in
     if (allowed[kb]) blocks.push_back(static_cast<int32_t>(kb));
 }
 
-// The row loops keep their accumulators in registers as 16-float vectors (GCC/Clang vector
-// extensions: one AVX-512 register, or two AVX / four SSE ones, whatever -march allows), four
-// independent ones at a time: a single FMA chain would be latency-bound.
-using host::kLanes;
+// The row loops keep their accumulators in registers as register-wide vectors (host_math.h vreg: 16
+// floats with AVX-512, 8 with AVX2, 4 with SSE2; a wider vector's accumulators would live in memory),
+// four independent ones at a time: a single FMA chain would be latency-bound. A key chunk is one
+// vector of keys.
+constexpr int kLanes = host::kRegLanes;
 using host::lane_max;
 constexpr int kChains = 4;
-using host::load16;
-using host::store16;
-using host::v16;
+using host::vreg;
+inline vreg loadr(const float* p) { return host::loadv<vreg>(p); }
+using host::storev;
 
 using host::lane_sum;
 
@@ -157,9 +158,9 @@ void prepare_block(const AttentionParams& p, const int32_t* slot, int64_t b, int
   }
 }
 
-// Scores of the tile's n rows against keys [t0, t1) of one listed block: 16 keys at a time, the
+// Scores of the tile's n rows against keys [t0, t1) of one listed block: kLanes keys at a time, the
 // chunk transposed once into keys_t and reused by every row (four rows per pass: independent FMA
-// chains). Row i's scores land in sc[i * ld + t]; a chunk may write up to 15 entries past t1.
+// chains). Row i's scores land in sc[i * ld + t]; a chunk may write up to kLanes - 1 entries past t1.
 void tile_scores(Scratch& s, int64_t D, int64_t n, int64_t t0, int64_t t1, int64_t ld) {
   float* kt = s.keys_t.data();
   const float* q = s.q.data();
@@ -173,31 +174,31 @@ void tile_scores(Scratch& s, int64_t D, int64_t n, int64_t t0, int64_t t1, int64
     int64_t i = 0;
     for (; i + kChains <= n; i += kChains) {
       const float *q0 = q + i * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-      v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      vreg a0 = {}, a1 = {}, a2 = {}, a3 = {};
       for (int64_t d = 0; d < D; ++d) {
-        const v16 k = load16(kt + d * kLanes);
+        const vreg k = loadr(kt + d * kLanes);
         a0 += q0[d] * k;
         a1 += q1[d] * k;
         a2 += q2[d] * k;
         a3 += q3[d] * k;
       }
-      store16(sc + i * ld + c, a0);
-      store16(sc + (i + 1) * ld + c, a1);
-      store16(sc + (i + 2) * ld + c, a2);
-      store16(sc + (i + 3) * ld + c, a3);
+      storev(sc + i * ld + c, a0);
+      storev(sc + (i + 1) * ld + c, a1);
+      storev(sc + (i + 2) * ld + c, a2);
+      storev(sc + (i + 3) * ld + c, a3);
     }
     for (; i < n; ++i) {
       const float* q0 = q + i * D;
-      v16 a0 = {};
-      for (int64_t d = 0; d < D; ++d) a0 += q0[d] * load16(kt + d * kLanes);
-      store16(sc + i * ld + c, a0);
+      vreg a0 = {};
+      for (int64_t d = 0; d < D; ++d) a0 += q0[d] * loadr(kt + d * kLanes);
+      storev(sc + i * ld + c, a0);
     }
   }
 }
 
 void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64_t h, Scratch& s) {
   const int64_t D = p.head_dim, S = p.cache_len, W = p.window;
-  const int64_t D16 = D / kLanes * kLanes;  // dims [0, D16) of P.V in vectors, the rest one by one
+  const int64_t Dv = D / kLanes * kLanes;  // dims [0, Dv) of P.V in vectors, the rest one by one
   const int64_t g = h / (p.heads_q / p.heads_kv);
   const int32_t L = valid_len(p.seq_lens[b], static_cast<int32_t>(S));
   const int64_t ld = L + kLanes;            // score row stride: room for a chunk's overhang
@@ -277,7 +278,10 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
         for (size_t k = 0; k < nb; ++k) {
           const Keys r = keys_of(s.blocks[k]);
           if (r.t0 >= r.t1) continue;
-          for (int64_t t = r.t0; t < r.t1; ++t) sc[t] = host::exp_nonpositive(sc[t] - m);
+          int64_t t = r.t0;
+          for (; t + host::kRegLanes <= r.t1; t += host::kRegLanes)
+            host::storev(sc + t, host::exp_nonpositive(host::loadv<host::vreg>(sc + t) - m));
+          for (; t < r.t1; ++t) sc[t] = host::exp_nonpositive(sc[t] - m);
           s.parts[i * nb + k] = lane_sum(sc + r.t0, r.t1 - r.t0);
           sum += s.parts[i * nb + k];
         }
@@ -291,24 +295,24 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
         const float* e[kChains];
         for (int r = 0; r < kChains; ++r) e[r] = &s.scores[(i0 + std::min<int64_t>(r, nr - 1)) * ld];
         float* acc = s.acc.data();
-        for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {
-          v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+        for (int64_t d0 = 0; d0 < Dv; d0 += kLanes) {
+          vreg a0 = {}, a1 = {}, a2 = {}, a3 = {};
           for (int32_t kb : s.blocks) {
             const Keys r = keys_of(kb);
             for (int64_t t = r.t0; t < r.t1; ++t) {
-              const v16 v = load16(vr[t] + d0);
+              const vreg v = loadr(vr[t] + d0);
               a0 += e[0][t] * v;
               a1 += e[1][t] * v;
               a2 += e[2][t] * v;
               a3 += e[3][t] * v;
             }
           }
-          store16(acc + d0, a0);
-          store16(acc + D + d0, a1);
-          store16(acc + 2 * D + d0, a2);
-          store16(acc + 3 * D + d0, a3);
+          storev(acc + d0, a0);
+          storev(acc + D + d0, a1);
+          storev(acc + 2 * D + d0, a2);
+          storev(acc + 3 * D + d0, a3);
         }
-        for (int64_t d = D16; d < D; ++d) {
+        for (int64_t d = Dv; d < D; ++d) {
           float a[kChains] = {};
           for (int32_t kb : s.blocks) {
             const Keys r = keys_of(kb);

@@ -1,8 +1,9 @@
 // Host decode step: OpenMP over (row, vocabulary chunk) tasks for the single read of the logits,
 // then the shared decode_math finalize and commit code.
 //
-// The pass over a chunk is written as fixed-width lane loops (kLanes accumulators) so that GCC/Clang
-// vectorise the conversion, max and exp-sum without -ffast-math (exp and max: host_math.h).
+// The pass over a chunk is written in register-wide vectors (host_math.h vreg), so the conversion, sanitising,
+// max and exp-sum are vector code on every ISA, without -ffast-math and without relying on the
+// auto-vectoriser (which gives up on their selects without AVX-512's masks).
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -13,6 +14,12 @@
 #include "dinfer_kernels/decode_math.h"
 #include "dinfer_kernels/host_math.h"
 #include "dinfer_kernels/isa_namespace.h"
+#include "dinfer_kernels/host_rows.h"
+
+// 16-float vectors by value between internal inlined functions (see host_math.h).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN
@@ -23,53 +30,54 @@ using host::exp_nonpositive;
 using host::kLanes;
 using host::lane_max;
 
+using host::kRegLanes;
+using host::vreg;
+
 constexpr int64_t kChunk = 4096;  // floats per task: 16 KB stays in L1/L2 between the sub-passes
 
 // sanitize() with selects only (fminf keeps NaN semantics that block vectorisation).
-inline float sanitize_fast(float z) {
-  z = z != z ? -INFINITY : z;
-  return z > FLT_MAX ? FLT_MAX : z;
+inline vreg sanitize_v(vreg z) {
+  z = z != z ? host::splat<vreg>(-INFINITY) : z;
+  return z > FLT_MAX ? host::splat<vreg>(FLT_MAX) : z;
 }
 
 // Converts and sanitises [lo, lo + len) of a row into buf; returns the chunk's max.
-template <typename Convert>
-float load_chunk_max(const uint16_t* src, int64_t len, float* buf, Convert convert) {
-  float lane[kLanes];
-  for (int j = 0; j < kLanes; ++j) lane[j] = -INFINITY;
+template <ScalarType T>
+float load_chunk_max(const void* row, int64_t lo, int64_t len, float* buf) {
+  vreg m0 = host::splat<vreg>(-INFINITY), m1 = m0;   // two chains: the max latency is not the limit
   int64_t i = 0;
-  for (; i + kLanes <= len; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) {
-      const float z = sanitize_fast(convert(src[i + j]));
-      buf[i + j] = z;
-      lane[j] = z > lane[j] ? z : lane[j];
-    }
-  float m = -INFINITY;
-  for (int j = 0; j < kLanes; ++j) m = lane[j] > m ? lane[j] : m;
+  for (; i + 2 * kRegLanes <= len; i += 2 * kRegLanes) {
+    const vreg z0 = sanitize_v(host::load_vreg<T>(row, lo + i));
+    const vreg z1 = sanitize_v(host::load_vreg<T>(row, lo + i + kRegLanes));
+    host::storev(buf + i, z0);
+    host::storev(buf + i + kRegLanes, z1);
+    m0 = z0 > m0 ? z0 : m0;
+    m1 = z1 > m1 ? z1 : m1;
+  }
+  float m = host::hmax(m0 > m1 ? m0 : m1);
   for (; i < len; ++i) {
-    buf[i] = sanitize_fast(convert(src[i]));
+    buf[i] = decode_math::load_logit(row, T, lo + i);
     m = buf[i] > m ? buf[i] : m;
   }
   return m;
 }
 
 float load_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* buf) {
-  if (t == ScalarType::kFloat32) {
-    const float* src = static_cast<const float*>(row) + lo;
-    for (int64_t i = 0; i < len; ++i) buf[i] = sanitize_fast(src[i]);
-    return lane_max(buf, len);
+  switch (t) {
+    case ScalarType::kFloat32: return load_chunk_max<ScalarType::kFloat32>(row, lo, len, buf);
+    case ScalarType::kBFloat16: return load_chunk_max<ScalarType::kBFloat16>(row, lo, len, buf);
+    default: return load_chunk_max<ScalarType::kFloat16>(row, lo, len, buf);
   }
-  const uint16_t* src = static_cast<const uint16_t*>(row) + lo;
-  if (t == ScalarType::kBFloat16) return load_chunk_max(src, len, buf, decode_math::bf16_to_float);
-  return load_chunk_max(src, len, buf, decode_math::fp16_to_float);
 }
 
 float chunk_sum_exp(const float* buf, int64_t len, float m) {
-  float lane[kLanes] = {};
+  vreg s0 = {}, s1 = {};
   int64_t i = 0;
-  for (; i + kLanes <= len; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += exp_nonpositive(buf[i + j] - m);
-  float s = 0.f;
-  for (int j = 0; j < kLanes; ++j) s += lane[j];
+  for (; i + 2 * kRegLanes <= len; i += 2 * kRegLanes) {
+    s0 += exp_nonpositive(host::loadv<vreg>(buf + i) - m);
+    s1 += exp_nonpositive(host::loadv<vreg>(buf + i + kRegLanes) - m);
+  }
+  float s = host::hsum(s0 + s1);
   for (; i < len; ++i) s += exp_nonpositive(buf[i] - m);
   return s;
 }

@@ -20,10 +20,11 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -41,26 +42,24 @@ namespace dinfer_kernels {
 DINFER_ISA_BEGIN
 namespace {
 
-using host::kLanes;
-constexpr int kCols = kLanes;            // weight rows per transposed chunk: one vector of outputs
-constexpr int kRows = 8;                 // rows of x per register block (8 independent FMA chains)
+using vcols = host::vreg;                // one register of outputs
+constexpr int kCols = host::kRegLanes;   // weight rows per transposed chunk: one vector of outputs
+// Rows of x per register block (independent FMA chains): the gate/up block holds 2 kRows
+// accumulators plus two weight vectors and a broadcast, within the 32 AVX-512 or 16 AVX/SSE registers.
+#if defined(__AVX512F__)
+constexpr int kRows = 8;
+#else
+constexpr int kRows = 6;
+#endif
 constexpr int64_t kMinGemmRows = 8;      // below this, dot products (no transposition)
 constexpr int64_t kChunkTokens = 1024;   // tokens per pass: bounds the slot buffer
 constexpr int64_t kMacsPerThread = 1 << 20;  // multiply-adds below which another thread does not pay
 
-using host::load16;
-using host::store16;
-using host::v16;
-inline float sum16(v16 v) {
-  float a[kLanes];
-  store16(a, v);
-  return host::lane_sum(a, kLanes);
-}
-
-// silu(g) * u in fp32 with the vectorisable exp of host_math (libm's expf is not): exp(-|g|) <= 1.
-inline float silu_mul(float g, float u) {
-  const float e = host::exp_nonpositive(g >= 0.f ? -g : g);
-  return (g >= 0.f ? g : g * e) / (1.f + e) * u;
+// silu(g) * u in fp32, lane-wise, with the vector exp of host_math (libm's expf is not): exp(-|g|) <= 1.
+inline vcols silu_mul(vcols g, vcols u) {
+  const auto pos = g >= 0.f;
+  const vcols e = host::exp_nonpositive(pos ? -g : g);
+  return (pos ? g : g * e) / (1.f + e) * u;
 }
 
 float round_to(float x, ScalarType t) {
@@ -79,20 +78,20 @@ float round_to(float x, ScalarType t) {
 
 
 // acc[r][c] = sum_k X[r][k] * Wt[k][c] for the kRows rows of X (ld K).
-void block_fp32(const float* X, int64_t K, const float* Wt, v16 (&acc)[kRows]) {
-  for (int r = 0; r < kRows; ++r) acc[r] = v16{};
+void block_fp32(const float* X, int64_t K, const float* Wt, vcols (&acc)[kRows]) {
+  for (int r = 0; r < kRows; ++r) acc[r] = vcols{};
   for (int64_t k = 0; k < K; ++k) {
-    const v16 w = load16(Wt + k * kCols);
+    const vcols w = host::loadv<vcols>(Wt + k * kCols);
     for (int r = 0; r < kRows; ++r) acc[r] += X[r * K + k] * w;
   }
 }
 
 // Two chunks at once (the gate and up rows of the same outputs): each x value loaded once.
-void block2_fp32(const float* X, int64_t K, const float* Wg, const float* Wu, v16 (&g)[kRows],
-                 v16 (&u)[kRows]) {
-  for (int r = 0; r < kRows; ++r) g[r] = u[r] = v16{};
+void block2_fp32(const float* X, int64_t K, const float* Wg, const float* Wu, vcols (&g)[kRows],
+                 vcols (&u)[kRows]) {
+  for (int r = 0; r < kRows; ++r) g[r] = u[r] = vcols{};
   for (int64_t k = 0; k < K; ++k) {
-    const v16 wg = load16(Wg + k * kCols), wu = load16(Wu + k * kCols);
+    const vcols wg = host::loadv<vcols>(Wg + k * kCols), wu = host::loadv<vcols>(Wu + k * kCols);
     for (int r = 0; r < kRows; ++r) {
       const float x = X[r * K + k];
       g[r] += x * wg;
@@ -101,14 +100,38 @@ void block2_fp32(const float* X, int64_t K, const float* Wg, const float* Wu, v1
   }
 }
 
-// x . w over K in kLanes lanes.
-inline float dot(const float* x, const float* w, int64_t K) {
-  v16 acc = {};
+// out[i] = X[i] . W[at, at + K) for the N rows of X (ld K): each weight vector is loaded (and a
+// 16-bit one converted) once for the N rows, one register-wide chain per row.
+template <ScalarType T, int N>
+void dots(const float* X, const void* W, int64_t at, int64_t K, float* out) {
+  vcols acc[N] = {};
   int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) acc += load16(x + k) * load16(w + k);
-  float s = sum16(acc);
-  for (; k < K; ++k) s += x[k] * w[k];
-  return s;
+  for (; k + kCols <= K; k += kCols) {
+    const vcols w = host::load_vreg<T>(W, at + k);
+    for (int i = 0; i < N; ++i) acc[i] += host::loadv<vcols>(X + i * K + k) * w;
+  }
+  for (int i = 0; i < N; ++i) out[i] = host::hsum(acc[i]);
+  for (; k < K; ++k) {
+    float w;
+    host::load_row(W, at + k, 1, T, &w);
+    for (int i = 0; i < N; ++i) out[i] += X[i * K + k] * w;
+  }
+}
+
+template <ScalarType T, int... Ns>
+void dots_n(const float* X, int64_t n, const void* W, int64_t at, int64_t K, float* out,
+            std::integer_sequence<int, Ns...>) {
+  ((n == Ns + 1 ? dots<T, Ns + 1>(X, W, at, K, out) : void()), ...);
+}
+
+// The same for n in [1, kMinGemmRows) rows and any weight dtype.
+void dots(const float* X, int64_t n, const void* W, ScalarType wt, int64_t at, int64_t K, float* out) {
+  const auto ns = std::make_integer_sequence<int, kMinGemmRows - 1>{};
+  switch (wt) {
+    case ScalarType::kFloat32: return dots_n<ScalarType::kFloat32>(X, n, W, at, K, out, ns);
+    case ScalarType::kBFloat16: return dots_n<ScalarType::kBFloat16>(X, n, W, at, K, out, ns);
+    default: return dots_n<ScalarType::kFloat16>(X, n, W, at, K, out, ns);
+  }
 }
 
 // Row n of W in fp32: in place for fp32 weights, else converted into `row`.
@@ -159,21 +182,53 @@ void transpose16(const char* base, int64_t stride_bytes, void* out) {
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-constexpr bool kTranspose16 = true;
-#else
-constexpr bool kTranspose16 = false;
-void transpose16(const char*, int64_t, void*) {}
+#elif defined(__AVX2__) && defined(__F16C__)
+// Eight fp32 values of W from element `at`, whatever the weight dtype (exact conversions).
+inline __m256 load8(const void* W, ScalarType wt, int64_t at) {
+  if (wt == ScalarType::kFloat32) return _mm256_loadu_ps(static_cast<const float*>(W) + at);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(W) + at));
+  if (wt == ScalarType::kBFloat16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+// out[j * 8 + i] = W[at + i * ld + j] in fp32, for 8 rows of 8 elements: three rounds of in-register
+// shuffles instead of 64 scalar moves (and the conversion of 16-bit weights on the way).
+void transpose8(const void* W, ScalarType wt, int64_t at, int64_t ld, float* out) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = load8(W, wt, at + i * ld);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {   // r[i + c]: columns c and c + 4 of rows i .. i + 3
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(out + c * 8, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+    _mm256_storeu_ps(out + (c + 4) * 8, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+  }
+}
 #endif
 
 // Wt[k * kCols + c] = W[n0 + c][k] in fp32, zero for c >= nc.
 void transpose_chunk(const void* W, ScalarType wt, int64_t n0, int nc, int64_t K, float* row, float* Wt) {
   int64_t k0 = 0;
-  if (kTranspose16 && wt == ScalarType::kFloat32 && nc == kCols) {   // whole 16 x 16 blocks
+#if defined(__AVX512F__)
+  if (wt == ScalarType::kFloat32 && nc == kCols) {   // whole 16 x 16 blocks
     const char* base = static_cast<const char*>(W) + n0 * K * sizeof(float);
     for (; k0 + 16 <= K; k0 += 16)
       transpose16(base + k0 * sizeof(float), K * static_cast<int64_t>(sizeof(float)), Wt + k0 * kCols);
     if (k0 == K) return;
   }
+#elif defined(__AVX2__) && defined(__F16C__)
+  if (nc == kCols) {   // whole 8 x 8 blocks
+    for (; k0 + 8 <= K; k0 += 8) transpose8(W, wt, n0 * K + k0, K, Wt + k0 * kCols);
+    if (k0 == K) return;
+  }
+#endif
   if (nc < kCols) std::fill(Wt + k0 * kCols, Wt + K * kCols, 0.f);
   for (int c = 0; c < nc; ++c) {
     const float* w = weight_row(W, wt, n0 + c, K, row);
@@ -365,13 +420,13 @@ struct Rows {
 };
 
 struct Scratch {
-  std::vector<float> wg, wu, row, row2;   // transposed chunks, converted weight rows
+  std::vector<float> wg, wu, row;   // transposed chunks, a converted weight row
   std::vector<uint32_t> pg, pu;           // bf16 pair chunks
 };
 
 // The kRows x kCols block of products as plain floats (__m512 is this same vector type).
-inline void spill(const v16 (&acc)[kRows], float (&out)[kRows][kCols]) {
-  for (int r = 0; r < kRows; ++r) store16(out[r], acc[r]);
+inline void spill(const vcols (&acc)[kRows], float (&out)[kRows][kCols]) {
+  for (int r = 0; r < kRows; ++r) host::storev(out[r], acc[r]);
 }
 
 // a[:, n0 + c] = round(silu(g) u) of segment s for the outputs [n0, n0 + nc) of the intermediate dim.
@@ -383,7 +438,7 @@ void gate_up_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, Rows
   // pair path are rounded by their conversion).
   auto finish = [&](int64_t row, const float* g, const float* u) {
     float a[kCols];
-    for (int c = 0; c < kCols; ++c) a[c] = silu_mul(g[c], u[c]);
+    host::storev(a, silu_mul(host::loadv<vcols>(g), host::loadv<vcols>(u)));
     if (s.pairs) {
       host::store_row(a, nc, ScalarType::kBFloat16, R.ah.data(), row * R.Ip + n0);
       return;
@@ -394,13 +449,14 @@ void gate_up_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, Rows
   };
   if (!s.gemm) {
     float G[kMinGemmRows][kCols] = {}, U[kMinGemmRows][kCols] = {};
+    const float* X = R.x.data() + s.row0 * H;
     for (int c = 0; c < nc; ++c) {
-      const float* wg = weight_row(w13, p.dtype, n0 + c, H, sc.row.data());
-      const float* wu = weight_row(w13, p.dtype, I + n0 + c, H, sc.row2.data());
+      float g[kMinGemmRows] = {}, u[kMinGemmRows] = {};
+      dots(X, s.n, w13, p.dtype, (n0 + c) * H, H, g);
+      dots(X, s.n, w13, p.dtype, (I + n0 + c) * H, H, u);
       for (int64_t i = 0; i < s.n; ++i) {
-        const float* x = R.x.data() + (s.row0 + i) * H;
-        G[i][c] = dot(x, wg, H);
-        U[i][c] = dot(x, wu, H);
+        G[i][c] = g[i];
+        U[i][c] = u[i];
       }
     }
     for (int64_t i = 0; i < s.n; ++i) finish(s.row0 + i, G[i], U[i]);
@@ -428,7 +484,7 @@ void gate_up_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, Rows
     }
 #endif
     if (!s.pairs) {
-      v16 g[kRows], u[kRows];
+      vcols g[kRows], u[kRows];
       block2_fp32(R.x.data() + row * H, H, sc.wg.data(), sc.wu.data(), g, u);
       spill(g, G);
       spill(u, U);
@@ -453,8 +509,9 @@ void down_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, const i
   if (!s.gemm) {
     float Y[kMinGemmRows][kCols] = {};
     for (int c = 0; c < nc; ++c) {
-      const float* w = weight_row(w2, p.dtype, n0 + c, I, sc.row.data());
-      for (int64_t i = 0; i < s.n; ++i) Y[i][c] = dot(R.a.data() + (s.row0 + i) * I, w, I);
+      float y[kMinGemmRows] = {};
+      dots(R.a.data() + s.row0 * I, s.n, w2, p.dtype, (n0 + c) * I, I, y);
+      for (int64_t i = 0; i < s.n; ++i) Y[i][c] = y[i];
     }
     for (int64_t i = 0; i < s.n; ++i) finish(i, Y[i]);
     return;
@@ -474,7 +531,7 @@ void down_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, const i
     }
 #endif
     if (!s.pairs) {
-      v16 y[kRows];
+      vcols y[kRows];
       block_fp32(R.a.data() + row * I, I, sc.wg.data(), y);
       spill(y, Y);
     }
@@ -557,7 +614,6 @@ void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
     Scratch sc;
     const int64_t K = std::max(H, I);
     sc.row.resize(K);
-    sc.row2.resize(K);
     sc.wg.resize(K * kCols);
     sc.wu.resize(K * kCols);
     sc.pg.resize(even(K) / 2 * kCols);

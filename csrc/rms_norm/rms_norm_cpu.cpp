@@ -32,10 +32,14 @@ void norm_rows(const RmsNormParams& p, const float* __restrict w, int64_t r0, in
     const float mean = host::lane_sum_squares(row, D) / static_cast<float>(D);
     const float inv = 1.f / std::sqrt(mean + p.eps);
     switch (p.dtype) {   // one loop per dtype: a branch inside would keep it from vectorising
-      case ScalarType::kBFloat16:
-        for (int64_t d = 0; d < D; ++d)
-          row[d] = scalar::bf16_to_float(scalar::float_to_bf16(row[d] * inv)) * w[d];
+      case ScalarType::kBFloat16: {
+        int64_t d = 0;
+        for (; d + host::kRegLanes <= D; d += host::kRegLanes)
+          host::storev(row + d, host::round_bf16(host::loadv<host::vreg>(row + d) * inv) *
+                                    host::loadv<host::vreg>(w + d));
+        for (; d < D; ++d) row[d] = scalar::bf16_to_float(scalar::float_to_bf16(row[d] * inv)) * w[d];
         break;
+      }
       case ScalarType::kFloat16:
         for (int64_t d = 0; d < D; ++d)
           row[d] = scalar::fp16_to_float(scalar::float_to_fp16(row[d] * inv)) * w[d];

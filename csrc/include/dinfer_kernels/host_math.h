@@ -13,17 +13,56 @@ namespace dinfer_kernels {
 DINFER_ISA_BEGIN
 namespace host {
 
-// exp(x) for x <= 0 (arguments are z - max): 2^n * e^r with |r| <= ln2/2, degree-7 Taylor
-// (truncation < 1e-9 relative). Below -87.3 the result would be subnormal: return 0, which also
-// maps exp(-inf) to 0 as the online softmax needs.
-inline float exp_nonpositive(float x) {
-  const float kLog2e = 1.44269504088896341f;
-  const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  const float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to nearest, and vectorises
-  float xc = x < -87.3f ? -87.3f : x;
-  float n = (xc * kLog2e + kRound) - kRound;
-  float r = xc - n * kLn2Hi - n * kLn2Lo;
-  float p = 1.f / 5040.f;
+// Fixed-width float vectors (GCC/Clang vector extensions): the compiler maps each onto the widest
+// registers -march allows (one AVX-512 register for 16 floats, two AVX ones, four SSE ones), so one
+// source serves every ISA, and the selects below stay branch-free where a plain loop would not
+// vectorise (without AVX-512's masks, GCC gives up on a loop holding a conditional). Loaded and
+// stored unaligned; passed by value only between inlined internal functions, so GCC's note that the
+// ABI of such signatures differs between ISAs does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v16 __attribute__((vector_size(16 * sizeof(float))));
+
+// The vector of one hardware register. Wider vectors work on any ISA for plain arithmetic (GCC
+// splits them), but their compares and selects are lowered lane by lane through memory without
+// AVX-512: loops holding a select iterate on vreg.
+#if defined(__AVX512F__)
+typedef v16 vreg;
+#elif defined(__AVX__)
+typedef v8 vreg;
+#else
+typedef v4 vreg;
+#endif
+constexpr int kRegLanes = sizeof(vreg) / sizeof(float);
+
+template <typename V>
+inline V loadv(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename V>
+inline void storev(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+inline V splat(float x) { return V{} + x; }
+
+// exp(x) for x <= 0 (arguments are z - max), lane-wise: 2^n * e^r with |r| <= ln2/2, degree-7 Taylor
+// (truncation < 1e-9 relative). Below -87.3 the result would be subnormal: 0, which also maps
+// exp(-inf) to 0 as the online softmax needs.
+template <typename V>
+inline V exp_nonpositive(V x) {
+  using Mask = decltype(x < x);   // the signed integer vector of the same shape
+  const V lo = splat<V>(-87.3f);
+  const Mask under = x < lo;
+  const V xc = under ? lo : x;
+  const float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to nearest
+  const V n = (xc * 1.44269504088896341f + kRound) - kRound;
+  const V r = xc - n * 0.693359375f - n * -2.12194440e-4f;   // ln2 in two parts
+  V p = splat<V>(1.f / 5040.f);
   p = p * r + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
@@ -31,11 +70,12 @@ inline float exp_nonpositive(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.3f ? 0.f : p * scale;
+  const Mask bits = (__builtin_convertvector(n, Mask) + 127) << 23;
+  return under ? V{} : p * (V)bits;
 }
+
+// The scalar form (loop tails, one-off values): lane 0 of the 4-lane one, so both agree exactly.
+inline float exp_nonpositive(float x) { return exp_nonpositive(splat<v4>(x))[0]; }
 
 constexpr int kLanes = 16;
 
@@ -52,24 +92,16 @@ inline float lane_max(const float* x, int64_t n) {
   return m;
 }
 
-// 16 floats as one vector (GCC/Clang vector extensions: one AVX-512 register, or two AVX / four SSE
-// ones, whatever -march allows), loaded and stored unaligned. Passed by value only between inlined
-// internal functions, so GCC's note that the ABI of such signatures differs between ISAs does not
-// apply.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-typedef float v16 __attribute__((vector_size(kLanes * sizeof(float))));
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
+inline v16 load16(const float* p) { return loadv<v16>(p); }
+inline void store16(float* p, v16 v) { storev(p, v); }
+
+// Max and sum of a vector's lanes.
+template <typename V>
+inline float hmax(V v) {
+  float a[sizeof(V) / sizeof(float)];
+  storev(a, v);
+  return lane_max(a, sizeof(V) / sizeof(float));
 }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 // Sum of x[0, n) in kLanes independent accumulators: vectorises without -ffast-math.
 inline float lane_sum(const float* x, int64_t n) {
@@ -81,6 +113,13 @@ inline float lane_sum(const float* x, int64_t n) {
   for (int j = 0; j < kLanes; ++j) total += lane[j];
   for (; i < n; ++i) total += x[i];
   return total;
+}
+
+template <typename V>
+inline float hsum(V v) {
+  float a[sizeof(V) / sizeof(float)];
+  storev(a, v);
+  return lane_sum(a, sizeof(V) / sizeof(float));
 }
 
 // Sum of x[i]^2 over [0, n), in the same lanes.
@@ -98,3 +137,7 @@ inline float lane_sum_squares(const float* x, int64_t n) {
 }  // namespace host
 DINFER_ISA_END
 }  // namespace dinfer_kernels
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
