@@ -5,7 +5,7 @@ CUDA arrays, the CUDA-only layout rules are enforced and a small call matches th
 import numpy as np
 import pytest
 import torch
-from conftest import EXT, HAS_GPU
+from conftest import EXT, HAS_GPU, assert_precision
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,12 +68,12 @@ def small_call_matches_reference(device, dtype, write_back):
         torch.cuda.synchronize()
     c = {k: (t.cpu() if isinstance(t, torch.Tensor) else t) for k, t in a.items()}
     bm = (c["kv_num_blocks"], c["kv_indices"], p["q_block"], p["kv_block"])
-    out, lse, mass = attention_reference(c["q"], c["k"], c["v"], kc0.cpu(), vc0.cpu(), c["positions"],
-                                         c["seq_lens"], write_back, None, p["scale"], block_mask=bm,
-                                         return_lse=True, return_block_mass=True)
-    torch.testing.assert_close(c["out"].float(), out.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(c["lse"], lse, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(c["block_mass"], mass, rtol=1e-2, atol=1e-2)
+    same, truth = (attention_reference(c["q"], c["k"], c["v"], kc0.cpu(), vc0.cpu(), c["positions"],
+                                       c["seq_lens"], write_back, None, p["scale"], dtype, block_mask=bm,
+                                       return_lse=True, return_block_mass=True)
+                   for dtype in (torch.float32, torch.float64))
+    for nm, s, t in zip(("out", "lse", "block_mass"), same, truth):
+        assert_precision(c[nm], s, t, nm)
     if not write_back:
         assert torch.equal(a["k_cache"], kc0) and torch.equal(a["v_cache"], vc0)
 
@@ -88,13 +88,14 @@ def test_host_call_matches_reference(dtype, write_back):
 @pytest.mark.usefixtures("host_isa")
 def test_numpy_arrays_go_through_dlpack():
     a, p = make_args(blocks=False, dtype=torch.float32)
-    want = attention_reference(a["q"], a["k"], a["v"], a["k_cache"].clone(), a["v_cache"].clone(),
-                               a["positions"], a["seq_lens"], True, None, p["scale"])
+    same, truth = (attention_reference(a["q"], a["k"], a["v"], a["k_cache"].clone(), a["v_cache"].clone(),
+                                       a["positions"], a["seq_lens"], True, None, p["scale"], dtype)
+                   for dtype in (torch.float32, torch.float64))
     for key in ("q", "k", "v", "k_cache", "v_cache", "positions", "seq_lens", "out", "lse"):
         a[key] = a[key].numpy()
     a["block_mass"] = None
     call(a, **p)
-    torch.testing.assert_close(torch.from_numpy(a["out"]), want, rtol=1e-5, atol=1e-5)
+    assert_precision(torch.from_numpy(a["out"]), same, truth, "out")
 
 
 def _swap_last_two(t):  # same shape, last dim strided

@@ -3,7 +3,7 @@ its argument errors, and a hypothesis fuzz of good and bad calls (none may crash
 import numpy as np
 import pytest
 import torch
-from conftest import EXT
+from conftest import EXT, assert_precision
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,7 +50,11 @@ def test_numpy_through_dlpack_matches_reference():
     assert np.array_equal(a["candidate"], ref.candidate.numpy())
     assert np.array_equal(a["commit"], ref.commit.numpy())
     assert np.array_equal(a["tokens"], ref_tokens.numpy())
-    np.testing.assert_allclose(a["confidence"], ref.confidence.numpy(), rtol=1e-5)
+    truth = decode_step_reference(torch.from_numpy(a["logits"]), torch.from_numpy(tokens_before.copy()),
+                                  torch.from_numpy(a["seq_offsets"]), 3, threshold=torch.from_numpy(a["threshold"]),
+                                  credit_ids=torch.full((5, 2), -1, dtype=torch.int32),
+                                  credit_vals=torch.zeros(5, 2), compute_dtype=torch.float64)
+    assert_precision(torch.from_numpy(a["confidence"]), ref.confidence, truth.confidence, "confidence")
 
 
 def test_build_info():

@@ -261,3 +261,108 @@ def test_gpu_bf16_large_batch(backend):
     logits, tokens, offsets, mask_id = make_case(512, 157184, ragged_offsets(512, 8), torch.bfloat16)
     for rule in RULES:
         check_backend(backend, "cuda", logits, tokens, offsets, mask_id, rule)
+
+
+# ---- unchecked values on the GPU backends (no host sync, so nothing validates them) --------------
+
+GPU_KERNELS = [(b, d) for b, d in BACKENDS if b in ("cuda", "triton")]
+MARGIN = 64  # poisoned elements before and after every array the kernel is given
+
+
+def padded(shape, fill, dtype, device):
+    """A tensor of `shape` inside a larger buffer poisoned with `fill` in MARGIN leading rows and
+    MARGIN trailing rows: (the tensor, the buffer)."""
+    buf = torch.full((shape[0] + 2 * MARGIN,) + tuple(shape[1:]), fill, dtype=dtype, device=device)
+    return buf[MARGIN:MARGIN + shape[0]], buf
+
+
+def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold, credit):
+    """One kernel call on arrays that sit inside poisoned buffers; asserts the margins are untouched
+    and returns the outputs, tokens and credit on the host."""
+    N, V = logits.shape
+    K = credit[0].shape[1]
+    # Rows past the logits hold a logit that would win every max and show in row_max.
+    lg, lg_buf = padded((N, V), 1e4, logits.dtype, device)
+    lg.copy_(logits)
+    tok, tok_buf = padded((N,), 7777, torch.int64, device)
+    tok.copy_(tokens)
+    ids, ids_buf = padded((N, K), 5, torch.int32, device)
+    ids.copy_(credit[0])
+    vals, vals_buf = padded((N, K), 99.0, torch.float32, device)
+    vals.copy_(credit[1])
+    outs = [padded((N,), -7, torch.int64, device), padded((N,), float("nan"), torch.float32, device),
+            padded((N,), True, torch.bool, device), padded((N,), float("nan"), torch.float32, device),
+            padded((N,), float("nan"), torch.float32, device)]
+    backend_impl(backend)(lg, tok, offsets.to(device), threshold.to(device),
+                          torch.zeros_like(threshold, dtype=torch.int32).to(device), ids, vals, mask_id,
+                          RULES["threshold"], 0.4, 0.0, 0, 0, 0.7, 0.8, 0.2, *[o for o, _ in outs])
+    before = lambda buf, fill: torch.full_like(buf[:MARGIN], fill)  # noqa: E731
+    for name, buf, fill in [("logits", lg_buf, 1e4), ("tokens", tok_buf, 7777), ("credit ids", ids_buf, 5),
+                            ("credit vals", vals_buf, 99.0), ("candidate", outs[0][1], -7),
+                            ("confidence", outs[1][1], float("nan")), ("commit", outs[2][1], True),
+                            ("row_max", outs[3][1], float("nan")), ("row_lse", outs[4][1], float("nan"))]:
+        for part in (buf[:MARGIN], buf[MARGIN + N:]):
+            assert torch.equal(part.isnan(), before(part, fill).isnan()) and torch.equal(
+                part.nan_to_num(), before(part, fill).nan_to_num()), f"{name}: written out of bounds"
+    return [o.cpu() for o, _ in outs], tok.cpu(), (ids.cpu(), vals.cpu())
+
+
+def assert_same_step(got, want, truth):
+    """Outputs of a kernel step against the fp32 reference step and its fp64 truth."""
+    (cand, conf, commit, rmax, rlse), tok, cred = got
+    (ref_cand, ref_conf, ref_commit, ref_max, ref_lse), ref_tok, ref_cred = want
+    assert torch.equal(cand, ref_cand) and torch.equal(commit, ref_commit) and torch.equal(tok, ref_tok)
+    assert torch.equal(rmax, ref_max) and torch.equal(cred[0], ref_cred[0])
+    assert_precision(conf, ref_conf, truth[0], "confidence")
+    assert_precision(rlse, ref_lse, truth[1], "row_lse")
+    assert_precision(cred[1], ref_cred[1], truth[2], "credit values")
+
+
+def reference_step(logits, tokens, offsets, mask_id, threshold, credit):
+    """The reference step in fp32 and its fp64 truth, on copies."""
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        tok, ids, vals = tokens.clone(), credit[0].clone(), credit[1].clone()
+        out = decode_step_reference(logits, tok, offsets, mask_id, threshold=threshold, credit_ids=ids,
+                                    credit_vals=vals, compute_dtype=dtype)
+        results.append(([out.candidate, out.confidence, out.commit, out.row_max, out.row_lse], tok,
+                        (ids, vals)))
+    truth = (results[1][0][1].double(), results[1][0][4].double(), results[1][2][1].double())
+    return results[0], truth
+
+
+@pytest.mark.parametrize("backend,device", GPU_KERNELS)
+def test_unchecked_offsets_are_clamped(backend, device):
+    """Offsets outside [0, N] or decreasing (unvalidated, as on a GPU) act as their clamped values
+    lo = clamp(o[b], 0, N), hi = clamp(o[b+1], lo, N), as in the CUDA kernel: nothing outside the
+    arrays is read or written, whatever the values."""
+    N, V, K = 12, 37, 4
+    logits, tokens, _, mask_id = make_case(N, V, [0, N])
+    credit = (torch.full((N, K), -1, dtype=torch.int32), torch.zeros(N, K))
+    for bad, clamped in (([-7, 3, N + 50], [0, 3, N]),
+                         ([0, N + 5, 3, -1], [0, N, N, N]),
+                         ([-2**31, 2, 2, 2**31 - 1], [0, 2, 2, N])):
+        threshold = torch.rand(len(bad) - 1)
+        got = run_in_margins(backend, device, logits, tokens, torch.tensor(bad, dtype=torch.int32), mask_id,
+                             threshold, credit)
+        want, truth = reference_step(logits, tokens, torch.tensor(clamped, dtype=torch.int32), mask_id,
+                                     threshold, credit)
+        assert_same_step(got, want, truth)
+
+
+@pytest.mark.parametrize("backend,device", GPU_KERNELS)
+def test_unchecked_credit_ids_are_empty_slots(backend, device):
+    """Credit slot ids outside [0, V) (unvalidated, as on a GPU) are empty slots, reset to (-1, 0)
+    and never read, as in the CUDA kernel (decode_math.h); on the last row such an id would read past
+    the logits."""
+    N, V, K = 6, 41, 4
+    logits, tokens, offsets, mask_id = make_case(N, V, [0, 2, N], masked_frac=1.0)
+    ids = torch.tensor([[V, 3, -1, 5], [-1, V + 7, 9, -5], [2, V, V + 1, V + 2], [-1, -1, -1, -1],
+                        [V + 40, 1, -1, 2], [V, V + 3, 0, V + 50]], dtype=torch.int32)
+    vals = torch.rand(N, K) * 3
+    threshold = torch.tensor([0.2, 0.9])
+    got = run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold, (ids, vals))
+    empty = (ids < 0) | (ids >= V)
+    as_empty = (ids.masked_fill(empty, -1), vals.masked_fill(empty, 0.0))
+    want, truth = reference_step(logits, tokens, offsets, mask_id, threshold, as_empty)
+    assert_same_step(got, want, truth)

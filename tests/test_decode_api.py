@@ -2,7 +2,7 @@
 torch.compile fullgraph, CUDA-graph capture), CreditState, and clear errors on bad input."""
 import pytest
 import torch
-from conftest import HAS_GPU, device_backends
+from conftest import HAS_GPU, assert_precision, device_backends
 
 import dinfer_kernels as dk
 from dinfer_kernels.reference import decode_step_reference
@@ -20,7 +20,7 @@ def case(N=6, V=50, device="cpu", dtype=torch.float32):
 @pytest.mark.usefixtures("host_isa")
 def test_public_op_matches_reference(backend, device):
     logits, tokens, offsets = case(device=device)
-    ref_tokens = tokens.cpu().clone()
+    ref_tokens, tokens_before = tokens.cpu().clone(), tokens.cpu().clone()
     credit = dk.CreditState.empty(6, 4, device=device)
     ref_ids, ref_vals = credit.ids.cpu().clone(), credit.vals.cpu().clone()
     out = dk.decode_step(logits, tokens, offsets, 3, threshold=0.6, credit=credit, backend=backend)
@@ -31,7 +31,10 @@ def test_public_op_matches_reference(backend, device):
     assert torch.equal(out.commit.cpu(), ref.commit)
     assert torch.equal(tokens.cpu(), ref_tokens)
     assert torch.equal(credit.ids.cpu(), ref_ids)
-    torch.testing.assert_close(out.confidence.cpu(), ref.confidence, rtol=1e-5, atol=1e-6)
+    truth = decode_step_reference(logits.cpu(), tokens_before, offsets.cpu(), 3, threshold=torch.full((2,), 0.6),
+                                  credit_ids=torch.full((6, 4), -1, dtype=torch.int32),
+                                  credit_vals=torch.zeros(6, 4), compute_dtype=torch.float64)
+    assert_precision(out.confidence.cpu(), ref.confidence, truth.confidence, "confidence")
 
 
 @pytest.mark.usefixtures("host_isa")

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_precision
 
 from dinfer.batch import make_batch
 from dinfer.decoders import DecoderConfig
@@ -32,9 +33,10 @@ def model_of(cfg, seed=0, scale=None):
     return DiffusionLM(cfg, w)
 
 
-def naive_forward(cfg, w, tokens):
-    """The released models' forward, written from models.md (no cache, all rows), in fp64."""
-    w = {k: v.double() for k, v in w.items()}
+def naive_forward(cfg, w, tokens, dtype=torch.float64):
+    """The released models' forward, written from models.md (no cache, all rows), in `dtype`
+    (float64: the truth; float32: the same-precision run)."""
+    w = {k: v.to(dtype) for k, v in w.items()}
     T = tokens.shape[0]
     h = w["embed"][tokens]
 
@@ -42,7 +44,7 @@ def naive_forward(cfg, w, tokens):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_eps) * g
 
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
-    ang = torch.arange(T)[:, None].double() * inv.double()
+    ang = (torch.arange(T)[:, None].double() * inv.double()).to(dtype)
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
 
     def rope(x):
@@ -82,7 +84,8 @@ def test_transformer_matches_the_released_forward(cfg):
     cache = model.new_cache(1, 13)
     got = model.forward(model.embed(tokens[None]), torch.arange(13)[None], cache,
                         torch.tensor([13], dtype=torch.int32))
-    torch.testing.assert_close(got.double(), naive_forward(cfg, model.w, tokens), rtol=1e-4, atol=1e-4)
+    assert_precision(got, naive_forward(cfg, model.w, tokens, torch.float32), naive_forward(cfg, model.w, tokens),
+                     "logits")
 
 
 @pytest.mark.parametrize("cfg", [MOE, DENSE], ids=["moe", "dense"])

@@ -7,9 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import assert_precision
+
 import dinfer_kernels as dk
 from dinfer_kernels.reference.attention import attention_reference
 from dinfer_kernels.reference.moe import moe_reference, route
+from dinfer_kernels.reference.rms_norm import rms_norm_reference
 from dinfer_kernels.reference.rope import inv_freq, rope_reference
 
 
@@ -27,7 +30,8 @@ def test_rms_norm_matches_formula(dtype, D):
     eps = torch.finfo(dtype).eps  # sqrt vs rsqrt may differ by an ulp or two before the cast
     torch.testing.assert_close(got.float(), (normed * w).float(), rtol=4 * eps, atol=0)
     if dtype == torch.float32:
-        torch.testing.assert_close(got, F.rms_norm(x, (D,), w, 1e-5), rtol=1e-6, atol=1e-6)
+        assert_precision(got, F.rms_norm(x, (D,), w, 1e-5),
+                         rms_norm_reference(x, w, 1e-5, compute_dtype=torch.float64), "rms_norm")
 
 
 # ---- rope ------------------------------------------------------------------------------------------
@@ -78,7 +82,8 @@ def test_attention_full_sequence_equals_sdpa():
     lens = torch.full((B,), S, dtype=torch.int32)
     got = dk.attention(q, k, v, kc, vc, pos, lens)
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    truth = attention_reference(q, k, v, kc.clone(), vc.clone(), pos, lens, compute_dtype=torch.float64)
+    assert_precision(got, want.transpose(1, 2), truth, "attention against sdpa")
     assert torch.equal(kc, k) and torch.equal(vc, v)  # written back in place
 
 
@@ -110,7 +115,8 @@ def test_attention_ignores_padding_keys_and_matches_gqa_expansion():
     torch.testing.assert_close(dk.attention(q, k, v, kp, vp, pos, lens), out, rtol=0, atol=0)
     mha = dk.attention(q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2), kc.repeat_interleave(2, 2),
                        vc.repeat_interleave(2, 2), pos, lens)
-    torch.testing.assert_close(mha, out, rtol=1e-6, atol=1e-6)
+    truth = attention_reference(q, k, v, kc.clone(), vc.clone(), pos, lens, compute_dtype=torch.float64)
+    assert_precision(mha, out, truth, "heads expanded against grouped")
 
 
 def test_attention_block_causal_mask_equals_sdpa():
@@ -122,7 +128,9 @@ def test_attention_block_causal_mask_equals_sdpa():
     got = dk.attention(q, k, v, kc, vc, pos, torch.tensor([S], dtype=torch.int32), attn_mask=mask)
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           attn_mask=mask[:, None])
-    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    truth = attention_reference(q, k, v, kc.clone(), vc.clone(), pos, torch.tensor([S], dtype=torch.int32),
+                                attn_mask=mask, compute_dtype=torch.float64)
+    assert_precision(got, want.transpose(1, 2), truth, "block-causal attention against sdpa")
 
 
 def test_attention_precision_bf16():
@@ -165,16 +173,17 @@ def test_moe_matches_token_by_token(k, renorm, bias):
     hidden, router, w13, w2 = moe_case()
     eb = torch.rand(6) * 0.1 if bias else None
     got = dk.moe(hidden, router, w13, w2, k, renormalize=renorm, expert_bias=eb)
-    torch.testing.assert_close(got.double(), naive_moe(hidden, router, w13, w2, k, renorm, eb),
-                               rtol=1e-5, atol=1e-5)
+    assert_precision(got, moe_reference(hidden, router, w13, w2, k, renorm, eb),
+                     naive_moe(hidden, router, w13, w2, k, renorm, eb), "moe")
 
 
 def test_moe_static_shape_path_equals_the_routed_one():
     """The CUDA-graph path (every expert on every token, weight 0 where unchosen) sums the same
     terms; only the GEMMs' row counts differ, so agreement is to fp32 rounding."""
     hidden, router, w13, w2 = moe_case()
-    torch.testing.assert_close(moe_reference(hidden, router, w13, w2, 2, static_shapes=True),
-                               moe_reference(hidden, router, w13, w2, 2), rtol=1e-5, atol=1e-6)
+    assert_precision(moe_reference(hidden, router, w13, w2, 2, static_shapes=True),
+                     moe_reference(hidden, router, w13, w2, 2), naive_moe(hidden, router, w13, w2, 2),
+                     "static shapes")
 
 
 def test_moe_expert_ranges_sum_to_the_whole_and_idle_experts():
@@ -184,7 +193,7 @@ def test_moe_expert_ranges_sum_to_the_whole_and_idle_experts():
     whole = dk.moe(hidden, router, w13, w2, 2)
     parts = dk.moe(hidden, router, w13, w2, 2, expert_range=(0, 4)) + \
         dk.moe(hidden, router, w13, w2, 2, expert_range=(4, 6))
-    torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-6)
+    assert_precision(parts, whole, naive_moe(hidden, router, w13, w2, 2), "sum of the expert ranges")
     assert not (route(hidden, router, 2)[1] == 3).any()
     empty = dk.moe(hidden, router, w13, w2, 2, expert_range=(3, 3))
     assert torch.equal(empty, torch.zeros_like(empty))

@@ -68,12 +68,17 @@ def call_backend(backend, device, hidden, router, w13, w2, top_k, *, router_logi
     return out.cpu()
 
 
+def moe_truth(hidden, router, w13, w2, top_k, **kw):
+    """The float64 reference: what every comparison's error is measured against."""
+    return moe_reference(hidden.double(), router, w13.double(), w2.double(), top_k,
+                         compute_dtype=torch.float64, **kw)
+
+
 def check(backend, device, hidden, router, w13, w2, top_k, name="moe", config=None, **kw):
     """The backend's output, after checking it against the reference (same dtype and float64)."""
     out = call_backend(backend, device, hidden, router, w13, w2, top_k, config=config, **kw)
     same = moe_reference(hidden, router, w13, w2, top_k, **kw)
-    truth = moe_reference(hidden.double(), router, w13.double(), w2.double(), top_k,
-                          compute_dtype=torch.float64, **kw)
+    truth = moe_truth(hidden, router, w13, w2, top_k, **kw)
     assert out.dtype == hidden.dtype and out.shape == hidden.shape
     assert not out.isnan().any(), f"{name}: unwritten (NaN) output elements"
     assert_precision(out, same, truth, f"{name}[{backend}/{device}]")
@@ -82,14 +87,15 @@ def check(backend, device, hidden, router, w13, w2, top_k, name="moe", config=No
 
 # ---- the routing spec ------------------------------------------------------------------------------
 
-def naive_route(logits, top_k, renorm, bias, scoring, groups, topk_groups, scaling):
-    """Token by token in float64, written from the docstring (independent of reference.route)."""
+def naive_route(logits, top_k, renorm, bias, scoring, groups, topk_groups, scaling, dtype=torch.float64):
+    """Token by token, written from the docstring (independent of reference.route); weights computed
+    in `dtype` (float64: the truth; float32: the same-precision run), returned as float64."""
     T, E = logits.shape
     ws, es = [], []
     for t in range(T):
-        lt = logits[t].double()
+        lt = logits[t].to(dtype)
         s = torch.softmax(lt, 0) if scoring == "softmax" else torch.sigmoid(lt)
-        c = s + (bias.double() if bias is not None else 0)
+        c = s + (bias.to(dtype) if bias is not None else 0)
         allowed = list(range(E))
         if groups > 1:
             size = E // groups
@@ -102,13 +108,12 @@ def naive_route(logits, top_k, renorm, bias, scoring, groups, topk_groups, scali
             allowed = [e for e in range(E) if e // size in kept]
         rank = lambda e: -float(c[e]) if not c[e].isnan() else float("inf")  # noqa: E731 (NaN: last)
         chosen = [e for _, e in sorted((rank(e), e) for e in allowed)[:top_k]]
-        w = [float(c[e]) if scoring == "softmax" else float(s[e]) for e in chosen]
+        w = torch.stack([c[e] if scoring == "softmax" else s[e] for e in chosen])
         if renorm:
-            tot = sum(w) + 1e-20
-            w = [x / tot for x in w]
-        ws.append([x * scaling for x in w])
+            w = w / (w.sum() + 1e-20)
+        ws.append(w * scaling)
         es.append(chosen)
-    return torch.tensor(ws, dtype=torch.float64), torch.tensor(es)
+    return torch.stack(ws).double(), torch.tensor(es)
 
 
 @pytest.mark.parametrize("scoring,renorm,bias,groups,topk_groups,scaling,k", [
@@ -125,8 +130,9 @@ def test_route_matches_the_token_by_token_formula(scoring, renorm, bias, groups,
     w, e = route(None, None, k, renorm, b, router_logits=logits, scoring=scoring, num_groups=groups,
                  topk_groups=topk_groups, routed_scaling=scaling)
     nw, ne = naive_route(logits, k, renorm, b, scoring, groups, topk_groups, scaling)
+    same = naive_route(logits, k, renorm, b, scoring, groups, topk_groups, scaling, torch.float32)[0]
     assert torch.equal(e, ne)
-    torch.testing.assert_close(w.double(), nw, rtol=1e-6, atol=1e-7)
+    assert_precision(w, same, nw, "routing weights")
 
 
 def test_route_nan_scores_rank_like_minus_inf():
@@ -139,8 +145,9 @@ def test_route_nan_scores_rank_like_minus_inf():
         w, e = route(None, None, 4, True, b, router_logits=logits, scoring="sigmoid", num_groups=groups,
                      topk_groups=topk_groups)
         nw, ne = naive_route(logits, 4, True, b, "sigmoid", groups, topk_groups, 1.0)
+        same = naive_route(logits, 4, True, b, "sigmoid", groups, topk_groups, 1.0, torch.float32)[0]
         assert torch.equal(e, ne) and not (e == 3).any()
-        torch.testing.assert_close(w.double(), nw, rtol=1e-6, atol=1e-7)
+        assert_precision(w, same, nw, "routing weights")
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
@@ -153,9 +160,10 @@ def test_nan_router_logits_are_never_chosen(backend, device):
     logits[torch.arange(7), torch.arange(7) % 8] = float("nan")
     kw = dict(scoring="sigmoid", renormalize=True)
     got = call_backend(backend, device, hidden, None, w13, w2, 3, router_logits=logits, **kw)
-    want = moe_reference(hidden, None, w13, w2, 3, router_logits=logits.nan_to_num(nan=float("-inf")), **kw)
+    clean = logits.nan_to_num(nan=float("-inf"))
+    want = moe_reference(hidden, None, w13, w2, 3, router_logits=clean, **kw)
     assert not got.isnan().any()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_precision(got, want, moe_truth(hidden, None, w13, w2, 3, router_logits=clean, **kw), "moe")
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
@@ -184,8 +192,9 @@ def test_static_shape_reference_with_llada2_routing():
     hidden, router, w13, w2 = make(6, 16)
     kw = dict(scoring="sigmoid", expert_bias=torch.rand(16) * 0.1, num_groups=4, topk_groups=2,
               renormalize=True, routed_scaling=2.5)
-    torch.testing.assert_close(moe_reference(hidden, router, w13, w2, 4, static_shapes=True, **kw),
-                               moe_reference(hidden, router, w13, w2, 4, **kw), rtol=1e-5, atol=1e-6)
+    assert_precision(moe_reference(hidden, router, w13, w2, 4, static_shapes=True, **kw),
+                     moe_reference(hidden, router, w13, w2, 4, **kw), moe_truth(hidden, router, w13, w2, 4, **kw),
+                     "static shapes")
 
 
 # ---- backends against the reference ---------------------------------------------------------------
@@ -273,7 +282,8 @@ def test_expert_parallel_subsets(backend, device):
     parts = [check(backend, device, hidden, router, w13, w2, 4, expert_range=r, config=WIDE)
              for r in [(0, 5), (5, 6), (6, 16)]]
     whole = check(backend, device, hidden, router, w13, w2, 4, config=WIDE)
-    torch.testing.assert_close(sum(p.double() for p in parts), whole.double(), rtol=1e-5, atol=1e-5)
+    assert_precision(sum(p.double() for p in parts), whole, moe_truth(hidden, router, w13, w2, 4),
+                     "sum of the expert subsets")
     empty = call_backend(backend, device, hidden, router, w13, w2, 4, expert_range=(7, 7))
     assert torch.equal(empty, torch.zeros_like(empty))
 
@@ -365,7 +375,8 @@ def test_triton_alignment(device, T, k, e0, e1, block_m):
     w_ref, e_ref = route(hidden, router, k)
     ids = ws.topk_ids.cpu().view(T, k).long()
     assert torch.equal(ids, e_ref)
-    torch.testing.assert_close(ws.topk_w.cpu().view(T, k), w_ref, rtol=1e-6, atol=1e-7)
+    w_truth = naive_route(hidden.double() @ router.double().t(), k, False, None, "softmax", 1, 1, 1.0)[0]
+    assert_precision(ws.topk_w.cpu().view(T, k), w_ref, w_truth, "routing weights")
     flat = ids.flatten()
     counts = [int((flat == e).sum()) for e in range(e0, e1)]
     padded = [-(-c // block_m) * block_m for c in counts]
@@ -412,7 +423,7 @@ def test_public_op(backend, device):
     got = dk.moe(d(hidden), d(router), d(w13), d(w2), 2, expert_bias=d(bias), backend=backend, **kw)
     ref = moe_reference(hidden, router, w13, w2, 2, expert_bias=bias, **kw)
     assert got.shape == hidden.shape and got.dtype == hidden.dtype and got.device.type == device
-    torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert_precision(got.cpu(), ref, moe_truth(hidden, router, w13, w2, 2, expert_bias=bias, **kw), "moe")
 
 
 def test_bad_inputs_name_the_argument():
@@ -454,7 +465,7 @@ def test_router_logits_through_the_public_op():
     logits = hidden @ router.t()
     a = dk.moe(hidden, None, w13, w2, 2, router_logits=logits)
     b = dk.moe(hidden, router, w13, w2, 2)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_precision(a, b, moe_truth(hidden, router, w13, w2, 2), "moe from router logits")
 
 
 @pytest.mark.parametrize("backend,device", ALL_PAIRS)

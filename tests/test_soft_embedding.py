@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import HAS_GPU, HAS_TRITON, assert_precision
 
+import dinfer_kernels as dk
 from dinfer_kernels.reference import soft_embedding_reference
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -137,3 +138,29 @@ def test_strided_logits_and_mixed_dtypes():
     tokens = torch.full((9,), 7)
     tokens[::4] = 0
     check(logits, E, tokens, 7, weight=0.15, tau=0.5)
+
+
+def test_unchecked_tokens_outside_the_vocabulary_give_zero_rows():
+    """A token outside [0, V) is an error where values are checked (host tensors, by default) and,
+    unchecked (as on a GPU), a row of zeros on every backend: never a read outside the embedding,
+    which sits here inside a poisoned buffer that any such read would show."""
+    M, V, d, margin = 9, 50, 24, 64
+    logits, embedding, tokens, mask_id = make_case(M, V, d, torch.float32)
+    buf = torch.full((V + 2 * margin, d), 1e4)
+    E = buf[margin:margin + V]
+    E.copy_(embedding)
+    bad_rows = torch.tensor([0, 4, 7, 8])
+    good = torch.ones(M, dtype=torch.bool)
+    good[bad_rows] = False
+    with pytest.raises(ValueError, match="tokens"):
+        dk.soft_embedding(logits, E, tokens.index_fill(0, bad_rows, V), mask_id, 0.3, backend="torch")
+    # ids just outside the table (inside the poisoned margins) first, then far outside
+    for ids in ([-1, V, -margin, V + margin - 1], [-2**40, 2**40, -2**63, 2**63 - 1]):
+        bad_tokens = tokens.clone()
+        bad_tokens[bad_rows] = torch.tensor(ids)
+        same = soft_embedding_reference(logits, E, tokens, mask_id, 0.3)
+        truth = soft_embedding_reference(logits, E.double(), tokens, mask_id, 0.3, compute_dtype=torch.float64)
+        ref = dk.soft_embedding(logits, E, bad_tokens, mask_id, 0.3, backend="torch", validate=False)
+        for out in (run_triton(logits, E, bad_tokens, mask_id, 0.3, 1.0), ref):
+            assert torch.equal(out[bad_rows], torch.zeros(len(bad_rows), d))
+            assert_precision(out[good], same[good], truth[good], "soft_embedding")

@@ -36,7 +36,9 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, tokens: torch.
     """E[tokens] + weight * softmax(logits / tau) @ E on masked rows; [M, d] in the embedding's dtype.
 
     weight may be a float or a 1-element fp32 tensor on the logits' device (so a captured CUDA graph
-    can change it between replays).
+    can change it between replays). validate: check the token range (ValueError naming `tokens`);
+    default: on host tensors only, since on a GPU it would synchronise. An unchecked token outside
+    [0, V) gives a row of zeros on every backend, never a read outside the embedding.
     """
     M, V = _checks.logits_matrix("logits", logits)
     dev = logits.device

@@ -11,6 +11,9 @@ logits       [N, V] fp32 / fp16 / bf16, last dim contiguous, row stride >= V. Ro
              in position order (the hierarchical rule needs adjacency).
 tokens       [N] int64, current tokens of those positions, each in [0, V). Updated in place.
 seq_offsets  [B+1] int32, non-decreasing, seq_offsets[0] == 0, seq_offsets[B] == N. Empty sequences ok.
+             Unchecked values (the op checks them on host tensors only) never reach outside the rows:
+             sequence b is rows [lo, hi) with lo = clamp(seq_offsets[b], 0, N), hi = clamp(
+             seq_offsets[b+1], lo, N); rows covered twice or never have unspecified outputs.
 mask_id      int in [0, V). A position is *masked* when tokens[n] == mask_id.
 rule         "threshold" | "hierarchical" | "fixed".
 threshold    [B] fp32: tau for "threshold", tau_high for "hierarchical" (unused by "fixed").
@@ -20,7 +23,8 @@ temperature  float >= 0. 0: candidate = argmax. > 0: Gumbel-max sample from soft
              counter-based noise of reference/rng.py keyed by (seed, offset, row n, token v).
 credit_ids   [N, K] int32 and credit_vals [N, K] fp32 (K may be 0: no credit). Slot j of row n holds
              (token id, credit) or id -1 for an empty slot. Updated in place. The caller resets them
-             (ids = -1, vals = 0) at a block start.
+             (ids = -1, vals = 0) at a block start. A slot whose id is outside [0, V) (-1, or an
+             unchecked bad id) is empty: it becomes (-1, 0) and is never read.
 credit_alpha, credit_beta, credit_gamma   floats (dInfer: 0.7, 0.8, 0.2).
 
 Semantics (all math in fp32 unless compute_dtype says otherwise)
@@ -91,8 +95,11 @@ def _max_sumexp(z: torch.Tensor):
     return m, torch.exp(z - safe[:, None]).sum(-1)
 
 
-def update_credit(credit_ids, credit_vals, top1, boost, boosted, beta):
+def update_credit(credit_ids, credit_vals, top1, boost, boosted, beta, vocab):
     """Step 2 on the slot tensors, in place. top1/boost/boosted are per row."""
+    empty = (credit_ids < 0) | (credit_ids >= vocab)
+    credit_ids.masked_fill_(empty, -1)
+    credit_vals.masked_fill_(empty, 0.0)
     credit_vals.mul_(beta)
     for n in torch.nonzero(boosted).flatten().tolist():
         ids, vals, tok = credit_ids[n], credit_vals[n], int(top1[n])
@@ -154,7 +161,7 @@ def decode_step_reference(
 
     if credit_ids is not None and credit_ids.shape[1] > 0:
         boost = p_top.to(torch.float32) ** credit_gamma
-        update_credit(credit_ids, credit_vals, a, boost, masked & ~dead, credit_beta)
+        update_credit(credit_ids, credit_vals, a, boost, masked & ~dead, credit_beta, V)
         dense = torch.zeros(N, V, dtype=torch.float32, device=dev)
         live = credit_ids >= 0
         rows = torch.arange(N, device=dev)[:, None].expand_as(credit_ids)
@@ -190,7 +197,8 @@ def decode_step_reference(
     commit = torch.zeros(N, dtype=torch.bool, device=dev)
     offs = seq_offsets.tolist()
     for b in range(B):
-        lo, hi = offs[b], offs[b + 1]
+        lo = min(max(offs[b], 0), N)
+        hi = min(max(offs[b + 1], lo), N)
         if hi == lo:
             continue
         tau = float(threshold[b]) if threshold is not None else 1.0

@@ -5,7 +5,8 @@
 
 logits     [M, V] fp32 / fp16 / bf16 (last dim contiguous), the most recent logits of each row.
 embedding  [V, d] fp32 / fp16 / bf16, the model's *input* embedding table.
-tokens     [M] int64 in [0, V).
+tokens     [M] int64 in [0, V). The op checks this on host tensors (ValueError naming `tokens`); an
+           unchecked token outside [0, V) (on a GPU, where checking would sync) gives a row of zeros.
 mask_id    int in [0, V).
 weight     float (or a 0-d / [1] fp32 tensor, so a captured graph can change it): w_n of the schedule.
 tau        float > 0.
@@ -28,5 +29,8 @@ def soft_embedding_reference(logits, embedding, tokens, mask_id, weight, tau=1.0
     masked = (tokens == mask_id) & ~dead[:, 0]
     w = torch.as_tensor(weight, dtype=compute_dtype, device=logits.device).reshape(-1)[:1]
     E = embedding.to(compute_dtype)
-    out = E[tokens] + torch.where(masked[:, None], w * (p @ E), torch.zeros((), dtype=compute_dtype))
+    V = E.shape[0]
+    hard = torch.where(((tokens >= 0) & (tokens < V))[:, None], E[tokens.clamp(0, max(V - 1, 0))],
+                       torch.zeros((), dtype=compute_dtype))
+    out = hard + torch.where(masked[:, None], w * (p @ E), torch.zeros((), dtype=compute_dtype))
     return out.to(embedding.dtype)

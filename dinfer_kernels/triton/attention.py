@@ -41,6 +41,13 @@ MIN_TILES_PER_SPLIT = 4
 
 
 @triton.jit
+def _save_offsets(row, n_rows, Hkv, hd, d, D: tl.constexpr):
+    """Offsets of row `row`'s heads hd, lanes d in the K half of the [2, n_rows, Hkv, D] contiguous save
+    buffer, and the K-to-V distance. 64-bit before any product: n_rows * Hkv * D passes 2**31."""
+    return (row.to(tl.int64) * Hkv + hd) * D + d, n_rows.to(tl.int64) * Hkv * D
+
+
+@triton.jit
 def _refresh_kernel(k, v, k_cache, v_cache, save, positions, seq_lens,
                     W, S, Hkv,
                     sk_b, sk_w, sk_h, sv_b, sv_w, sv_h,
@@ -61,9 +68,8 @@ def _refresh_kernel(k, v, k_cache, v_cache, save, positions, seq_lens,
     hd = h[:, None]
     kc = k_cache + b.to(tl.int64) * skc_b + pos * skc_s + hd * skc_h + d[None, :]
     vc = v_cache + b.to(tl.int64) * svc_b + pos * svc_s + hd * svc_h + d[None, :]
-    # save buffer: [2, B, W, Hkv, D] contiguous
-    n_save = (tl.num_programs(0) * Hkv * D).to(tl.int64)
-    sv = save + (row.to(tl.int64) * Hkv + hd) * D + d[None, :]
+    k_at, n_save = _save_offsets(row, tl.num_programs(0), Hkv, hd, d[None, :], D)
+    sv = save + k_at
     if MODE == 2:
         tl.store(kc, tl.load(sv, mask=ok), mask=ok)
         tl.store(vc, tl.load(sv + n_save, mask=ok), mask=ok)

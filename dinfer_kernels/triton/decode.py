@@ -201,8 +201,10 @@ def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commi
                      RULE: tl.constexpr, SAMPLE: tl.constexpr, HAS_CREDIT: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     b = tl.program_id(0)
-    lo = tl.load(seq_offsets + b)
-    hi = tl.load(seq_offsets + b + 1)
+    # Unchecked offsets (values are not validated on a GPU) must not reach past the rows: clamped to
+    # [0, N] with hi >= lo, as the CUDA and host kernels do.
+    lo = tl.minimum(tl.maximum(tl.load(seq_offsets + b), 0), N)
+    hi = tl.minimum(tl.maximum(tl.load(seq_offsets + b + 1), lo), N)
     P = N * S
     c_ws = ws + PARTIAL_FIELDS * P          # row scratch, see the module docstring
     fbc_ws = c_ws + N
@@ -260,7 +262,12 @@ def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commi
             kat = rows[:, None] * K + ks[None, :]
             kok = live[:, None] & (ks[None, :] < K)
             ids = tl.load(credit_ids + kat, mask=kok, other=-1)
-            vals = tl.load(credit_vals + kat, mask=kok, other=0.0) * beta
+            vals = tl.load(credit_vals + kat, mask=kok, other=0.0)
+            # Unchecked ids outside [0, V) would index past the row: they become empty slots, as in
+            # decode_math.h's finalize_row.
+            bad = (ids < 0) | (ids >= V)
+            ids = tl.where(bad, -1, ids)
+            vals = tl.where(bad, 0.0, vals) * beta
             boost = tl.exp(gamma * tl.log(tl.math.div_rn(1.0, total)))     # (p* = 1 / s) ** gamma
             hit = ids == top1[:, None]
             hit_slot = tl.min(tl.where(hit, ks[None, :], BLOCK_K), 1)

@@ -69,12 +69,15 @@ def _row_stats(ws, rows, live, M, S1, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(emb, stride_ev, stride_ed, tokens, weight, out, stride_om, stride_od,
+def _epilogue(emb, stride_ev, stride_ed, tokens, weight, out, stride_om, stride_od, V,
               rows, cols, live, cmask, active, soft):
-    """out = E[tokens] + weight * soft on active rows, E[tokens] elsewhere."""
+    """out = E[tokens] + weight * soft on active rows, E[tokens] elsewhere; zeros for a token outside
+    [0, V) (never the mask token, so never active): unchecked values must not index past E."""
     ok = live[:, None] & cmask[None, :]
     tok = tl.load(tokens + rows, mask=live, other=0)
-    e_tok = tl.load(emb + tok[:, None] * stride_ev + cols[None, :] * stride_ed, mask=ok, other=0.0)
+    tok_ok = (tok >= 0) & (tok < V)
+    e_tok = tl.load(emb + tok[:, None] * stride_ev + cols[None, :] * stride_ed,
+                    mask=ok & tok_ok[:, None], other=0.0)
     res = e_tok.to(tl.float32) + tl.where(active[:, None], tl.load(weight) * soft, 0.0)
     out_ptr = out + rows[:, None] * stride_om + cols[None, :] * stride_od
     tl.store(out_ptr, res.to(out.dtype.element_ty), mask=ok)
@@ -116,13 +119,13 @@ def _gemm_kernel(logits, stride_l, emb, stride_ev, stride_ed, tokens, weight, ws
         at = tl.program_id(2) * M * D + rows[:, None] * D + cols[None, :]
         tl.store(part + at, acc, mask=live[:, None] & cmask[None, :])
     else:
-        _epilogue(emb, stride_ev, stride_ed, tokens, weight, out, stride_om, stride_od,
+        _epilogue(emb, stride_ev, stride_ed, tokens, weight, out, stride_om, stride_od, V,
                   rows, cols, live, cmask, active, acc)
 
 
 @triton.jit
 def _reduce_kernel(emb, stride_ev, stride_ed, tokens, weight, ws, part, out, stride_om, stride_od,
-                   M, D, S1, S2, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                   M, V, D, S1, S2, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = rows < M
@@ -132,7 +135,7 @@ def _reduce_kernel(emb, stride_ev, stride_ed, tokens, weight, ws, part, out, str
     for s in range(S2):
         acc += tl.load(part + s * M * D + at, mask=live[:, None] & cmask[None, :], other=0.0)
     _, _, active = _row_stats(ws, rows, live, M, S1, BLOCK_S)
-    _epilogue(emb, stride_ev, stride_ed, tokens, weight, out, stride_om, stride_od,
+    _epilogue(emb, stride_ev, stride_ed, tokens, weight, out, stride_om, stride_od, V,
               rows, cols, live, cmask, active, acc)
 
 
@@ -167,5 +170,5 @@ def soft_embedding(logits, embedding, tokens, mask_id: int, weight, tau: float, 
         M, V, D, S1, chunk2, inv_tau, P_SCALE=p_scale, SPLIT=S2 > 1, BLOCK_M=block_m, BLOCK_D=block_d,
         BLOCK_V=block_v, BLOCK_S=block_s, num_warps=8, num_stages=3)
     if S2 > 1:
-        _reduce_kernel[tiles](embedding, *e_strides, tokens, weight, ws, part, out, *o_strides, M, D, S1, S2,
-                              BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=8)
+        _reduce_kernel[tiles](embedding, *e_strides, tokens, weight, ws, part, out, *o_strides,
+                              M, V, D, S1, S2, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=8)
