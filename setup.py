@@ -4,6 +4,7 @@ Environment:
   DINFER_CUDA        auto (default) | 1 (fail if nvcc is missing) | 0
   DINFER_CUDA_ARCHS  default "80;90a"
   DINFER_CPU_ARCH    -march for the CPU kernels, default "native" ("" for the compiler default)
+  DINFER_WERROR      1 (default): compiler warnings are errors; 0: warnings only
   MAX_JOBS           parallel compile jobs
 The full compiler output, including the `-Xptxas -v` register/spill report, is kept in
 dinfer_kernels/build_log.txt next to the extension.
@@ -54,6 +55,7 @@ class CMakeBuild(build_ext):
             f"-DDINFER_CUDA_ARCHS={os.environ.get('DINFER_CUDA_ARCHS', '80;90a')}",
             f"-DDINFER_CPU_ARCH={os.environ.get('DINFER_CPU_ARCH', 'native')}",
             f"-DDINFER_VERSION={VERSION}",
+            f"-DDINFER_WERROR={'OFF' if os.environ.get('DINFER_WERROR', '1').strip() == '0' else 'ON'}",
         ]
         if nvcc:
             args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
