@@ -7,8 +7,10 @@ parametrized cases whose `device` is a CUDA device or whose `backend` is "cuda" 
 cases skip without a GPU. DINFER_TEST_COLLECT_GPU=1 makes `pytest --collect-only` collect as if a GPU
 were present (tests/test_gpu_marker.py uses it to prove that every case existing only with a GPU is
 marked); it is refused for a real run."""
+import faulthandler
 import importlib.util
 import os
+import signal
 
 import torch
 
@@ -75,6 +77,31 @@ def assert_precision(out, same_precision, truth, name):
     """The precision-tied tolerance (dinfer_kernels.precision.within_precision) as an assert."""
     ok, msg, _, _ = precision.within_precision(out, same_precision, truth)
     assert ok, f"{name}: {msg}"
+
+
+# A per-test time limit where pytest-timeout is missing: DINFER_TEST_TIMEOUT_S=seconds fails a test
+# that runs longer (with every thread's stack on stderr), so one hung test cannot eat the GPU check's
+# budget. With pytest-timeout installed, its --timeout does the same and this stays off.
+TEST_TIMEOUT_S = float(os.environ.get("DINFER_TEST_TIMEOUT_S", "0") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if TEST_TIMEOUT_S <= 0 or item.config.pluginmanager.hasplugin("timeout"):
+        yield
+        return
+
+    def expire(signum, frame):
+        faulthandler.dump_traceback()
+        pytest.fail(f"timed out after {TEST_TIMEOUT_S:g}s (DINFER_TEST_TIMEOUT_S)", pytrace=False)
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
 
 
 @pytest.fixture(autouse=True)

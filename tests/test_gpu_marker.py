@@ -59,3 +59,15 @@ def test_marked_cases_skip_without_a_gpu():
                           "-rs", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     tail = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 0 and re.fullmatch(r"=*\s*\d+ skipped, \d+ deselected in .*", tail), tail
+
+
+def test_time_limit_without_pytest_timeout(tmp_path):
+    """The conftest's fallback for pytest-timeout (the GPU check sets DINFER_TEST_TIMEOUT_S)."""
+    (tmp_path / "test_hangs.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(30)\n\n"
+                                             "def test_quick():\n    pass\n")
+    env = dict(os.environ, DINFER_TEST_TIMEOUT_S="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                          "-p", "no:timeout", "--rootdir", str(tmp_path), str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "1 failed, 1 passed" in out.stdout, out.stdout[-2000:]
+    assert "timed out after 1s" in out.stdout
