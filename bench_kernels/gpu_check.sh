@@ -8,8 +8,8 @@
 #   call 1, timeout_s=510:  bash bench_kernels/gpu_check.sh --call 1 "$OUT"
 #       environment; build in place (DINFER_CUDA=1, archs 90a, DINFER_WERROR=0: the image's compiler
 #       is not the one CI proves warning-free; limit 200 s); then `python -m dinfer_kernels selftest`
-#       (60 s), `pytest -m gpu` (150 s, 45 s per test; SIGINT at the limit, so junit and the log are
-#       always written), compute-sanitizer memcheck and racecheck on bench_kernels/kernel_calls.py
+#       (60 s), `pytest -m gpu` (150 s, 45 s per test, 4 pytest-xdist workers; SIGINT at the limit,
+#       so junit and the log are always written), compute-sanitizer memcheck and racecheck on bench_kernels/kernel_calls.py
 #       (45 s each). Budget 480 s.
 #   call 2, timeout_s=250, AT ONCE after call 1 (the warm machine keeps call 1's build; on a bare one
 #       the build reruns first):  bash bench_kernels/gpu_check.sh --call 2 "$OUT"
@@ -29,7 +29,8 @@
 # inside GPU_CHECK_BUDGET_S (call 1: 480, call 2: 220, all: 700, dry run: 280): each step's time
 # limit is its own or what is left, whichever is smaller.
 # Env overrides: PYTHON (default python3, else python), GPU_CHECK_BUDGET_S, BUILD_TIMEOUT_S (200),
-# TEST_TIMEOUT_S (150), PER_TEST_TIMEOUT_S (45), BENCH_TIMEOUT_S (per script; by default its own),
+# TEST_TIMEOUT_S (150), PER_TEST_TIMEOUT_S (45), GPU_CHECK_TEST_WORKERS (4; 0: none), BENCH_TIMEOUT_S
+# (per script; by default its own),
 # DINFER_CUDA_ARCHS (90a), MAX_JOBS (all cores).
 set -u
 CALL=all
@@ -155,13 +156,19 @@ if [ "$CALL" != 2 ] || [ "$DRY" = 1 ]; then
 
   per_test=${PER_TEST_TIMEOUT_S:-45}
   if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
-    limit_args=(--timeout "$per_test")
+    test_args=(--timeout "$per_test")
   else
-    limit_args=()
+    test_args=()
     export DINFER_TEST_TIMEOUT_S=$per_test
   fi
+  # Workers share the one GPU: the kernels' JIT compiles and the host-side references run in
+  # parallel (pytest-xdist is on the device image; junit is still written when stopped).
+  workers=${GPU_CHECK_TEST_WORKERS:-4}
+  if [ "$DRY" = 0 ] && [ "$workers" -gt 0 ] && "$PY" -c 'import xdist' 2>/dev/null; then
+    test_args+=(-n "$workers")
+  fi
   run_step gpu-tests "${TEST_TIMEOUT_S:-150}" "$PY" -m pytest -q -rfE -p no:cacheprovider -m gpu \
-    "${limit_args[@]}" --junitxml "$OUT_DIR/junit.xml" -o junit_family=xunit2 tests
+    "${test_args[@]}" --junitxml "$OUT_DIR/junit.xml" -o junit_family=xunit2 tests
 
   run_step kernel-calls 30 "$PY" bench_kernels/kernel_calls.py --device "$DEVICE"
   if [ "$DRY" = 1 ]; then
