@@ -488,7 +488,8 @@ def _section_body(title, out, rep):
         except ValueError as e:
             return [f"selftest.json unreadable: {e}"]
         rows = data["rows"]
-        rep["selftest"] = f"{sum(r['ok'] for r in rows)}/{len(rows)} ok"
+        rep["selftest"] = f"{sum(r['ok'] for r in rows)}/{len(rows)} ok" + (
+            "" if data.get("complete") else " (INCOMPLETE: stopped before the last row)")
         cols = [("op", "op", None), ("backend", "backend", None), ("device", "device", None),
                 ("dtype", "dtype", None), ("shape", "shape", None), ("max error", "max_error", ".3g"),
                 ("bound", "bound", ".3g"), ("ok", "ok", None), ("s", "seconds", None), ("note", "note", None)]

@@ -220,13 +220,22 @@ def main(argv=None):
     torch.manual_seed(0)
     t0 = time.perf_counter()
     todo, skipped = plan(args.quick, args.device)
-    rows = [_check(*x) for x in todo]
+    rows = []
+    for x in todo:
+        rows.append(_check(*x))
+        _write_json(args.json, rows, skipped, args.quick, complete=False)   # a run cut short keeps its rows
+    _write_json(args.json, rows, skipped, args.quick, complete=True)
     print(format_table(rows))
     for s in skipped:
         print(f"skipped: {s}")
     failed = sum(not r["ok"] for r in rows)
     print(f"selftest: {len(rows) - failed}/{len(rows)} ok in {time.perf_counter() - t0:.1f}s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "skipped": skipped, "quick": args.quick}, f, indent=1)
     return 1 if failed or not rows else 0
+
+
+def _write_json(path, rows, skipped, quick, complete):
+    if not path:
+        return
+    with open(f"{path}.tmp", "w") as f:
+        json.dump({"rows": rows, "skipped": skipped, "quick": quick, "complete": complete}, f, indent=1)
+    os.replace(f"{path}.tmp", path)

@@ -63,6 +63,7 @@ def pytest_configure(config):
         raise pytest.UsageError("DINFER_TEST_COLLECT_GPU=1 is for --collect-only: there is no GPU to run on")
 
 
+@pytest.hookimpl(tryfirst=True)         # before `-m` selects by marker
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
