@@ -60,6 +60,7 @@ def main(argv=None):
                 r["tpf_vs_threshold"] = round(r["tokens_per_forward"] / base["tokens_per_forward"], 3)
                 r["ceiling"] = round(base["forwards"] / base["blocks"], 3)
                 results.append(r)
+                common.record(f"bl {bl} tau {tau} {label}", r)
                 print(f"bl {bl:3d} tau {tau:<6} {label:<17} forwards {r['forwards']:5d} blocks {r['blocks']:4d} "
                       f"TPF {r['tokens_per_forward']:5.2f} x{r['tpf_vs_threshold']:.2f} (ceiling "
                       f"x{r['ceiling']:.2f}) acc {100 * r['accuracy']:.1f}%", flush=True)

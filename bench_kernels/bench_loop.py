@@ -7,16 +7,17 @@ smoothing, as a fraction of the run, on a small random LLaDA-MoE-shaped model (i
 """
 import argparse
 import dataclasses
-import json
+import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
-from dinfer.decoders import DecoderConfig
-from dinfer.generate import GenerationConfig, generate
-from dinfer.models.checkpoint import random_weights
-from dinfer.models.config import ModelConfig
-from dinfer.models.transformer import DiffusionLM
+from dinfer.decoders import DecoderConfig  # noqa: E402
+from dinfer.generate import GenerationConfig, generate  # noqa: E402
+from dinfer.models.checkpoint import random_weights  # noqa: E402
+from dinfer.models.config import ModelConfig  # noqa: E402
+from dinfer.models.transformer import DiffusionLM  # noqa: E402
 
 
 def main(argv=None):
@@ -30,7 +31,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="a shorter generation (the GPU check script)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, type=common.json_path)
     a = p.parse_args(argv)
     if a.quick:
         a.gen_length = min(a.gen_length, 64)
@@ -58,12 +59,14 @@ def main(argv=None):
         _, stats = generate(model, prompts, g)
         d = stats.as_dict()
         rows.append({"config": name, **d})
+        common.record(name, rows[-1])
         print(f"{name:44s} forwards {d['forwards']:4d}  TPF {d['tokens_per_forward']:.2f}  "
               f"TPS {d['tokens_per_second']:.1f}  phases {d['phase_seconds']}  "
               f"loop overhead {100 * d['loop_overhead_fraction']:.1f}%")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"bench": "loop", "args": vars(a), "torch": torch.__version__, "results": rows}, f, indent=1)
+    columns = [("config", "config", None), ("forwards", "forwards", None),
+               ("tokens/forward", "tokens_per_forward", ".2f"), ("tokens/s", "tokens_per_second", ".1f"),
+               ("loop overhead", "loop_overhead_fraction", ".1%")]
+    common.finish("loop", common.environment(a.device), a, None, rows, [common.markdown_table(rows, columns)], [])
     return rows
 
 

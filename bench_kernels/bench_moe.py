@@ -156,7 +156,7 @@ def run(args):
     inter = args.inter or (SMALL["inter"] if small else 1024)
     k = min(args.top_k, E)
     tokens = common.parse_ints(args.tokens) if args.tokens else (
-        [4, 32] if device == "cpu" and args.quick else [32, 64, 96, 512, 2048])
+        [4, 32] if device == "cpu" and args.quick else [32, 96, 2048] if args.quick else [32, 64, 96, 512, 2048])
     if args.dtype is None:              # the host's bf16 matmul is very slow: fp32 there by default
         args.dtype = "bf16" if device == "cuda" else "fp32"
     dtype = common.torch_dtype(args.dtype)
@@ -258,7 +258,8 @@ def run(args):
 
 def main(argv=None):
     p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--tokens", default=None, help="comma-separated T (default 32,64,96,512,2048)")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated T (default 32,64,96,512,2048; --quick: 32,96,2048, on the CPU 4,32)")
     p.add_argument("--experts", type=int, default=None, help="E (default 64, --small 8)")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=None, help="H (default 2048, --small 256)")

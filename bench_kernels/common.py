@@ -49,7 +49,8 @@ def base_parser(description):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="logits dtype")
     p.add_argument("--quick", action="store_true", help="fewer rows and repeats (GPU check script)")
-    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--json", default=None, type=json_path,
+                   help="write the results to this JSON file (case by case as they finish)")
     p.add_argument("--reps", type=int, default=None, help="timed repeats (default: by device / --quick)")
     return p
 
@@ -68,7 +69,8 @@ def engine_parser(description, tasks, num_problems, timed=True):
     if timed:
         p.add_argument("--repeats", type=int, default=3,
                        help="timed runs per row; tokens/s is over the median run (default 3; --quick: 1)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, type=json_path,
+                   help="write the results to this JSON file (run by run as they finish)")
     return p
 
 
@@ -88,6 +90,7 @@ def interleaved_medians(rows, run_once, repeats, key="tokens_per_second"):
     for i in range(repeats):
         for j, row in enumerate(rows):
             runs[j].append(run_once(row, i))
+            record(f"{row} run {i}", runs[j][-1])
     out = []
     for row_runs in runs:
         best, rates = median_run(row_runs, key)
@@ -266,8 +269,10 @@ def measure(case, device, quick=False, reps=None):
         times, timer = _time_cpu(case, warmup=1 if quick else 2, reps=reps,
                                  min_seconds=0.2 if quick else 1.0)
     q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
-    return {"median_s": statistics.median(times), "p20_s": q[0], "p80_s": q[3], "timer": timer,
-            "n": len(times), "note": note}
+    res = {"median_s": statistics.median(times), "p20_s": q[0], "p80_s": q[3], "timer": timer,
+           "n": len(times), "note": note}
+    record(case.name, res)
+    return res
 
 
 def copy_bandwidth(device, nbytes=None, quick=False):
@@ -370,16 +375,69 @@ def markdown_table(rows, columns):
     return "\n".join(lines)
 
 
-def write_json(path, payload):
+def write_json(path, payload, quiet=False):
+    """Writes through a temporary file and a rename, so that a run killed mid-write leaves the last
+    complete file."""
     if not path:
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(payload, f, indent=1, default=str)
-    print(f"wrote {path}")
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"wrote {path}")
+
+
+# A benchmark cut short (the GPU check's time limits) must keep what it measured: the --json file is
+# registered as it is parsed, every finished case is appended to it at once, and finish() replaces
+# the partial payload with the whole one.
+_progress = {"path": None, "cases": []}
+
+
+def json_path(path):
+    """argparse type of --json: registers the file that record() appends to."""
+    _progress["path"], _progress["cases"] = path, []
+    return path
+
+
+def record(name, result):
+    """Appends one finished case to the --json file, which stays valid JSON after every case
+    ({"bench", "complete": false, "cases"} until finish())."""
+    _progress["cases"].append({"case": name, **result})
+    if _progress["path"]:
+        write_json(_progress["path"], {"bench": Path(sys.argv[0]).stem, "complete": False,
+                                       "cases": _progress["cases"]}, quiet=True)
+
+
+def finish(bench, env, args, bandwidth, results, tables, notes):
+    """Prints the notes and writes the JSON payload every bench script returns."""
+    for n in notes:
+        print("note:", n)
+    payload = {"bench": bench, "complete": True, "env": env, "args": vars(args),
+               "copy_bandwidth": bandwidth, "results": results, "tables": tables, "notes": notes,
+               "cases": _progress["cases"]}
+    write_json(args.json, payload)
+    return payload
 
 
 # ------------------------------------------------------------------------------------------ report
+# The sections of a gpu_check.sh report, each with the steps (names in OUT_DIR/steps.tsv) it covers.
+# Every section is always written: what ran, or why not.
+SECTIONS = [("Environment", ("nvidia-smi", "versions", "dinfer_kernels-info")),
+            ("Build", ("build",)),
+            ("Selftest", ("selftest",)),
+            ("GPU tests", ("gpu-tests",)),
+            ("Sanitizer", ("kernel-calls", "memcheck", "racecheck"))]
+
+
+def bench_names():
+    """Every benchmark script, the kernels' first (their targets need a GPU), then the engine's."""
+    first = ["bench_attention", "bench_moe", "bench_decode", "bench_soft_embedding", "bench_norm_rope"]
+    found = sorted(p.stem for p in (ROOT / "bench_kernels").glob("bench_*.py"))
+    return [n for n in first if n in found] + [n for n in found if n not in first]
+
+
 def _junit_summary(path):
     import xml.etree.ElementTree as ET
 
@@ -395,72 +453,137 @@ def _junit_summary(path):
     return line, failed
 
 
-def _pytest_tail(path):
-    lines = [ln.strip() for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if any(w in ln for w in (" passed", " failed", " error", "no tests ran")):
-            return ln.strip("= ")
-    return lines[-1] if lines else "no output"
+def _read_steps(out):
+    steps = {}
+    if (out / "steps.tsv").exists():
+        for ln in (out / "steps.tsv").read_text().splitlines():
+            parts = ln.split("\t")
+            if len(parts) >= 3:
+                steps[parts[0]] = {"step": parts[0], "rc": parts[1], "seconds": parts[2],
+                                   "note": parts[3] if len(parts) > 3 else ""}
+    return steps
 
 
-def write_report(out_dir):
+def _step_line(st):
+    if st["rc"] == "skipped":
+        return f"- `{st['step']}`: skipped — {st['note']}"
+    status = "ok" if st["rc"] == "0" else ("TIMED OUT" if st["rc"] in ("124", "137") else f"exit {st['rc']}")
+    return f"- `{st['step']}`: {status} in {st['seconds']} s" + (f" — {st['note']}" if st["note"] else "")
+
+
+def _tail(path, n):
+    lines = Path(path).read_text(errors="replace").splitlines() if Path(path).exists() else []
+    return lines[-n:]
+
+
+def _section_body(title, out, rep):
+    """The lines of one section beyond its step lines."""
+    if title == "Environment" and (out / "environment.txt").exists():
+        return ["```"] + _tail(out / "environment.txt", 40) + ["```"]
+    if title == "Build" and (out / "ptxas.txt").exists():
+        return ["ptxas resource report (spills):", "```"] + _tail(out / "ptxas.txt", 30) + ["```"]
+    if title == "Selftest" and (out / "selftest.json").exists():
+        try:
+            data = json.loads((out / "selftest.json").read_text())
+        except ValueError as e:
+            return [f"selftest.json unreadable: {e}"]
+        rows = data["rows"]
+        rep["selftest"] = f"{sum(r['ok'] for r in rows)}/{len(rows)} ok" + (
+            "" if data.get("complete") else " (INCOMPLETE: stopped before the last row)")
+        cols = [("op", "op", None), ("backend", "backend", None), ("device", "device", None),
+                ("dtype", "dtype", None), ("shape", "shape", None), ("max error", "max_error", ".3g"),
+                ("bound", "bound", ".3g"), ("ok", "ok", None), ("s", "seconds", None), ("note", "note", None)]
+        return [markdown_table(rows, cols)] + [f"- skipped: {x}" for x in data.get("skipped", [])]
+    if title == "GPU tests" and (out / "junit.xml").exists():
+        try:
+            rep["tests"], rep["failed_tests"] = _junit_summary(out / "junit.xml")
+        except Exception as e:  # noqa: BLE001 - a cut-off file is reported, not fatal
+            return [f"junit.xml unreadable: {e}"]
+        return [f"{rep['tests']}"] + [f"- FAILED `{t}`" for t in rep["failed_tests"][:50]]
+    if title == "GPU tests" and (out / "gpu-tests.log").exists():
+        return ["no junit.xml; the log ends:", "```"] + _tail(out / "gpu-tests.log", 8) + ["```"]
+    if title == "Sanitizer":
+        body = []
+        for tool in ("memcheck", "racecheck"):
+            summary = [ln for ln in _tail(out / f"{tool}.log", 400)
+                       if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
+            if summary:
+                rep["sanitizer"][tool] = summary[-1].strip()
+                body.append(f"- {tool}: {summary[-1].strip()}")
+        return body
+    return []
+
+
+def _bench_section(name, out, steps, rep):
+    md = [f"### {name}", ""]
+    if name in steps:
+        md += [_step_line(steps[name])]
+    jf = out / f"{name}.json"
+    if not jf.exists():
+        return md + (["- no JSON written"] if name in steps else ["- not part of this run"]) + [""]
+    try:
+        data = json.loads(jf.read_text())
+    except ValueError as e:
+        rep["benchmarks"][name] = {"error": f"unreadable: {e}"}
+        return md + [f"- {name}.json unreadable: {e}", ""]
+    rep["benchmarks"][name] = data
+    if not data.get("complete"):
+        cases = data.get("cases", [])
+        md += [f"- INCOMPLETE: {len(cases)} cases finished before it stopped", "",
+               markdown_table(cases, [("case", "case", None), ("median s", "median_s", ".3g"),
+                                      ("timer", "timer", None)]) if cases else ""]
+        return md + [""]
+    env = data.get("env", {})
+    md += [f"`{env.get('argv', '')}` — commit `{env.get('commit', '?')}`, {env.get('gpu') or env.get('cpu', '')}", ""]
+    md += [t + "\n" for t in data.get("tables", [])] + [f"- {n}" for n in data.get("notes", [])]
+    rep["gpu"] = rep["gpu"] or env.get("gpu")
+    return md + [""]
+
+
+def print_versions():
+    import importlib.util
+
+    import torch
+
+    print("python", platform.python_version())
+    print("torch", torch.__version__, "cuda", torch.version.cuda,
+          "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    for name in ("triton", "pybind11", "cupy"):
+        print(name, __import__(name).__version__ if importlib.util.find_spec(name) else "not installed")
+    print("pytest-timeout", "yes" if importlib.util.find_spec("pytest_timeout") else
+          "no (the conftest's DINFER_TEST_TIMEOUT_S stands in)")
+
+
+def write_report(out_dir, mode="gpu check"):
+    """OUT_DIR/report.md and report.json: every section of SECTIONS and every benchmark, each saying
+    what ran (and its results) or why not."""
     out = Path(out_dir)
-    rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": git_commit(), "gpu": None, "tests": None, "failed_tests": [], "steps": [],
-           "benchmarks": {}}
+    rep = {"mode": mode, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": git_commit(), "gpu": None, "selftest": None, "tests": None, "failed_tests": [],
+           "sanitizer": {}, "steps": [], "benchmarks": {}}
     try:
         import torch
 
         if torch.cuda.is_available():
             rep["gpu"] = torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the report is written whatever the install's state
         pass
-    if (out / "steps.tsv").exists():
-        for ln in (out / "steps.tsv").read_text().splitlines():
-            parts = ln.split("\t")
-            if len(parts) >= 3:
-                rep["steps"].append({"step": parts[0], "rc": parts[1], "seconds": parts[2]})
-    if (out / "junit.xml").exists():
-        try:
-            rep["tests"], rep["failed_tests"] = _junit_summary(out / "junit.xml")
-        except Exception as e:  # noqa: BLE001
-            rep["tests"] = f"junit.xml unreadable: {e}"
-    if rep["tests"] is None and (out / "pytest.log").exists():
-        rep["tests"] = _pytest_tail(out / "pytest.log")
-    for jf in sorted(out.glob("*.json")):
-        if jf.name == "report.json":
-            continue
-        try:
-            data = json.loads(jf.read_text())
-        except Exception as e:  # noqa: BLE001
-            rep["benchmarks"][jf.stem] = {"error": f"unreadable: {e}"}
-            continue
-        if isinstance(data, dict) and "tables" in data:
-            rep["benchmarks"][jf.stem] = data
-            rep["gpu"] = rep["gpu"] or data.get("env", {}).get("gpu")
-
-    md = [f"# GPU check report", "",
-          f"- commit: `{rep['commit']}`", f"- date (UTC): {rep['date']}", f"- GPU: {rep['gpu'] or 'none'}",
-          f"- tests: {rep['tests'] or 'not run'}", ""]
-    if rep["failed_tests"]:
-        md += ["Failed tests:", ""] + [f"- `{t}`" for t in rep["failed_tests"][:50]] + [""]
-    if rep["steps"]:
-        md += ["## Steps", "", "| step | exit code | seconds |", "|---|---|---|"]
-        md += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in rep["steps"]] + [""]
-    for name, data in rep["benchmarks"].items():
-        md += [f"## {name}", ""]
-        if "error" in data:
-            md += [data["error"], ""]
-            continue
-        env = data.get("env", {})
-        md += [f"`{env.get('argv', '')}` — commit `{env.get('commit', '?')}`, {env.get('gpu') or env.get('cpu', '')}",
-               ""]
-        for t in data.get("tables", []):
-            md += [t, ""]
-        for n in data.get("notes", []):
-            md += [f"- {n}"]
-        md += [""]
-    (out / "report.md").write_text("\n".join(md))
+    steps = _read_steps(out)
+    rep["steps"] = list(steps.values())
+    body = []
+    for title, names in SECTIONS:
+        body += [f"## {title}", ""]
+        mine = [steps[n] for n in names if n in steps]
+        body += [_step_line(st) for st in mine] or ["- not part of this run"]
+        body += [""] + _section_body(title, out, rep) + [""]
+    body += ["## Benchmarks", ""]
+    for name in bench_names():
+        body += _bench_section(name, out, steps, rep)
+    md = [f"# GPU check report ({mode})", "", f"- commit: `{rep['commit']}`", f"- date (UTC): {rep['date']}",
+          f"- GPU: {rep['gpu'] or 'none'}", f"- selftest: {rep['selftest'] or 'not run'}",
+          f"- GPU tests: {rep['tests'] or 'not run'}",
+          f"- sanitizer: {'; '.join(f'{k}: {v}' for k, v in rep['sanitizer'].items()) or 'not run'}", ""]
+    (out / "report.md").write_text("\n".join(md + body))
     with open(out / "report.json", "w") as f:
         json.dump(rep, f, indent=1, default=str)
     print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
@@ -471,16 +594,10 @@ if __name__ == "__main__":
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("report", help="summarise a gpu_check.sh output folder")
     r.add_argument("out_dir")
+    r.add_argument("--mode", default="gpu check", help="what ran (the report's title)")
+    sub.add_parser("versions", help="the Python packages the GPU check depends on")
     a = ap.parse_args()
     if a.cmd == "report":
-        write_report(a.out_dir)
-
-
-def finish(bench, env, args, bandwidth, results, tables, notes):
-    """Prints the notes and writes the JSON payload every bench script returns."""
-    for n in notes:
-        print("note:", n)
-    payload = {"bench": bench, "env": env, "args": vars(args), "copy_bandwidth": bandwidth,
-               "results": results, "tables": tables, "notes": notes}
-    write_json(args.json, payload)
-    return payload
+        write_report(a.out_dir, a.mode)
+    else:
+        print_versions()

@@ -1,5 +1,7 @@
-"""python -m dinfer_kernels: what this install built and what it can run."""
+"""python -m dinfer_kernels: what this install built and what it can run.
+python -m dinfer_kernels selftest [--quick]: every op on every backend here against its reference."""
 import platform
+import sys
 
 import torch
 
@@ -34,4 +36,10 @@ def main():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["selftest"]:
+        from .selftest import main as selftest
+
+        sys.exit(selftest(sys.argv[2:]))
+    if sys.argv[1:]:
+        sys.exit(f"python -m dinfer_kernels: unknown command {sys.argv[1]!r} (commands: selftest)")
     main()

@@ -547,7 +547,7 @@ def test_kernel_backend_rejects_unsupported_head_dim_but_auto_falls_back():
     assert out.shape == (2, 5, 4, 32)
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_cuda_graph_capture(backend):
     if backend not in dk.available_backends("cuda", "attention"):

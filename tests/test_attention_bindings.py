@@ -250,10 +250,8 @@ def test_fuzz_bindings_never_crash(case):
 
 # ---- on a GPU ------------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
-
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,make,exc", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
 def test_gpu_binding_errors_name_the_argument(name, make, exc):
     a, p = make_args(device="cuda")
@@ -263,7 +261,7 @@ def test_gpu_binding_errors_name_the_argument(name, make, exc):
         call(a, **p)
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_layout_rules_dtype_and_head_dim():
     """The CUDA kernels copy rows in 16-byte vectors and are tiled for D in {64, 128}, fp16/bf16:
     strides that are multiples of 8 pass, others, fp32 and other head dims are refused naming q."""
@@ -279,7 +277,7 @@ def test_gpu_layout_rules_dtype_and_head_dim():
             call(a, **p)
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_mixed_devices_and_workspace_errors():
     a, p = make_args(device="cuda")
     a["lse"] = a["lse"].cpu()
@@ -294,7 +292,7 @@ def test_gpu_mixed_devices_and_workspace_errors():
             call(a, workspace=None, **p)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("write_back", [True, False])
 def test_gpu_small_call_matches_reference(dtype, write_back):

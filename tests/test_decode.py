@@ -253,7 +253,7 @@ def test_many_sequences_and_empty_ones(backend, device):
         check_backend(backend, device, logits, tokens, offs, mask_id, rule)
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_bf16_large_batch(backend):
     if (backend, "cuda") not in BACKENDS:

@@ -91,7 +91,7 @@ def test_torch_compile_fullgraph():
     assert torch.equal(credit.ids, eager_credit.ids) and torch.equal(credit.vals, eager_credit.vals)
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_cuda_graph_capture(backend):
     if backend not in dk.available_backends("cuda"):
@@ -169,7 +169,7 @@ def test_bad_input_names_the_argument(override, exc, name):
         dk.decode_step(kw.pop("logits"), kw.pop("tokens"), kw.pop("seq_offsets"), kw.pop("mask_id"), **kw)
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_device_mismatch_is_named():
     logits, tokens, offsets = case(device="cuda")
     with pytest.raises(ValueError, match="^tokens"):

@@ -350,7 +350,7 @@ def test_loop_overhead_is_measured():
     assert set(d["phase_seconds"]) == {"forward", "decode", "smoothing"}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["dual", "vicinity"])
 def test_cuda_graph_replay_equals_eager_on_gpu(cache):
     w = {k: v.cuda() for k, v in random_weights(MOE, seed=2).items()}

@@ -210,7 +210,9 @@ CASES = [  # T, E, top_k, dtype, config overrides
     (1, 64, 8, torch.float32, None),
     (5, 64, 2, torch.float16, WIDE),
     (96, 64, 8, torch.float32, WIDE),
-] + ([(5, 8, 2, torch.bfloat16, None), (96, 64, 8, torch.bfloat16, None)] if HAS_GPU else [])
+    (5, 8, 2, torch.bfloat16, None),
+    (96, 64, 8, torch.bfloat16, None),
+]
 
 
 @pytest.mark.parametrize("backend,device", ALL_PAIRS)
@@ -219,6 +221,8 @@ CASES = [  # T, E, top_k, dtype, config overrides
 def test_against_reference(backend, device, T, E, k, dtype, config):
     if dtype != torch.float32 and device == "cpu" and backend == "torch":
         pytest.skip("the reference against itself, with the host's slow 16-bit matmul")
+    if dtype == torch.bfloat16 and device == "cpu" and backend == "triton":
+        pytest.skip("the interpreter's bf16 arithmetic is unreliable")
     hidden, router, w13, w2 = make(T, E, dtype)
     check(backend, device, hidden, router, w13, w2, k, config=config)
 
@@ -494,7 +498,7 @@ def test_torch_compile_fullgraph(backend, device):
 
 # ---- GPU only: the LLaDA-MoE shape, bf16, CUDA graphs ---------------------------------------------
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b, d in KERNEL_PAIRS if d == GPU])
 @pytest.mark.parametrize("T", [1, 32, 96, 512, 2048])
 def test_llada_moe_shape_gpu(backend, T):
@@ -510,7 +514,7 @@ def test_llada_moe_shape_gpu(backend, T):
     assert_precision(out, same, truth, f"moe T={T}[{backend}]")
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b, d in KERNEL_PAIRS if d == GPU])
 def test_cuda_graph_capture_gpu(backend):
     hidden, router, w13, w2 = [t.to(GPU) for t in make(64, 64, torch.bfloat16, h=256, inter=128)]

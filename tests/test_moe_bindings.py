@@ -170,9 +170,6 @@ def test_workspace_bytes():
 
 # ---- on a GPU ----------------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
-
-
 def gpu_case(T_, E_, k, dtype, h=256, inter=128, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(T_, h, generator=g).to(dtype)
@@ -193,7 +190,7 @@ def run_cuda(hidden, router, w13, w2, k, **kw):
     return out
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("T_,E_,k,dtype", [(1, 64, 8, torch.bfloat16), (96, 64, 8, torch.bfloat16),
                                           (96, 64, 8, torch.float16), (700, 16, 4, torch.bfloat16),
                                           (33, 8, 2, torch.float32)])
@@ -212,7 +209,7 @@ def test_gpu_matches_reference_and_is_bit_reproducible(T_, E_, k, dtype):
     assert_precision(a.cpu(), same.cpu(), truth.cpu(), f"moe cuda T={T_}")
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_limits_of_the_cuda_kernels():
     hidden, router, w13, w2 = gpu_case(4, 40, 2, torch.bfloat16)
     args = [hidden, router, None, w13, w2, 33, False, "softmax", None, 1, 1, 1.0, 0, 40, torch.empty_like(hidden)]
@@ -224,7 +221,7 @@ def test_gpu_limits_of_the_cuda_kernels():
                 torch.empty_like(big[0]))
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_workspace_checks():
     hidden, router, w13, w2 = gpu_case(4, 8, 2, torch.bfloat16)
     out = torch.empty_like(hidden)

@@ -168,7 +168,7 @@ def test_binding_refuses_read_only_out_and_used_capsules():
 GPU_BACKENDS = [b for b in _backend.available_backends("cuda", "rms_norm") if b != "torch"]
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5, 33), (61, 2048), (9, 4097), (1000, 128)])

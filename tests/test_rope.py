@@ -161,7 +161,7 @@ def test_binding_errors_name_the_argument(change, name, exc):
 GPU_BACKENDS = [b for b in _backend.available_backends("cuda", "rope") if b != "torch"]
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,rd,max_pos", [((2, 7, 3, 16), None, 300), ((3, 5, 2, 128), 64, 9000),

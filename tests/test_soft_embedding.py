@@ -18,7 +18,8 @@ from conftest import HAS_GPU, HAS_TRITON, assert_precision
 import dinfer_kernels as dk
 from dinfer_kernels.reference import soft_embedding_reference
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+# With a GPU every case here runs the Triton kernel on it.
+pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="needs triton")] + ([pytest.mark.gpu] if HAS_GPU else [])
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_GPU else [])
