@@ -335,14 +335,14 @@ __device__ __forceinline__ void score_token(const RouteArgs& a, RouteShared& sh,
     float z = 0.f;
     DINFER_MOE_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i) {
-      sel[i] = lane + 32 * i < E ? expf(logit[i] - m) : 0.f;
+      sel[i] = lane + 32 * i < E ? moe_math::router_exp(logit[i], m) : 0.f;
       z += sel[i];
     }
-    z = warp_sum(z);
+    const float inv_z = 1.f / warp_sum(z);  // a multiply by the reciprocal, as torch and the host
     DINFER_MOE_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i) {
       const int e = lane + 32 * i;
-      const float p = sel[i] / z;
+      const float p = sel[i] * inv_z;
       sel[i] = e < E && a.bias != nullptr ? p + a.bias[e] : p;
       wsrc[i] = sel[i];  // softmax: the bias stays in the weights
     }

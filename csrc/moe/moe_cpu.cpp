@@ -55,11 +55,7 @@ inline float sum16(v16 v) {
   return host::lane_sum(a, kLanes);
 }
 
-// silu(g) * u in fp32 with the vectorisable exp of host_math (libm's expf is not): exp(-|g|) <= 1.
-inline float silu_mul(float g, float u) {
-  const float e = host::exp_nonpositive(g >= 0.f ? -g : g);
-  return (g >= 0.f ? g : g * e) / (1.f + e) * u;
-}
+using moe_math::silu_mul;  // the device kernels' own (its exp vectorises)
 
 float round_to(float x, ScalarType t) {
   switch (t) {
@@ -286,7 +282,7 @@ void route_token(const MoeParams& p, int64_t t, Route& s, int32_t* id, float* wt
     float m = -INFINITY;
     for (int64_t e = 0; e < E; ++e) m = (logit[e] > m || logit[e] != logit[e]) ? logit[e] : m;
     if (m == -INFINITY) m = 0.f;   // every logit -inf: keep exp() finite (the output is NaN anyway)
-    for (int64_t e = 0; e < E; ++e) sel[e] = std::exp(logit[e] - m);
+    for (int64_t e = 0; e < E; ++e) sel[e] = moe_math::router_exp(logit[e], m);
     // As torch does: a lane-wise sum (a running one loses ~sqrt(E) ulps over hundreds of experts),
     // then a multiply by its reciprocal.
     const float inv_z = 1.f / host::lane_sum(sel, E);

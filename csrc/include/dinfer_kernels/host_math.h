@@ -1,38 +1,19 @@
 // Reduction and softmax pieces of the host kernels (decode step, attention, rms_norm) written so that
-// GCC/Clang vectorise them without -ffast-math: exp as a polynomial (libm's expf does not
-// vectorise), within ~1 ulp, and max / sum / sum of squares in independent lanes.
+// GCC/Clang vectorise them without -ffast-math: exp as a polynomial (scalar::exp_nonpositive; libm's
+// expf does not vectorise), and max / sum / sum of squares in independent lanes.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "dinfer_kernels/scalar.h"
+
 namespace dinfer_kernels {
 namespace host {
 
-// exp(x) for x <= 0 (arguments are z - max): 2^n * e^r with |r| <= ln2/2, degree-7 Taylor
-// (truncation < 1e-9 relative). Below -87.3 the result would be subnormal: return 0, which also
-// maps exp(-inf) to 0 as the online softmax needs.
-inline float exp_nonpositive(float x) {
-  const float kLog2e = 1.44269504088896341f;
-  const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  const float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to nearest, and vectorises
-  float xc = x < -87.3f ? -87.3f : x;
-  float n = (xc * kLog2e + kRound) - kRound;
-  float r = xc - n * kLn2Hi - n * kLn2Lo;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.3f ? 0.f : p * scale;
-}
+// The exp of the host kernels' softmaxes: the one shared with the device kernels (scalar.h).
+using scalar::exp_nonpositive;
 
 constexpr int kLanes = 16;
 
