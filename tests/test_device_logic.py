@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import test_decode
+from conftest import assert_precision
 from dinfer_kernels.reference import decode_step_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,3 +137,115 @@ def test_decode_bad_credit_ids_are_empty_slots(emulated):
                                 credit_ids=ref_ids, credit_vals=ref_vals)
     assert torch.equal(outs[0], ref.candidate) and torch.equal(ids_e, ref_ids)
     assert torch.equal(outs[2], ref.commit)
+
+
+# ---- MoE routing and alignment -----------------------------------------------------------------------
+
+def emulated_route(lib, logits, top_k, *, scoring="softmax", renormalize=False, bias=None, num_groups=1,
+                   topk_groups=1, scaling=1.0, e0=0, e1=None, bm=16, order_seed=0):
+    """route_kernel on given logits: (topk_ids, topk_w [T, k] by increasing expert, sorted_ids,
+    tile_expert, num_tiles) as the GEMMs read them."""
+    f = lib.dinfer_moe_route_cuda_on_host
+    i32, flt, vp = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    f.argtypes = [vp, i32, i32, i32, i32, i32, vp, i32, i32, flt, i32, i32, i32, vp, vp, vp, vp, vp, vp]
+    T, E = logits.shape
+    e1 = E if e1 is None else e1
+    tt = 16 if T > 256 else 4
+    order = torch.randperm((T + tt - 1) // tt, generator=torch.Generator().manual_seed(order_seed))
+    order = order.to(torch.int32)
+    entries = T * top_k
+    max_tiles = (entries + min(E, entries) * (bm - 1)) // bm
+    ids = torch.full((T, top_k), -7, dtype=torch.int32)
+    w = torch.full((T, top_k), float("nan"))
+    sorted_ids = torch.full((max_tiles * bm,), -7, dtype=torch.int32)
+    tile_expert = torch.full((max_tiles,), -7, dtype=torch.int32)
+    num_tiles = torch.full((1,), -7, dtype=torch.int32)
+    rc = f(_ptr(logits), T, E, top_k, {"softmax": 0, "sigmoid": 1}[scoring], int(renormalize),
+           _ptr(bias), num_groups, topk_groups, scaling, e0, e1, bm, _ptr(order), _ptr(ids), _ptr(w),
+           _ptr(sorted_ids), _ptr(tile_expert), _ptr(num_tiles))
+    assert rc == 0, "the emulated CTA deadlocked" if rc == 2 else f"rc {rc}"
+    return ids, w, sorted_ids, tile_expert, int(num_tiles)
+
+
+def route_truth(logits, bias, scoring, renormalize, scaling, experts):
+    """The weights of the given experts in fp64 (the reference's formula)."""
+    lg = logits.double()
+    score = torch.softmax(lg, -1) if scoring == "softmax" else torch.sigmoid(lg)
+    src = score + bias.double() if (bias is not None and scoring == "softmax") else score
+    w = src.gather(1, experts)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling
+
+
+def check_alignment(ids, sorted_ids, tile_expert, num_tiles, e0, e1, bm):
+    """Each local expert's entries (token * k + slot) in increasing order, padded with -1 to whole
+    tiles of bm rows, tiles in expert order; nothing else written."""
+    flat = ids.flatten().long()
+    tiles, rows = [], []
+    for e in range(e0, e1):
+        entries = torch.nonzero(flat == e).flatten().tolist()
+        n = -(-len(entries) // bm)
+        tiles += [e] * n
+        rows += entries + [-1] * (n * bm - len(entries))
+    assert num_tiles == len(tiles)
+    assert tile_expert[:num_tiles].tolist() == tiles and (tile_expert[num_tiles:] == -7).all()
+    assert sorted_ids[:num_tiles * bm].tolist() == rows and (sorted_ids[num_tiles * bm:] == -7).all()
+
+
+ROUTE_CASES = {
+    # name: (T, E, top_k, kwargs)
+    "llada_moe": (37, 64, 8, dict(scoring="softmax")),
+    "llada_moe_renorm_bias": (5, 64, 8, dict(scoring="softmax", renormalize=True, bias=True)),
+    "llada2_groups": (41, 256, 8, dict(scoring="sigmoid", renormalize=True, bias=True, num_groups=8,
+                                       topk_groups=4, scaling=2.5)),
+    "single_expert_groups": (9, 16, 3, dict(scoring="sigmoid", num_groups=16, topk_groups=5)),
+    "max_experts_top32": (3, 512, 32, dict(scoring="softmax")),
+    "one_token_prime_experts": (1, 7, 7, dict(scoring="softmax")),
+    "prefill_tiles_of_16": (300, 8, 2, dict(scoring="softmax", bm=128)),
+    "expert_range": (50, 64, 8, dict(scoring="sigmoid", e0=13, e1=40)),
+    "empty_expert_range": (6, 8, 2, dict(scoring="softmax", e0=3, e1=3)),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTE_CASES))
+def test_moe_route_matches_reference(lib, case):
+    from dinfer_kernels.reference.moe import route
+    T, E, k, kw = ROUTE_CASES[case]
+    kw = dict(kw)
+    bias = torch.randn(E) * 0.1 if kw.pop("bias", False) else None
+    bm, e0, e1 = kw.pop("bm", 16), kw.pop("e0", 0), kw.pop("e1", E)
+    logits = torch.randn(T, E) * 2
+    for seed in range(2):  # two CTA orders: a different CTA aligns
+        ids, w, sorted_ids, tile_expert, num_tiles = emulated_route(
+            lib, logits, k, bias=bias, e0=e0, e1=e1, bm=bm, order_seed=seed, **kw)
+        ref_w, ref_order = route(None, None, k, kw.get("renormalize", False), bias, router_logits=logits,
+                                 scoring=kw["scoring"], num_groups=kw.get("num_groups", 1),
+                                 topk_groups=kw.get("topk_groups", 1), routed_scaling=kw.get("scaling", 1.0))
+        by_expert = ref_order.sort(-1)
+        assert torch.equal(ids.long(), by_expert.values)
+        ref_w = ref_w.gather(1, by_expert.indices)
+        truth = route_truth(logits, bias, kw["scoring"], kw.get("renormalize", False),
+                            kw.get("scaling", 1.0), by_expert.values)
+        assert_precision(w, ref_w, truth, "routing weights")
+        check_alignment(ids, sorted_ids, tile_expert, num_tiles, e0, e1, bm)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_moe_route_ties_nan_and_inf(lib, scoring):
+    """All-equal logits pick the lowest experts (and groups); NaN ranks like -inf; +-inf logits."""
+    from dinfer_kernels.reference.moe import route
+    T, E, k = 6, 32, 4
+    logits = torch.zeros(T, E)
+    logits[1, 5] = float("nan")
+    logits[2, :] = float("nan")   # every expert unrankable: still k distinct ones, lowest first
+    logits[3, 7] = float("inf")
+    logits[4, :8] = float("-inf")
+    logits[5, 20:] = 1.0          # a tie among the higher experts
+    for groups in (1, 8):
+        ids, *_ = emulated_route(lib, logits, k, scoring=scoring, num_groups=groups, topk_groups=2)
+        ref = route(None, None, k, router_logits=logits, scoring=scoring, num_groups=groups,
+                    topk_groups=2)[1].sort(-1).values
+        assert torch.equal(ids.long(), ref)
+        assert ids[0].tolist() == [0, 1, 2, 3] and ids[2].tolist() == [0, 1, 2, 3]
+    assert ids[5].tolist() == [20, 21, 22, 23] and ids[4].tolist() == [8, 9, 10, 11]
