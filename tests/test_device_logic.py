@@ -295,3 +295,110 @@ def test_shared_exp_sigmoid_silu_ulps(lib):
     assert ((silu.double() - truth).abs() <= (s.double() * u.double()).abs() * 2.0 ** -125)[flush].all()
     inf = torch.tensor([float("inf"), float("-inf"), float("nan")])
     assert shared_math(lib, 1, inf)[:2].tolist() == [1.0, 0.0] and shared_math(lib, 1, inf)[2].isnan()
+
+
+# ---- attention: key walks of the splits, and the split combine --------------------------------------
+
+def emulated_walk(lib, S, seq_len, kv_block, *, blocks=None, count=None, mass=False, units=1):
+    """(tiles [(split, kb, k0, k1, last)], num_splits) of one work unit's key list."""
+    f = lib.dinfer_attention_walk_on_host
+    i32, i64, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [vp, i32, i32, i32, i32, i32, i32, i64, vp, i64, vp]
+    f.restype = i64
+    lst = None if blocks is None else torch.tensor(blocks, dtype=torch.int32)
+    out = torch.full((4096, 5), -7, dtype=torch.int32)
+    ns = torch.zeros(1, dtype=torch.int32)
+    n = f(_ptr(lst), 0 if count is None else count, 0 if lst is None else lst.numel(), seq_len, S,
+          kv_block, int(mass), units, _ptr(out), out.shape[0], _ptr(ns))
+    assert n <= out.shape[0]
+    return [tuple(r) for r in out[:n].tolist()], int(ns)
+
+
+def expected_walk(S, seq_len, kv_block, blocks, count, mass):
+    """The keys the reference attends, as the kernel's 64-key tiles, in list order."""
+    L = max(0, min(seq_len, S))
+    if blocks is None:
+        wkb = kv_block if mass else 64
+        slots = list(range(-(-L // wkb)))
+    else:
+        wkb = kv_block
+        slots = blocks[:max(0, min(count, len(blocks)))]
+    nkb = -(-S // wkb)
+    tiles = []
+    for kb in slots:
+        if not 0 <= kb < nkb:
+            continue
+        bs, be = kb * wkb, min(kb * wkb + wkb, L)
+        for k0 in range(bs, be, 64):
+            tiles.append((kb, k0, min(k0 + 64, be), int(min(k0 + 64, be) >= be)))
+    return tiles
+
+
+WALK_CASES = [
+    # S, seq_len, kv_block, blocks, count, mass
+    (1000, 999, 64, None, None, False),
+    (1000, 1000, 100, None, None, True),
+    (4096, 0, 128, None, None, False),
+    (300, -3, 64, None, None, True),
+    (300, 5000, 32, None, None, False),       # seq_len past the cache: clamped to S
+    (2048, 2048, 128, [15, 3, 7, 0, 9], 5, False),
+    (2048, 1500, 128, [15, 3, 7, 0, 9], 5, True),  # block 15 past L: skipped
+    (1000, 1000, 100, [9, -1, 10, 1_000_000, 2, 4], 6, False),  # invalid ids skipped
+    (1000, 1000, 100, [1, 2, 3, 4, 5, 6], 3, True),  # entries past the count are never read
+    (1000, 1000, 100, [1, 2, 3], 99, False),         # count past max_blocks: clamped
+    (1000, 1000, 100, [1, 2, 3], -4, False),
+    (100, 100, 1000, [0], 1, True),                  # one block larger than the cache
+    (8192, 8191, 256, list(range(31, -1, -1)), 32, False),
+]
+
+
+@pytest.mark.parametrize("case", range(len(WALK_CASES)))
+@pytest.mark.parametrize("units", [1, 20, 264])
+def test_attention_key_walk_covers_each_listed_key_once(lib, case, units):
+    S, seq_len, kv_block, blocks, count, mass = WALK_CASES[case]
+    tiles, ns = emulated_walk(lib, S, seq_len, kv_block, blocks=blocks, count=count, mass=mass, units=units)
+    assert 1 <= ns <= 32 and (units < 264 or ns == 1)
+    assert [t[1:] for t in tiles] == expected_walk(S, seq_len, kv_block, blocks, count, mass)
+    splits = [t[0] for t in tiles]
+    assert splits == sorted(splits)
+    if mass:  # block statistics need each block's tiles in one split
+        owner = {}
+        for split, kb, *_ in tiles:
+            assert owner.setdefault(kb, split) == split
+
+
+def emulated_combine(lib, part_lse, part_o):
+    f = lib.dinfer_attention_combine_on_host
+    vp, i32 = ctypes.c_void_p, ctypes.c_int32
+    f.argtypes = [vp, vp, i32, i32, i32, vp, vp]
+    ns, rows, D = part_o.shape
+    out = torch.full((rows, D), float("nan"))
+    lse2 = torch.full((rows,), float("nan"))
+    assert f(_ptr(part_lse), _ptr(part_o), ns, rows, D, _ptr(out), _ptr(lse2)) == 0
+    return out, lse2
+
+
+@pytest.mark.parametrize("ns", [1, 2, 5, 32])
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_split_combine(lib, ns, D):
+    """The (O, lse) partials of the splits merge into softmax-weighted sums; splits without keys
+    (lse -inf) contribute nothing, a row without any key gets lse -inf and output 0."""
+    rows = 7
+    part_lse = torch.randn(ns, rows) * 8
+    part_lse[0, 1] = float("-inf")
+    part_lse[:, 2] = float("-inf")
+    part_lse[-1, 3] = 130.0  # 2^130 overflows fp32: the max shift must keep it finite
+    part_o = torch.randn(ns, rows, D)
+    out, lse2 = emulated_combine(lib, part_lse, part_o)
+    ln2 = torch.log(torch.tensor(2.0, dtype=torch.float64))
+
+    def merged(ls, o):
+        w = torch.softmax(ls * ln2.to(ls.dtype), 0).nan_to_num(0.0)
+        return (w[:, :, None] * o).sum(0), torch.logsumexp(ls * ln2.to(ls.dtype), 0) / ln2.to(ls.dtype)
+
+    same_out, same_lse = merged(part_lse, part_o)
+    truth_out, truth_lse = merged(part_lse.double(), part_o.double())
+    live = part_lse.isfinite().any(0)
+    assert_precision(out[live], same_out[live], truth_out[live], "combined output")
+    assert_precision(lse2[live], same_lse[live], truth_lse[live], "combined lse")
+    assert (out[~live] == 0).all() and (lse2[~live] == float("-inf")).all()

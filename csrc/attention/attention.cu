@@ -616,26 +616,12 @@ __global__ void __launch_bounds__(kAuxThreads)
     const int64_t stride = static_cast<int64_t>(a.B) * a.W * a.Hq;
     float ls = -INFINITY;
     if (attention_math::row_valid(a.positions[bw], L) && lane < a.ns) ls = a.part_lse[lane * stride + row];
-    float mx = ls;
-    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, shfl_xor(mx, off));
-    float e = mx == -INFINITY ? 0.f : exp2f(ls - mx);
-    float sum = e;
-    for (int off = 16; off > 0; off /= 2) sum += shfl_xor(sum, off);
-    const float lse2 = mx == -INFINITY ? -INFINITY : mx + log2f(sum);
-    const float wgt = lse2 == -INFINITY ? 0.f : e / sum;  // = 2^(ls - lse2)
-    for (int d = 2 * lane; d < a.D; d += 64) {
-      float x0 = 0.f, x1 = 0.f;
-      for (int s = 0; s < a.ns; ++s) {
-        const float ws = shfl_xor(wgt, lane ^ s);  // lane s's weight (xor with lane^s reads lane s)
-        if (ws != 0.f) {
-          const float2 po = *reinterpret_cast<const float2*>(a.part_o + (s * stride + row) * a.D + d);
-          x0 += ws * po.x;
-          x1 += ws * po.y;
-        }
-      }
-      *reinterpret_cast<uint32_t*>(orow + d) = pack2(x0, x1, Tag{});
-    }
-    if (lane == 0 && a.lse != nullptr) a.lse[row] = lse2 * kLn2;
+    const attention_math::SplitWeight sw = attention_math::split_weight(ls);
+    attention_math::combine_columns(a.part_o + row * a.D, stride * a.D, a.D, a.ns, sw.w, lane,
+                                    [&](int d, float x0, float x1) {
+                                      *reinterpret_cast<uint32_t*>(orow + d) = pack2(x0, x1, Tag{});
+                                    });
+    if (lane == 0 && a.lse != nullptr) a.lse[row] = sw.lse2 * kLn2;
     return;
   }
   if (cta < a.combine_ctas + a.mass_ctas) {

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "dinfer_kernels/simt.h"
+
 #ifndef DINFER_HD
 #if defined(__CUDACC__)
 #define DINFER_HD __host__ __device__ __forceinline__
@@ -111,6 +113,53 @@ DINFER_HD float lse2_merge(float a, float b) {
   const float m = a > b ? a : b;
   if (m == -INFINITY) return -INFINITY;
   return m + log2f(exp2f(a - m) + exp2f(b - m));
+}
+
+// ---- split combine: one warp per output row, lane s holding split s's log2 lse ---------------------
+
+struct SplitWeight {
+  float lse2;  // the row's log2-domain lse over all splits (-inf: no key anywhere)
+  float w;     // this lane's split's share 2^(ls - lse2) (0 past the splits)
+};
+
+// ls: this lane's split's log2 lse, -inf for lanes past the split count (and for padding rows).
+// Butterflies, so every lane ends with the same max, sum and lse.
+DINFER_HD SplitWeight split_weight(float ls) {
+  float mx = ls;
+  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, simt::shfl_xor(mx, off));
+  const float e = mx == -INFINITY ? 0.f : exp2f(ls - mx);
+  float sum = e;
+  for (int off = 16; off > 0; off /= 2) sum += simt::shfl_xor(sum, off);
+  SplitWeight r;
+  r.lse2 = mx == -INFINITY ? -INFINITY : mx + log2f(sum);
+  r.w = r.lse2 == -INFINITY ? 0.f : e / sum;  // = 2^(ls - lse2)
+  return r;
+}
+
+// Columns d, d + 1 (d = 2 lane, + 64 per step) of the row's output, sum_s w_s * O_s in split order, with
+// O_s at part_o + s * split_stride; store(d, x0, x1) writes them. D is a multiple of 64: every lane
+// takes part in every shuffle.
+template <class Store>
+DINFER_HD void combine_columns(const float* part_o, int64_t split_stride, int D, int ns, float w, int lane,
+                               Store store) {
+  for (int d = 2 * lane; d < D; d += 64) {
+    float x0 = 0.f, x1 = 0.f;
+    for (int s = 0; s < ns; ++s) {
+      const float ws = simt::shfl_xor(w, lane ^ s);  // lane s's weight (xor with lane^s reads lane s)
+      if (ws != 0.f) {
+        const float* po = part_o + s * split_stride + d;
+#if defined(__CUDA_ARCH__)
+        const float2 v = *reinterpret_cast<const float2*>(po);
+        x0 += ws * v.x;
+        x1 += ws * v.y;
+#else
+        x0 += ws * po[0];
+        x1 += ws * po[1];
+#endif
+      }
+    }
+    store(d, x0, x1);
+  }
 }
 
 }  // namespace attention_math
