@@ -164,17 +164,7 @@ int decode_step_cuda(const DecodeStepParams& p, void* workspace, size_t workspac
   if (N * S > INT32_MAX || B > INT32_MAX) return cudaErrorInvalidConfiguration;
 
   char* ws = static_cast<char*>(workspace);
-  SplitArgs sa;
-  sa.logits = p.logits;
-  sa.row_stride = p.row_stride;
-  sa.vocab = static_cast<int32_t>(V);
-  sa.num_splits = S;
-  sa.chunk = split_chunk(V, S);
-  sa.mask_id = p.mask_id >= 0 && p.mask_id < V ? static_cast<int32_t>(p.mask_id) : -1;
-  sa.temperature = p.temperature;
-  sa.seed = p.seed;
-  sa.offset = p.offset;
-  sa.partials = reinterpret_cast<Partial*>(ws + l.partials);
+  const SplitArgs sa = split_args(p, S, reinterpret_cast<Partial*>(ws + l.partials));
 
   const bool sample = p.temperature > 0.f;  // NaN temperature: argmax, like the reference
   const unsigned grid = static_cast<unsigned>(N * S);

@@ -102,17 +102,7 @@ extern "C" int dinfer_decode_step_cuda_on_host(
 
   const int S = decode_step_num_splits(N, V);
   std::vector<Partial> partials(static_cast<size_t>(N * S));
-  SplitArgs sa;
-  sa.logits = p.logits;
-  sa.row_stride = p.row_stride;
-  sa.vocab = static_cast<int32_t>(V);
-  sa.num_splits = S;
-  sa.chunk = split_chunk(V, S);
-  sa.mask_id = p.mask_id >= 0 && p.mask_id < V ? static_cast<int32_t>(p.mask_id) : -1;
-  sa.temperature = p.temperature;
-  sa.seed = p.seed;
-  sa.offset = p.offset;
-  sa.partials = partials.data();
+  const SplitArgs sa = split_args(p, S, partials.data());
   const bool sample = p.temperature > 0.f;
   const uint32_t grid = static_cast<uint32_t>(N * S);
   switch (p.logits_dtype) {

@@ -108,13 +108,6 @@ inline int num_splits(int64_t units, int64_t slots, int64_t tiles_per_block, boo
   return static_cast<int>(max64(ns, 1));
 }
 
-// log2-domain log-sum-exp merge: -inf-safe.
-DINFER_HD float lse2_merge(float a, float b) {
-  const float m = a > b ? a : b;
-  if (m == -INFINITY) return -INFINITY;
-  return m + log2f(exp2f(a - m) + exp2f(b - m));
-}
-
 // ---- split combine: one warp per output row, lane s holding split s's log2 lse ---------------------
 
 struct SplitWeight {

@@ -325,9 +325,21 @@ struct SplitArgs {
   Partial* partials;   // [N, num_splits]
 };
 
-// Elements per split: whole vectors of both widths, so split boundaries never cut a vector.
-DINFER_HD int32_t split_chunk(int64_t vocab, int num_splits) {
-  return static_cast<int32_t>(((vocab + num_splits - 1) / num_splits + 7) / 8 * 8);
+// The split pass's arguments for a call (V <= kMaxVocab) with num_splits splits per row. Chunks of
+// whole vectors of both widths, so split boundaries never cut a vector.
+inline SplitArgs split_args(const DecodeStepParams& p, int num_splits, Partial* partials) {
+  SplitArgs sa;
+  sa.logits = p.logits;
+  sa.row_stride = p.row_stride;
+  sa.vocab = static_cast<int32_t>(p.vocab);
+  sa.num_splits = num_splits;
+  sa.chunk = static_cast<int32_t>(((p.vocab + num_splits - 1) / num_splits + 7) / 8 * 8);
+  sa.mask_id = p.mask_id >= 0 && p.mask_id < p.vocab ? static_cast<int32_t>(p.mask_id) : -1;
+  sa.temperature = p.temperature;
+  sa.seed = p.seed;
+  sa.offset = p.offset;
+  sa.partials = partials;
+  return sa;
 }
 
 // Partial of thread `tid` of CTA `cta` (row cta / num_splits, split cta % num_splits), before the
