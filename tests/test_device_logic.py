@@ -8,8 +8,10 @@ is a backend of tests/test_decode.py's harness (poisoned outputs, fp64 truth, pr
 tolerances) and runs that file's edge cases.
 """
 import ctypes
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,11 +29,15 @@ EMULATED = "cuda-on-host"
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
+def build(so, *flags):
+    subprocess.run(["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", *flags,
+                    f"-I{ROOT / 'csrc/include'}", *map(str, SOURCES), "-o", str(so)], check=True)
+
+
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     so = tmp_path_factory.mktemp("device_logic") / "device_logic.so"
-    subprocess.run(["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
-                    f"-I{ROOT / 'csrc/include'}", *map(str, SOURCES), "-o", str(so)], check=True)
+    build(so)
     return ctypes.CDLL(str(so))
 
 
@@ -402,3 +408,53 @@ def test_attention_split_combine(lib, ns, D):
     assert_precision(out[live], same_out[live], truth_out[live], "combined output")
     assert_precision(lse2[live], same_lse[live], truth_lse[live], "combined lse")
     assert (out[~live] == 0).all() and (lse2[~live] == float("-inf")).all()
+
+
+# ---- hostile inputs under AddressSanitizer ---------------------------------------------------------
+
+def hostile_inputs(so):
+    """Values the kernels must survive without an out-of-bounds access (run under ASan): bad
+    sequence offsets, credit ids outside [0, V), a mask id outside the vocabulary, block lists with
+    invalid ids and counts. Buffers are exactly sized, so any read past them is reported."""
+    lib = ctypes.CDLL(so)
+    decode_step = emulated_decode_step(lib)
+    N, V, K = 9, 1031, 3
+    full = torch.randn(N, V + 3)
+    logits = full[:, 1:V + 1]  # misaligned rows, the last one ending 2 elements before the buffer
+    for offsets, mask_id in (([-5, 3, 2, 100], 7), ([0, 4, 9], V + 5), ([9, 0, -1, 4], -2)):
+        offs = torch.tensor(offsets, dtype=torch.int32)
+        B = offs.numel() - 1
+        tokens = torch.full((N,), 7, dtype=torch.int64)
+        before = tokens.clone()
+        ids = torch.randint(-3, V + 3, (N, K), dtype=torch.int32)
+        ids[N - 1, K - 1] = 2**31 - 1
+        vals = torch.rand(N, K)
+        outs = [torch.full((N,), -7, dtype=torch.int64), torch.full((N,), float("nan")),
+                torch.zeros(N, dtype=torch.bool), torch.full((N,), float("nan")), torch.full((N,), float("nan"))]
+        for rule in range(3):
+            decode_step(logits, tokens, offs, torch.rand(B), torch.randint(0, 3, (B,), dtype=torch.int32), ids,
+                        vals, mask_id, rule, 0.4, 0.5 * rule, 1, 2, 0.7, 0.8, 0.2, *outs)
+        covered = torch.zeros(N, dtype=torch.bool)
+        for b in range(B):  # the rows the kernels' clamp assigns to a sequence
+            lo = min(max(offsets[b], 0), N)
+            covered[lo:min(max(offsets[b + 1], lo), N)] = True
+        assert (outs[0][~covered] == -7).all() and torch.equal(tokens[~covered], before[~covered])
+        assert ((ids == -1) | ((ids >= 0) & (ids < V)))[covered].all()  # bad ids became empty slots
+    for blocks, count in (([5, -1, 99, 2], 4), ([1, 2], 7), ([3], -1)):
+        emulated_walk(lib, 640, 600, 64, blocks=blocks, count=count, mass=True)
+    logits = torch.randn(3, 8)
+    logits[1] = float("nan")
+    emulated_route(lib, logits, 2, num_groups=4, topk_groups=1, e0=2, e1=6)
+
+
+@pytest.mark.skipif(not Path(subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True,
+                                            text=True).stdout.strip()).exists() if shutil.which("g++") else True,
+                    reason="needs libasan")
+def test_hostile_inputs_stay_in_bounds(tmp_path):
+    so = tmp_path / "device_logic_asan.so"
+    build(so, "-fsanitize=address", "-fno-omit-frame-pointer")
+    asan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    env = dict(os.environ, LD_PRELOAD=asan, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=99")
+    proc = subprocess.run([sys.executable, "-c", f"import test_device_logic as t; t.hostile_inputs({str(so)!r})"],
+                          cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
