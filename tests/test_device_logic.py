@@ -86,6 +86,16 @@ def test_decode_shapes_and_rules(emulated, rule, N, V):
     test_decode.test_shapes_and_rules(EMULATED, "cpu", rule, N, V)
 
 
+@pytest.mark.parametrize("rule", list(test_decode.RULES))
+def test_decode_sequence_longer_than_the_shared_stage(emulated, rule):
+    """A sequence of more rows than the finalize kernel stages in shared memory (1024) reads the
+    global copies in phases b and c."""
+    N, V = 1030, 40
+    logits, tokens, offsets, mask_id = test_decode.make_case(N, V, [0, 3, N], scale=1.0)
+    test_decode.check_backend(EMULATED, "cpu", logits, tokens, offsets, mask_id, rule,
+                              num_commit=torch.tensor([1, 700], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_decode_dtypes_and_misaligned_rows(emulated, dtype):
     test_decode.test_dtypes_and_row_stride(EMULATED, "cpu", dtype)
