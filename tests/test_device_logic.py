@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import test_decode
-from conftest import assert_precision
+from conftest import EXT, HAS_GPU, assert_precision
 from dinfer_kernels.reference import decode_step_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +153,36 @@ def test_decode_bad_credit_ids_are_empty_slots(emulated):
                                 credit_ids=ref_ids, credit_vals=ref_vals)
     assert torch.equal(outs[0], ref.candidate) and torch.equal(ids_e, ref_ids)
     assert torch.equal(outs[2], ref.commit)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_GPU and EXT is not None and EXT.built_with_cuda()), reason="needs the CUDA kernels")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature):
+    """The GPU and its host run take the same decisions: candidates, commits, tokens, credit slots and
+    row maxima agree exactly; confidences and lse, where MUFU.EX2 / LG2 stand against exp2f / log2f,
+    are as close to the fp64 truth as the host run's."""
+    N, V, B = 64, 157184, 5
+    logits, tokens, offsets, mask_id = test_decode.make_case(N, V, test_decode.ragged_offsets(N, B), dtype)
+    thr, k = torch.rand(B), torch.randint(0, 4, (B,), dtype=torch.int32)
+    credit = (torch.full((N, 4), -1, dtype=torch.int32), torch.zeros(N, 4))
+    for _ in range(3):
+        kw = dict(temperature=temperature, seed=3)
+        args = (logits, tokens, offsets, mask_id, "hierarchical", thr, k, credit)
+        gpu, tok_g, cred_g = test_decode.run_backend("cuda", "cuda", *args, **kw)
+        host, tok_h, cred_h = test_decode.run_backend(EMULATED, "cpu", *args, **kw)
+        ids, vals = credit[0].clone(), credit[1].clone()
+        truth = decode_step_reference(logits, tokens.clone(), offsets, mask_id, rule="hierarchical",
+                                      threshold=thr, num_commit=k, credit_ids=ids, credit_vals=vals,
+                                      compute_dtype=torch.float64, **kw)
+        for i in (0, 2, 3):
+            assert torch.equal(gpu[i], host[i])
+        assert torch.equal(tok_g, tok_h) and torch.equal(cred_g[0], cred_h[0])
+        assert_precision(gpu[1], host[1], truth.confidence.double(), "confidence")
+        assert_precision(gpu[4], host[4], truth.row_lse.double(), "row_lse")
+        assert_precision(cred_g[1], cred_h[1], vals.double(), "credit values")
+        tokens, credit = tok_h, cred_h
 
 
 # ---- MoE routing and alignment -----------------------------------------------------------------------
