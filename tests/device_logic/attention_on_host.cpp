@@ -1,7 +1,7 @@
 // The attention kernels' scheduling and split combine (csrc/attention/attention.cu) executed on the
 // host: the key walk of every split of one (sequence, kv head, query block) work unit, with the
 // launcher's plan and the forward kernel's loop over attention_math::find_tile, and the epilogue's
-// per-row combine (attention_math::split_weight / combine_columns) run lane by lane by the SIMT
+// per-row combine (attention_math::splits_lse2 / split_share / combine_columns) run lane by lane by the SIMT
 // emulator. Built and loaded by tests/test_device_logic.py through ctypes.
 #include <cmath>
 #include <cstdint>
@@ -75,14 +75,14 @@ extern "C" int dinfer_attention_combine_on_host(const float* part_lse, const flo
   for (int32_t row = 0; row < rows; ++row) {
     const bool ok = simt::host::run_cta(32, [&] {
       const int lane = simt::thread_index();
+      const float lse = splits_lse2(part_lse + row, ns, rows);
       const float ls = lane < ns ? part_lse[static_cast<int64_t>(lane) * rows + row] : -INFINITY;
-      const SplitWeight sw = split_weight(ls);
-      combine_columns(part_o + static_cast<int64_t>(row) * D, static_cast<int64_t>(rows) * D, D, ns, sw.w,
-                      lane, [&](int d, float x0, float x1) {
+      combine_columns(part_o + static_cast<int64_t>(row) * D, static_cast<int64_t>(rows) * D, D, ns,
+                      split_share(ls, lse), lane, [&](int d, float x0, float x1) {
                         out[static_cast<int64_t>(row) * D + d] = x0;
                         out[static_cast<int64_t>(row) * D + d + 1] = x1;
                       });
-      if (lane == 0) lse2[row] = sw.lse2;
+      if (lane == 0) lse2[row] = lse;
     });
     if (!ok) return 2;
   }

@@ -108,30 +108,26 @@ inline int num_splits(int64_t units, int64_t slots, int64_t tiles_per_block, boo
   return static_cast<int>(max64(ns, 1));
 }
 
-// ---- split combine: one warp per output row, lane s holding split s's log2 lse ---------------------
+// ---- split combine ---------------------------------------------------------------------------------
 
-struct SplitWeight {
-  float lse2;  // the row's log2-domain lse over all splits (-inf: no key anywhere)
-  float w;     // this lane's split's share 2^(ls - lse2) (0 past the splits)
-};
-
-// ls: this lane's split's log2 lse, -inf for lanes past the split count (and for padding rows).
-// Butterflies, so every lane ends with the same max, sum and lse.
-DINFER_HD SplitWeight split_weight(float ls) {
-  float mx = ls;
-  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, simt::shfl_xor(mx, off));
-  const float e = mx == -INFINITY ? 0.f : exp2f(ls - mx);
-  float sum = e;
-  for (int off = 16; off > 0; off /= 2) sum += simt::shfl_xor(sum, off);
-  SplitWeight r;
-  r.lse2 = mx == -INFINITY ? -INFINITY : mx + log2f(sum);
-  r.w = r.lse2 == -INFINITY ? 0.f : e / sum;  // = 2^(ls - lse2)
-  return r;
+// The row's log2-domain lse from its splits' partial ones (ls[s * stride], s < ns), in split order;
+// -inf when no split has a key. The one formula of the combine and of the block statistics, so block
+// masses are normalised by exactly the lse the output reports.
+DINFER_HD float splits_lse2(const float* ls, int ns, int64_t stride) {
+  float mx = -INFINITY;
+  for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ls[s * stride]);
+  if (mx == -INFINITY) return -INFINITY;
+  float sum = 0.f;
+  for (int s = 0; s < ns; ++s) sum += exp2f(ls[s * stride] - mx);
+  return mx + log2f(sum);
 }
 
-// Columns d, d + 1 (d = 2 lane, + 64 per step) of the row's output, sum_s w_s * O_s in split order, with
-// O_s at part_o + s * split_stride; store(d, x0, x1) writes them. D is a multiple of 64: every lane
-// takes part in every shuffle.
+// A split's share 2^(ls - lse2) of the row's output (0 when the row has no key).
+DINFER_HD float split_share(float ls, float lse2) { return lse2 == -INFINITY ? 0.f : exp2f(ls - lse2); }
+
+// One warp per output row, lane s holding split s's share w: columns d, d + 1 (d = 2 lane, + 64 per
+// step) of the row's output, sum_s w_s * O_s in split order, with O_s at part_o + s * split_stride;
+// store(d, x0, x1) writes them. D is a multiple of 64: every lane takes part in every shuffle.
 template <class Store>
 DINFER_HD void combine_columns(const float* part_o, int64_t split_stride, int D, int ns, float w, int lane,
                                Store store) {
