@@ -9,7 +9,8 @@
 //      grouped top-k) and writes each token's top-k (expert, weight) sorted by expert id. The last
 //      token tile to finish aligns: per-expert counts, tile offsets, and the permuted entry list
 //      (entry = token * top_k + slot), each local expert's rows padded to a multiple of BLOCK_M, in
-//      token order (deterministic), plus the expert of every M tile and the number of tiles.
+//      token order (deterministic), plus the expert of every M tile and the number of tiles. All but
+//      the logits is moe_route.h, which the tests also run lane by lane on the host.
 //   2. GEMM 1 (gate/up + SiLU): grid (max M tiles) x (N tiles over I). A CTA gathers its tile's
 //      hidden rows, streams the gate rows and the up rows of the same output columns of its expert
 //      through a cp.async pipeline, multiplies on the tensor cores (mma.sync m16n8k16, fp32
