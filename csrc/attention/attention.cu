@@ -563,13 +563,7 @@ struct EpilogueArgs {
 
 // Final log2-domain lse of row `row` = (b, w, h) from the splits' partial ones.
 DINFER_DEV float row_lse2(const EpilogueArgs& a, int64_t row) {
-  const int64_t stride = static_cast<int64_t>(a.B) * a.W * a.Hq;
-  float mx = -INFINITY;
-  for (int s = 0; s < a.ns; ++s) mx = fmaxf(mx, a.part_lse[s * stride + row]);
-  if (mx == -INFINITY) return -INFINITY;
-  float sum = 0.f;
-  for (int s = 0; s < a.ns; ++s) sum += exp2f(a.part_lse[s * stride + row] - mx);
-  return mx + log2f(sum);
+  return attention_math::splits_lse2(a.part_lse + row, a.ns, static_cast<int64_t>(a.B) * a.W * a.Hq);
 }
 
 template <class Tag>
@@ -587,27 +581,14 @@ __global__ void __launch_bounds__(kAuxThreads)
     uint16_t* orow = a.out + b * a.os[0] + w * a.os[1] + h * a.os[2];
     const int32_t L = attention_math::valid_len(a.seq_lens[b], a.S);
     const int64_t stride = static_cast<int64_t>(a.B) * a.W * a.Hq;
-    float ls = -INFINITY;
-    if (attention_math::row_valid(a.positions[bw], L) && lane < a.ns) ls = a.part_lse[lane * stride + row];
-    float mx = ls;
-    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, shfl_xor(mx, off));
-    float e = mx == -INFINITY ? 0.f : exp2f(ls - mx);
-    float sum = e;
-    for (int off = 16; off > 0; off /= 2) sum += shfl_xor(sum, off);
-    const float lse2 = mx == -INFINITY ? -INFINITY : mx + log2f(sum);
-    const float wgt = lse2 == -INFINITY ? 0.f : e / sum;  // = 2^(ls - lse2)
-    for (int d = 2 * lane; d < a.D; d += 64) {
-      float x0 = 0.f, x1 = 0.f;
-      for (int s = 0; s < a.ns; ++s) {
-        const float ws = shfl_xor(wgt, lane ^ s);  // lane s's weight (xor with lane^s reads lane s)
-        if (ws != 0.f) {
-          const float2 po = *reinterpret_cast<const float2*>(a.part_o + (s * stride + row) * a.D + d);
-          x0 += ws * po.x;
-          x1 += ws * po.y;
-        }
-      }
-      *reinterpret_cast<uint32_t*>(orow + d) = pack2(x0, x1, Tag{});
-    }
+    const bool valid = attention_math::row_valid(a.positions[bw], L);  // padding rows: no partials
+    const float lse2 = valid ? row_lse2(a, row) : -INFINITY;
+    const float ls = valid && lane < a.ns ? a.part_lse[lane * stride + row] : -INFINITY;
+    attention_math::combine_columns(a.part_o + row * a.D, stride * a.D, a.D, a.ns,
+                                    attention_math::split_share(ls, lse2), lane,
+                                    [&](int d, float x0, float x1) {
+                                      *reinterpret_cast<uint32_t*>(orow + d) = pack2(x0, x1, Tag{});
+                                    });
     if (lane == 0 && a.lse != nullptr) a.lse[row] = lse2 * kLn2;
     return;
   }

@@ -9,7 +9,8 @@
 //      grouped top-k) and writes each token's top-k (expert, weight) sorted by expert id. The last
 //      token tile to finish aligns: per-expert counts, tile offsets, and the permuted entry list
 //      (entry = token * top_k + slot), each local expert's rows padded to a multiple of BLOCK_M, in
-//      token order (deterministic), plus the expert of every M tile and the number of tiles.
+//      token order (deterministic), plus the expert of every M tile and the number of tiles. All but
+//      the logits is moe_route.h, which the tests also run lane by lane on the host.
 //   2. GEMM 1 (gate/up + SiLU): grid (max M tiles) x (N tiles over I). A CTA gathers its tile's
 //      hidden rows, streams the gate rows and the up rows of the same output columns of its expert
 //      through a cp.async pipeline, multiplies on the tensor cores (mma.sync m16n8k16, fp32
@@ -36,6 +37,7 @@
 #include "dinfer_kernels/moe.h"
 #include "dinfer_kernels/detail/mma_layout.h"
 #include "dinfer_kernels/moe_math.h"
+#include "dinfer_kernels/moe_route.h"
 
 namespace dinfer_kernels {
 namespace {
@@ -47,7 +49,6 @@ namespace {
 #define DINFER_MOE_UNROLL
 #endif
 
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr size_t kWorkspaceAlign = 256;
 
 // ---- element formats -----------------------------------------------------------------------------
@@ -160,87 +161,11 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 #endif
 }
 
-// ---- warp helpers ------------------------------------------------------------------------------
-
-__device__ __forceinline__ float warp_max(float v) {
-  DINFER_MOE_UNROLL
-  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, off));
-  return v;
-}
-
-// Butterfly sum: every lane ends with the same value, and the order is fixed (deterministic).
-__device__ __forceinline__ float warp_sum(float v) {
-  DINFER_MOE_UNROLL
-  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(kFullMask, v, off);
-  return v;
-}
-
-// Best (score, index) of the warp under moe_math::beats; every lane ends with the same pair since
-// beats is a strict total order on pairs with distinct indices.
-__device__ __forceinline__ void warp_argmax(float& v, int32_t& i) {
-  DINFER_MOE_UNROLL
-  for (int off = 16; off > 0; off /= 2) {
-    const float ov = __shfl_xor_sync(kFullMask, v, off);
-    const int32_t oi = __shfl_xor_sync(kFullMask, i, off);
-    if (moe_math::beats(ov, oi, v, i)) {
-      v = ov;
-      i = oi;
-    }
-  }
-}
-
 // =================================================================================================
-// 1. Routing and alignment
+// 1. Routing and alignment (after the router logits: moe_route.h)
 // =================================================================================================
 
-constexpr int kRouteThreads = 256;
-constexpr int kRouteWarps = kRouteThreads / 32;
-constexpr int kRouteExpertsPerWarp = 2;
-constexpr int kRouteExpertsPerCta = kRouteWarps * kRouteExpertsPerWarp;  // 16
-constexpr int kScoresPerLane = static_cast<int>(kMoeMaxExperts / 32);    // 16
-constexpr float kRenormEps = 1e-20f;  // w / (sum + eps), as the reference
-
-struct RouteArgs {
-  const void* hidden;
-  ScalarType hidden_dtype;
-  const void* router_weight;  // null when given_logits is set
-  ScalarType router_dtype;
-  const float* given_logits;  // [T, E] or null
-  int32_t T, H, E, top_k;
-  bool vec4;  // H % 4 == 0 and the hidden / router rows are aligned for 4-element loads
-  MoeScoring scoring;
-  bool renormalize;
-  const float* bias;
-  int32_t num_groups, topk_groups;
-  float scaling;
-  int32_t e0, e1;
-  int32_t bm;  // rows per M tile of the GEMMs
-  // workspace
-  float* logits;         // [T, E] (computed logits)
-  int32_t* tile_counter; // [token tiles], zeroed before the launch
-  int32_t* done_counter; // [1], zeroed before the launch
-  int32_t* topk_ids;     // [T, top_k], increasing expert id per token
-  float* topk_w;         // [T, top_k]
-  int32_t* sorted_ids;   // [max_tiles * bm]: entry id or -1 (padding)
-  int32_t* tile_expert;  // [max_tiles]
-  int32_t* num_tiles;    // [1]
-};
-
-struct RouteShared {
-  union {
-    struct {  // scoring: per-warp scratch
-      float sel[kRouteWarps][kMoeMaxExperts];      // selection scores (grouped top-k)
-      float gscore[kRouteWarps][kMoeMaxExperts];   // group scores, then kept flags (1 / 0)
-    } score;
-    struct {  // alignment
-      int32_t cnt[kRouteWarps][kMoeMaxExperts];    // per-warp counts, then per-warp bases
-      int32_t total[kMoeMaxExperts];
-      int32_t tile_off[kMoeMaxExperts];
-    } align;
-  } u;
-  int32_t num_tiles;
-  int32_t is_last;
-};
+using namespace moe_route;
 
 // Router logits of TT tokens x 2 experts for this warp, fp32 with fp32 accumulation.
 template <int TT>
@@ -296,240 +221,14 @@ __device__ __forceinline__ void router_logits_warp(const RouteArgs& a, int t0, i
     }
 }
 
-// Scores one token with one warp and writes its top-k sorted by expert id.
-__device__ __forceinline__ void score_token(const RouteArgs& a, RouteShared& sh, int t, int warp, int lane) {
-  const int E = a.E;
-  float logit[kScoresPerLane];
-  const float* lrow = a.given_logits != nullptr ? a.given_logits + static_cast<int64_t>(t) * E
-                                                : a.logits + static_cast<int64_t>(t) * E;
-  DINFER_MOE_UNROLL
-  for (int i = 0; i < kScoresPerLane; ++i) {
-    const int e = lane + 32 * i;
-    // Logits computed by other CTAs of this launch: read through L2 (__ldcg), never a stale L1 line.
-    logit[i] = e < E ? (a.given_logits != nullptr ? lrow[e] : __ldcg(lrow + e)) : -INFINITY;
-  }
-
-  // sel: what the top-k ranks; wsrc: what becomes the weight (before renormalisation and scaling).
-  float sel[kScoresPerLane], wsrc[kScoresPerLane];
-  if (a.scoring == MoeScoring::kSoftmax) {
-    float m = -INFINITY;
-    DINFER_MOE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i) m = fmaxf(m, logit[i]);
-    m = warp_max(m);
-    if (m == -INFINITY) m = 0.f;  // every logit -inf: keep exp() finite (the output is NaN anyway)
-    float z = 0.f;
-    DINFER_MOE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i) {
-      sel[i] = lane + 32 * i < E ? expf(logit[i] - m) : 0.f;
-      z += sel[i];
-    }
-    z = warp_sum(z);
-    DINFER_MOE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i) {
-      const int e = lane + 32 * i;
-      const float p = sel[i] / z;
-      sel[i] = e < E && a.bias != nullptr ? p + a.bias[e] : p;
-      wsrc[i] = sel[i];  // softmax: the bias stays in the weights
-    }
-  } else {
-    DINFER_MOE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i) {
-      const int e = lane + 32 * i;
-      const float s = moe_math::sigmoid(logit[i]);
-      wsrc[i] = s;  // sigmoid: the weights are the unbiased scores
-      sel[i] = e < E && a.bias != nullptr ? s + a.bias[e] : s;
-    }
-  }
-  DINFER_MOE_UNROLL
-  for (int i = 0; i < kScoresPerLane; ++i) sel[i] = moe_math::rankable(sel[i]);
-
-  // Experts outside the kept groups are excluded (bit i of the lane's mask: expert lane + 32 i).
-  uint32_t excluded = 0;
-  if (a.num_groups > 1) {
-    const int G = a.num_groups, gs = E / G;
-    float* s_sel = sh.u.score.sel[warp];
-    float* s_g = sh.u.score.gscore[warp];
-    DINFER_MOE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i)
-      if (lane + 32 * i < E) s_sel[lane + 32 * i] = sel[i];
-    __syncwarp();
-    for (int g = lane; g < G; g += 32) s_g[g] = moe_math::group_score(s_sel + g * gs, gs);
-    __syncwarp();
-    float gsc[kScoresPerLane];
-    DINFER_MOE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i) gsc[i] = lane + 32 * i < G ? s_g[lane + 32 * i] : 0.f;
-    uint32_t kept = 0;
-    for (int r = 0; r < a.topk_groups; ++r) {
-      float bv = -INFINITY;
-      int32_t bi = INT32_MAX;
-      DINFER_MOE_UNROLL
-      for (int i = 0; i < kScoresPerLane; ++i) {
-        const int g = lane + 32 * i;
-        if (g < G && !((kept >> i) & 1u) && moe_math::beats(gsc[i], g, bv, bi)) {
-          bv = gsc[i];
-          bi = g;
-        }
-      }
-      warp_argmax(bv, bi);
-      if (bi != INT32_MAX && bi % 32 == lane) kept |= 1u << (bi / 32);
-    }
-    __syncwarp();  // every lane has read its group scores: the array now holds kept flags
-    DINFER_MOE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i)
-      if (lane + 32 * i < G) s_g[lane + 32 * i] = (kept >> i) & 1u ? 1.f : 0.f;
-    __syncwarp();
-    DINFER_MOE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i) {
-      const int e = lane + 32 * i;
-      if (e < E && s_g[e / gs] == 0.f) excluded |= 1u << i;
-    }
-    __syncwarp();  // the scratch is reused by this warp's next token
-  }
-
-  // Top-k: k rounds of a warp argmax (ties: lower expert). Lane j keeps slot j.
-  uint32_t chosen = 0;
-  int32_t my_id = -1;
-  float my_w = 0.f;
-  for (int j = 0; j < a.top_k; ++j) {
-    float bv = -INFINITY;
-    int32_t bi = INT32_MAX;
-    DINFER_MOE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i) {
-      const int e = lane + 32 * i;
-      if (e < E && !(((chosen | excluded) >> i) & 1u) && moe_math::beats(sel[i], e, bv, bi)) {
-        bv = sel[i];
-        bi = e;
-      }
-    }
-    warp_argmax(bv, bi);
-    float w = 0.f;
-    if (bi != INT32_MAX && bi % 32 == lane) {
-      const int slot = bi / 32;
-      chosen |= 1u << slot;
-      DINFER_MOE_UNROLL
-      for (int i = 0; i < kScoresPerLane; ++i)
-        if (i == slot) w = wsrc[i];
-    }
-    const int owner = bi != INT32_MAX ? bi % 32 : 0;
-    w = __shfl_sync(kFullMask, w, owner);
-    if (lane == j) {
-      my_id = bi != INT32_MAX ? bi : -1;  // -1: no candidate left (excluded by the checks)
-      my_w = w;
-    }
-  }
-  if (a.renormalize) {
-    float s = 0.f;  // in slot (selection) order, like a sum over the top-k dimension
-    for (int j = 0; j < a.top_k; ++j) s += __shfl_sync(kFullMask, my_w, j);
-    my_w = my_w / (s + kRenormEps);
-  }
-  my_w = my_w * a.scaling;
-
-  // Sort the slots by expert id so that the combine adds them in the reference's order.
-  int rank = 0;
-  for (int j = 0; j < a.top_k; ++j) {
-    const int32_t other = __shfl_sync(kFullMask, my_id, j);
-    if (other < my_id || (other == my_id && j < lane)) ++rank;
-  }
-  if (lane < a.top_k) {
-    const int64_t o = static_cast<int64_t>(t) * a.top_k + rank;
-    a.topk_ids[o] = my_id;
-    a.topk_w[o] = my_w;
-  }
-}
-
-// The entries [begin, end) of warp `warp`, walked 32 at a time: key = local expert or -1.
-__device__ __forceinline__ int32_t entry_key(const RouteArgs& a, int64_t i, int64_t end) {
-  if (i >= end) return -1;
-  const int32_t id = __ldcg(a.topk_ids + i);
-  return id >= a.e0 && id < a.e1 ? id - a.e0 : -1;
-}
-
-// Counts, tile offsets and the token-ordered, padded entry list (one CTA).
-__device__ __forceinline__ void align_entries(const RouteArgs& a, RouteShared& sh, int warp, int lane) {
-  const int El = a.e1 - a.e0;
-  const int64_t n = static_cast<int64_t>(a.T) * a.top_k;
-  const int64_t per = (n + kRouteWarps * 32 - 1) / (kRouteWarps * 32) * 32;
-  const int64_t begin = warp * per < n ? warp * per : n;
-  const int64_t end = begin + per < n ? begin + per : n;
-  int32_t* cnt = sh.u.align.cnt[warp];
-  const uint32_t lt_mask = (1u << lane) - 1u;
-
-  for (int el = lane; el < El; el += 32) cnt[el] = 0;
-  __syncwarp();
-  for (int64_t base = begin; base < end; base += 32) {
-    const int32_t key = entry_key(a, base + lane, end);
-    const uint32_t peers = __match_any_sync(kFullMask, key);
-    if (key >= 0 && (peers & lt_mask) == 0) cnt[key] += __popc(peers);
-    __syncwarp();
-  }
-  __syncthreads();
-
-  // Per expert: exclusive prefix over the warps (each warp's base), and the total.
-  for (int el = threadIdx.x; el < El; el += kRouteThreads) {
-    int32_t running = 0;
-    for (int w = 0; w < kRouteWarps; ++w) {
-      const int32_t c = sh.u.align.cnt[w][el];
-      sh.u.align.cnt[w][el] = running;
-      running += c;
-    }
-    sh.u.align.total[el] = running;
-  }
-  __syncthreads();
-
-  // Tile offsets: exclusive scan of ceil(count / bm) over the local experts (warp 0).
-  if (warp == 0) {
-    int32_t carry = 0;
-    for (int base = 0; base < El; base += 32) {
-      const int el = base + lane;
-      const int32_t tiles = el < El ? (sh.u.align.total[el] + a.bm - 1) / a.bm : 0;
-      int32_t incl = tiles;
-      DINFER_MOE_UNROLL
-      for (int off = 1; off < 32; off *= 2) {
-        const int32_t o = __shfl_up_sync(kFullMask, incl, off);
-        if (lane >= off) incl += o;
-      }
-      if (el < El) sh.u.align.tile_off[el] = carry + incl - tiles;
-      carry += __shfl_sync(kFullMask, incl, 31);
-    }
-    if (lane == 0) sh.num_tiles = carry;
-  }
-  __syncthreads();
-
-  // Tile experts and padding rows.
-  for (int el = threadIdx.x; el < El; el += kRouteThreads) {
-    const int32_t total = sh.u.align.total[el];
-    const int32_t off = sh.u.align.tile_off[el];
-    const int32_t tiles = (total + a.bm - 1) / a.bm;
-    for (int32_t j = 0; j < tiles; ++j) a.tile_expert[off + j] = a.e0 + el;
-    for (int32_t r = total; r < tiles * a.bm; ++r) a.sorted_ids[static_cast<int64_t>(off) * a.bm + r] = -1;
-  }
-  if (threadIdx.x == 0) *a.num_tiles = sh.num_tiles;
-
-  // Entries in increasing index order within each expert.
-  for (int64_t base = begin; base < end; base += 32) {
-    const int64_t i = base + lane;
-    const int32_t key = entry_key(a, i, end);
-    const uint32_t peers = __match_any_sync(kFullMask, key);
-    if (key >= 0) {
-      const int64_t pos = static_cast<int64_t>(sh.u.align.tile_off[key]) * a.bm + cnt[key] +
-                          __popc(peers & lt_mask);
-      a.sorted_ids[pos] = static_cast<int32_t>(i);
-    }
-    __syncwarp();
-    if (key >= 0 && (peers & lt_mask) == 0) cnt[key] += __popc(peers);
-    __syncwarp();
-  }
-}
-
 template <int TT>
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(const __grid_constant__ RouteArgs a) {
   __shared__ RouteShared sh;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tile = blockIdx.x;
-  const int t0 = tile * TT;
 
   if (a.given_logits == nullptr) {
-    router_logits_warp<TT>(a, t0, blockIdx.y * kRouteExpertsPerCta + warp * kRouteExpertsPerWarp, lane);
+    router_logits_warp<TT>(a, tile * TT, blockIdx.y * kRouteExpertsPerCta + warp * kRouteExpertsPerWarp, lane);
     // Last CTA of this token tile to finish scores it (classic threadfence + counter pattern).
     __threadfence();
     __syncthreads();
@@ -538,16 +237,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const __grid_const
     if (!sh.is_last) return;
     __threadfence();
   }
-
-  for (int t = t0 + warp; t < t0 + TT && t < a.T; t += kRouteWarps) score_token(a, sh, t, warp, lane);
-
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) sh.is_last = atomicAdd(a.done_counter, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!sh.is_last) return;
-  __threadfence();
-  align_entries(a, sh, warp, lane);
+  moe_route::score_and_align<TT>(a, sh, tile, static_cast<int>(gridDim.x), warp, lane);
 }
 
 // =================================================================================================
@@ -876,7 +566,7 @@ Plan make_plan(int64_t T, int64_t E, int64_t top_k, int64_t H, int64_t I) {
   // ~48 rows per expert and up: the 128-row tiles waste less than the 16-row ones re-read weights.
   p.large = E > 0 && entries >= 48 * E;
   p.bm = p.large ? LargeGemm1::kBM : SmallGemm1::kBM;
-  p.route_tt = T > 256 ? 16 : 4;
+  p.route_tt = moe_route::tokens_per_cta(T);
   p.token_tiles = (T + p.route_tt - 1) / p.route_tt;
   // sum over experts of ceil(c_e / bm) <= (entries + nonempty * (bm - 1)) / bm.
   const int64_t nonempty = E < entries ? E : entries;

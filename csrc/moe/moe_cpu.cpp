@@ -55,7 +55,7 @@ constexpr int64_t kMinGemmRows = 8;      // below this, dot products (no transpo
 constexpr int64_t kChunkTokens = 1024;   // tokens per pass: bounds the slot buffer
 constexpr int64_t kMacsPerThread = 1 << 20;  // multiply-adds below which another thread does not pay
 
-// silu(g) * u in fp32, lane-wise, with the vector exp of host_math (libm's expf is not): exp(-|g|) <= 1.
+// moe_math::silu_mul (the device kernels' SiLU) lane-wise, with the vector exp of host_math (libm's expf is not): exp(-|g|) <= 1.
 inline vcols silu_mul(vcols g, vcols u) {
   const auto pos = g >= 0.f;
   const vcols e = host::exp_nonpositive(pos ? -g : g);
@@ -343,7 +343,7 @@ void route_token(const MoeParams& p, int64_t t, Route& s, int32_t* id, float* wt
     float m = -INFINITY;
     for (int64_t e = 0; e < E; ++e) m = (logit[e] > m || logit[e] != logit[e]) ? logit[e] : m;
     if (m == -INFINITY) m = 0.f;   // every logit -inf: keep exp() finite (the output is NaN anyway)
-    for (int64_t e = 0; e < E; ++e) sel[e] = std::exp(logit[e] - m);
+    for (int64_t e = 0; e < E; ++e) sel[e] = moe_math::router_exp(logit[e], m);
     // As torch does: a lane-wise sum (a running one loses ~sqrt(E) ulps over hundreds of experts),
     // then a multiply by its reciprocal.
     const float inv_z = 1.f / host::lane_sum(sel, E);

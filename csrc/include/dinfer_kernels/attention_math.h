@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "dinfer_kernels/isa_namespace.h"
+#include "dinfer_kernels/simt.h"
 
 #ifndef DINFER_HD
 #if defined(__CUDACC__)
@@ -109,11 +110,47 @@ inline int num_splits(int64_t units, int64_t slots, int64_t tiles_per_block, boo
   return static_cast<int>(max64(ns, 1));
 }
 
-// log2-domain log-sum-exp merge: -inf-safe.
-DINFER_HD float lse2_merge(float a, float b) {
-  const float m = a > b ? a : b;
-  if (m == -INFINITY) return -INFINITY;
-  return m + log2f(exp2f(a - m) + exp2f(b - m));
+// ---- split combine ---------------------------------------------------------------------------------
+
+// The row's log2-domain lse from its splits' partial ones (ls[s * stride], s < ns), in split order;
+// -inf when no split has a key. The one formula of the combine and of the block statistics, so block
+// masses are normalised by exactly the lse the output reports.
+DINFER_HD float splits_lse2(const float* ls, int ns, int64_t stride) {
+  float mx = -INFINITY;
+  for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ls[s * stride]);
+  if (mx == -INFINITY) return -INFINITY;
+  float sum = 0.f;
+  for (int s = 0; s < ns; ++s) sum += exp2f(ls[s * stride] - mx);
+  return mx + log2f(sum);
+}
+
+// A split's share 2^(ls - lse2) of the row's output (0 when the row has no key).
+DINFER_HD float split_share(float ls, float lse2) { return lse2 == -INFINITY ? 0.f : exp2f(ls - lse2); }
+
+// One warp per output row, lane s holding split s's share w: columns d, d + 1 (d = 2 lane, + 64 per
+// step) of the row's output, sum_s w_s * O_s in split order, with O_s at part_o + s * split_stride;
+// store(d, x0, x1) writes them. D is a multiple of 64: every lane takes part in every shuffle.
+template <class Store>
+DINFER_HD void combine_columns(const float* part_o, int64_t split_stride, int D, int ns, float w, int lane,
+                               Store store) {
+  for (int d = 2 * lane; d < D; d += 64) {
+    float x0 = 0.f, x1 = 0.f;
+    for (int s = 0; s < ns; ++s) {
+      const float ws = simt::shfl_xor(w, lane ^ s);  // lane s's weight (xor with lane^s reads lane s)
+      if (ws != 0.f) {
+        const float* po = part_o + s * split_stride + d;
+#if defined(__CUDA_ARCH__)
+        const float2 v = *reinterpret_cast<const float2*>(po);
+        x0 += ws * v.x;
+        x1 += ws * v.y;
+#else
+        x0 += ws * po[0];
+        x1 += ws * po[1];
+#endif
+      }
+    }
+    store(d, x0, x1);
+  }
 }
 
 }  // namespace attention_math

@@ -1,6 +1,6 @@
 // Reduction and softmax pieces of the host kernels (decode step, attention, rms_norm) written so that
-// GCC/Clang vectorise them without -ffast-math: exp as a polynomial (libm's expf does not
-// vectorise), within ~1 ulp, and max / sum / sum of squares in independent lanes.
+// GCC/Clang vectorise them without -ffast-math: exp as a polynomial (scalar::exp_nonpositive; libm's
+// expf does not vectorise), and max / sum / sum of squares in independent lanes.
 #pragma once
 
 #include <cmath>
@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "dinfer_kernels/isa_namespace.h"
+#include "dinfer_kernels/scalar.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN
@@ -50,9 +51,8 @@ inline void storev(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 template <typename V>
 inline V splat(float x) { return V{} + x; }
 
-// exp(x) for x <= 0 (arguments are z - max), lane-wise: 2^n * e^r with |r| <= ln2/2, degree-7 Taylor
-// (truncation < 1e-9 relative). Below -87.3 the result would be subnormal: 0, which also maps
-// exp(-inf) to 0 as the online softmax needs.
+// exp(x) for x <= 0, lane-wise: scalar::exp_nonpositive's formula (the exp the device kernels share)
+// step for step on a vector, so the host's SIMD softmaxes and the device's scalar code agree.
 template <typename V>
 inline V exp_nonpositive(V x) {
   using Mask = decltype(x < x);   // the signed integer vector of the same shape

@@ -1,6 +1,6 @@
 // Scalar math of the MoE kernels shared by host and device code: dtype conversions with the
-// rounding torch uses (round to nearest even), the router's scoring functions and tie rule, and
-// the SiLU-times-up step. Kept separate so a host test harness runs exactly what the GPU runs.
+// rounding torch uses (round to nearest even), the router's scoring functions (on the shared
+// scalar::exp_nonpositive) and tie rule, and the SiLU-times-up step. Kept separate so a host test harness runs exactly what the GPU runs.
 #pragma once
 
 #include <cmath>
@@ -34,7 +34,17 @@ DINFER_MOE_HD bool beats(float bv, int32_t bi, float av, int32_t ai) {
   return bv > av || (bv == av && bi < ai);
 }
 
-DINFER_MOE_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+using scalar::exp_nonpositive;
+
+// exp(l - m) of the softmax router (m = the token's max logit, so the argument is <= 0).
+DINFER_MOE_HD float router_exp(float l, float m) { return exp_nonpositive(l - m); }
+
+// 1 / (1 + exp(-x)) through exp(-|x|) <= 1: the shared exp never overflows, and x < 0 keeps its
+// relative precision (e / (1 + e)) instead of rounding 1 + exp(-x) first.
+DINFER_MOE_HD float sigmoid(float x) {
+  const float e = exp_nonpositive(x >= 0.f ? -x : x);
+  return (x >= 0.f ? 1.f : e) / (1.f + e);
+}
 
 // A selection score as the top-k sees it: NaN ranks like -inf, so every candidate stays selectable.
 DINFER_MOE_HD float rankable(float x) { return x != x ? -INFINITY : x; }
@@ -57,9 +67,12 @@ DINFER_MOE_HD float group_score(const float* sel, int64_t size) {
 
 // ---- expert MLP -------------------------------------------------------------------------------
 
-// silu(g) * u in fp32 (g and u already rounded to the compute dtype, like the reference's GEMM
-// output); the caller rounds the product to the dtype.
-DINFER_MOE_HD float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+// silu(g) * u = g * sigmoid(g) * u in fp32 (g and u already rounded to the compute dtype, like the
+// reference's GEMM output); the caller rounds the product to the dtype. Same exp(-|g|) form as sigmoid.
+DINFER_MOE_HD float silu_mul(float g, float u) {
+  const float e = exp_nonpositive(g >= 0.f ? -g : g);
+  return (g >= 0.f ? g : g * e) / (1.f + e) * u;
+}
 
 }  // namespace moe_math
 DINFER_ISA_END

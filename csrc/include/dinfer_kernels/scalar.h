@@ -101,6 +101,33 @@ DINFER_SCALAR_HD uint16_t float_to_fp16(float f) {
 #endif
 }
 
+// ---- exp -----------------------------------------------------------------------------------------
+
+// exp(x) for x <= 0 (softmax arguments z - max, SiLU's and sigmoid's exp(-|x|)), the one exp that
+// host and device kernels share where their results must agree: 2^n * e^r with |r| <= ln2/2,
+// degree-7 Taylor (truncation < 1e-9 relative), within ~1 ulp of a correctly rounded exp. Plain
+// arithmetic, so host compilers vectorise it (libm's expf does not vectorise) and the device runs the
+// same formula (CUDA's expf is a different ~2-ulp approximation). Below -87.3 the result would be
+// subnormal: return 0, which also maps exp(-inf) to 0 as an online softmax needs. NaN stays NaN.
+DINFER_SCALAR_HD float exp_nonpositive(float x) {
+  const float kLog2e = 1.44269504088896341f;
+  const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  const float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to nearest, and vectorises
+  const float xc = x < -87.3f ? -87.3f : x;
+  const float n = (xc * kLog2e + kRound) - kRound;
+  const float r = xc - n * kLn2Hi - n * kLn2Lo;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const float scale = bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.3f ? 0.f : p * scale;
+}
+
 // 2^x with MUFU.EX2 alone (<= 2 ulp; results below 2^-126 flush to 0, ex2(-inf) = +0).
 DINFER_SCALAR_HD float fast_exp2(float x) {
 #if defined(__CUDA_ARCH__)
