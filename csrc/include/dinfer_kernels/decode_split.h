@@ -9,11 +9,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dinfer_kernels/isa_namespace.h"
 #include "dinfer_kernels/decode.h"
 #include "dinfer_kernels/decode_math.h"
 #include "dinfer_kernels/scalar.h"
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace decode_split {
 
 using decode_math::kNoIndex;
@@ -481,4 +483,5 @@ DINFER_HD void finalize_write(const FinalizeArgs& a, const FinalizeSeq& q, const
 }
 
 }  // namespace decode_split
+DINFER_ISA_END
 }  // namespace dinfer_kernels

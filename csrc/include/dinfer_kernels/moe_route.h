@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "dinfer_kernels/isa_namespace.h"
 #include "dinfer_kernels/moe.h"
 #include "dinfer_kernels/moe_math.h"
 #include "dinfer_kernels/simt.h"
@@ -19,6 +20,7 @@
 #endif
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace moe_route {
 
 // ---- warp reductions (butterflies: every lane ends with the result, in a fixed order) ------------
@@ -348,4 +350,5 @@ DINFER_MOE_HD void score_and_align(const RouteArgs& a, RouteShared& sh, int tile
 }
 
 }  // namespace moe_route
+DINFER_ISA_END
 }  // namespace dinfer_kernels

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "dinfer_kernels/isa_namespace.h"
 #include "dinfer_kernels/scalar.h"
 
 #if defined(__CUDACC__)
@@ -16,6 +17,7 @@
 #endif
 
 namespace dinfer_kernels {
+DINFER_ISA_BEGIN
 namespace simt {
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
@@ -140,4 +142,5 @@ DINFER_SIMT_HD void threadfence() {
 }
 
 }  // namespace simt
+DINFER_ISA_END
 }  // namespace dinfer_kernels
