@@ -116,6 +116,9 @@ def run(args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the op benchmarks' --quick (fewer repeats)")
+    # The host kernels are timed on the host whatever the device: the flag exists so that the GPU
+    # check calls every benchmark with the same arguments.
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="ignored: host kernels only")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--isas", default=None, help="comma-separated ISAs (default: every one this CPU runs)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated dtypes (default fp32,bf16)")

@@ -76,6 +76,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if not REAL_GPU and item.get_closest_marker("gpu") is not None:
             item.add_marker(no_gpu)
+    _drop_needless_isa_cases(config, items)
 
 
 def assert_precision(out, same_precision, truth, name):
@@ -123,7 +124,7 @@ HOST_ISAS = _backend.cpu_isas()[: _backend.cpu_isas().index(DEFAULT_ISA) + 1] if
 @pytest.fixture(params=HOST_ISAS)
 def host_isa(request):
     """Runs the test once per host-kernel ISA (the process-global switch, restored after). Tests that
-    take a `backend` parameter run the lower ISAs for backend "cpu" only (pytest_collection_modifyitems)."""
+    take a `backend` parameter run the lower ISAs for backend "cpu" only (_drop_needless_isa_cases)."""
     if request.param is not None:
         _backend.set_cpu_isa(request.param)
     try:
@@ -133,7 +134,7 @@ def host_isa(request):
             _backend.set_cpu_isa(DEFAULT_ISA)
 
 
-def pytest_collection_modifyitems(config, items):
+def _drop_needless_isa_cases(config, items):
     # Another backend never reaches a host kernel: one ISA is enough for it.
     def needless(item):
         params = item.callspec.params if hasattr(item, "callspec") else {}
