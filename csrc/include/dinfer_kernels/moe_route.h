@@ -58,6 +58,25 @@ constexpr int kRouteWarps = kRouteThreads / 32;
 constexpr int kRouteExpertsPerWarp = 2;
 constexpr int kRouteExpertsPerCta = kRouteWarps * kRouteExpertsPerWarp;  // 16
 constexpr int kScoresPerLane = static_cast<int>(kMoeMaxExperts / 32);    // 16
+
+// The best (score, index) under moe_math::beats over the warp's lane-strided scores: lane l holds
+// s[i] for index l + 32 i < n; indices whose bit i is set in `skip` take no part. bi = INT32_MAX when
+// none is left. Both top-k rounds (groups, then experts) pick this way.
+DINFER_MOE_HD void masked_warp_argmax(const float* s, int n, uint32_t skip, int lane, float& bv,
+                                      int32_t& bi) {
+  bv = -INFINITY;
+  bi = INT32_MAX;
+  DINFER_ROUTE_UNROLL
+  for (int i = 0; i < kScoresPerLane; ++i) {
+    const int idx = lane + 32 * i;
+    if (idx < n && !((skip >> i) & 1u) && moe_math::beats(s[i], idx, bv, bi)) {
+      bv = s[i];
+      bi = idx;
+    }
+  }
+  warp_argmax(bv, bi);
+}
+
 constexpr float kRenormEps = 1e-20f;  // w / (sum + eps), as the reference
 
 struct RouteArgs {
@@ -166,17 +185,9 @@ DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int w
     for (int i = 0; i < kScoresPerLane; ++i) gsc[i] = lane + 32 * i < G ? s_g[lane + 32 * i] : 0.f;
     uint32_t kept = 0;
     for (int r = 0; r < a.topk_groups; ++r) {
-      float bv = -INFINITY;
-      int32_t bi = INT32_MAX;
-      DINFER_ROUTE_UNROLL
-      for (int i = 0; i < kScoresPerLane; ++i) {
-        const int g = lane + 32 * i;
-        if (g < G && !((kept >> i) & 1u) && moe_math::beats(gsc[i], g, bv, bi)) {
-          bv = gsc[i];
-          bi = g;
-        }
-      }
-      warp_argmax(bv, bi);
+      float bv;
+      int32_t bi;
+      masked_warp_argmax(gsc, G, kept, lane, bv, bi);
       if (bi != INT32_MAX && bi % 32 == lane) kept |= 1u << (bi / 32);
     }
     simt::sync_warp();  // every lane has read its group scores: the array now holds kept flags
@@ -197,17 +208,9 @@ DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int w
   int32_t my_id = -1;
   float my_w = 0.f;
   for (int j = 0; j < a.top_k; ++j) {
-    float bv = -INFINITY;
-    int32_t bi = INT32_MAX;
-    DINFER_ROUTE_UNROLL
-    for (int i = 0; i < kScoresPerLane; ++i) {
-      const int e = lane + 32 * i;
-      if (e < E && !(((chosen | excluded) >> i) & 1u) && moe_math::beats(sel[i], e, bv, bi)) {
-        bv = sel[i];
-        bi = e;
-      }
-    }
-    warp_argmax(bv, bi);
+    float bv;
+    int32_t bi;
+    masked_warp_argmax(sel, E, chosen | excluded, lane, bv, bi);
     float w = 0.f;
     if (bi != INT32_MAX && bi % 32 == lane) {
       const int slot = bi / 32;
