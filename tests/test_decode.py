@@ -28,11 +28,12 @@ def backend_impl(backend):
 
 
 def run_backend(backend, device, logits, tokens, offsets, mask_id, rule, threshold, num_commit,
-                credit, temperature=0.0, seed=0, offset=0):
+                credit, temperature=0.0, seed=0, offset=0, row_keys=None):
     """One call on `device`; returns outputs and the updated tokens / credit on the host."""
     N = logits.shape[0]
     to = lambda t: t.to(device)  # noqa: E731
     lg, tok, offs = to(logits), to(tokens.clone()), to(offsets)
+    keys = None if row_keys is None else to(row_keys)
     ids, vals = (to(credit[0].clone()), to(credit[1].clone())) if credit else (
         torch.empty(N, 0, dtype=torch.int32, device=device), torch.empty(N, 0, device=device))
     if backend == "torch":
@@ -40,16 +41,17 @@ def run_backend(backend, device, logits, tokens, offsets, mask_id, rule, thresho
                                     num_commit=to(num_commit),
                                     temperature=temperature, seed=seed, offset=offset,
                                     credit_ids=ids if credit else None,
-                                    credit_vals=vals if credit else None)
+                                    credit_vals=vals if credit else None, row_keys=keys)
         outs = list(out)
     else:
         outs = [torch.full((N,), -7, dtype=torch.int64, device=device),
                 torch.full((N,), float("nan"), device=device),
                 torch.ones(N, dtype=torch.bool, device=device) if N % 2 else torch.zeros(N, dtype=torch.bool, device=device),
                 torch.full((N,), float("nan"), device=device),
-                torch.full((N,), float("nan"), device=device)]
+                torch.full((N,), float("nan"), device=device),
+                torch.zeros(N, dtype=torch.bool, device=device) if N % 2 else torch.ones(N, dtype=torch.bool, device=device)]
         backend_impl(backend)(lg, tok, offs, to(threshold), to(num_commit), ids, vals, mask_id,
-                              RULES[rule], 0.4, temperature, seed, offset, 0.7, 0.8, 0.2, *outs)
+                              RULES[rule], 0.4, temperature, seed, offset, 0.7, 0.8, 0.2, *outs, row_keys=keys)
     host = lambda t: t.cpu()  # noqa: E731
     return [host(o) for o in outs], host(tok), (host(ids), host(vals))
 
@@ -75,8 +77,9 @@ def check_backend(backend, device, logits, tokens, offsets, mask_id, rule="thres
             logits, truth_tok, offsets, mask_id, rule=rule, threshold=threshold,
             num_commit=num_commit, credit_ids=truth_cred[0], credit_vals=truth_cred[1],
             compute_dtype=torch.float64, **kw)
-        cand, conf, commit, rmax, rlse = outs
+        cand, conf, commit, rmax, rlse, nonfinite = outs
         assert torch.equal(cand, ref[0]), f"iteration {it}: candidates differ"
+        assert torch.equal(nonfinite, ref[5]), f"iteration {it}: non-finite flags differ"
         assert torch.equal(commit, ref[2]), f"iteration {it}: commit masks differ"
         assert torch.equal(tok_b2, tok_r2), f"iteration {it}: updated tokens differ"
         assert torch.equal(rmax, ref[3]), f"iteration {it}: row_max differs"
@@ -157,7 +160,7 @@ def test_inf_nan_and_dead_rows(backend, device):
     logits[5, 7] = float("-inf")
     outs = check_backend(backend, device, logits, tokens, offsets, mask_id, "threshold",
                          threshold=torch.tensor([0.3, 0.9]))
-    cand, conf, commit, rmax, rlse = outs
+    cand, conf, commit, rmax, rlse, _ = outs
     assert int(cand[0]) == 10 and abs(float(conf[0]) - 0.5) < 1e-6
     for dead in (1, 3):
         assert int(cand[dead]) == mask_id and float(conf[dead]) == 0.0 and not bool(commit[dead])
@@ -366,3 +369,70 @@ def test_unchecked_credit_ids_are_empty_slots(backend, device):
     as_empty = (ids.masked_fill(empty, -1), vals.masked_fill(empty, 0.0))
     want, truth = reference_step(logits, tokens, offsets, mask_id, threshold, as_empty)
     assert_same_step(got, want, truth)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("mask_id", [0, 5])
+def test_sequences_without_any_fallback_commit_the_default_token(backend, device, rule, mask_id):
+    """Step 5's last resort: when no masked row of a sequence has a fallback (NaN weights make every
+    row dead), the lowest masked row commits the lowest non-mask id with confidence 0, so a block
+    still ends; a sequence with a real fallback somewhere keeps it."""
+    V = 37
+    default = 1 if mask_id == 0 else 0
+    logits = torch.randn(12, V)
+    tokens = torch.full((12,), mask_id)
+    logits[0:3] = float("nan")                        # sequence 0: all NaN
+    logits[3:6] = float("-inf")                       # sequence 1: all -inf
+    tokens[6] = 9                                     # sequence 2: an unmasked row first, then
+    logits[7] = float("-inf")
+    logits[7, mask_id] = 2.0                          # only the mask token finite: no fallback
+    logits[8] = float("nan")
+    logits[8, mask_id] = float("inf")
+    logits[9:12] = float("nan")                       # sequence 3: dead rows and one that
+    logits[10, mask_id] = 40.0                        # predicts the mask with a real fallback
+    logits[10, 3] = 1.0
+    offsets = torch.tensor([0, 3, 6, 9, 12], dtype=torch.int32)
+    cand, conf, commit, _, _, nonfinite = check_backend(
+        backend, device, logits, tokens, offsets, mask_id, rule,
+        num_commit=torch.tensor([1, 2, 0, 3], dtype=torch.int32))
+    assert commit.nonzero().flatten().tolist() == [0, 3, 7, 10]
+    assert cand[[0, 3, 7]].tolist() == [default] * 3 and conf[[0, 3, 7]].tolist() == [0.0] * 3
+    assert int(cand[10]) == 3 and float(conf[10]) > 0.0
+    assert nonfinite.tolist() == [True] * 6 + [False, True, True, True, True, True]
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nonfinite_flags(backend, device, dtype):
+    """nonfinite[n]: a NaN or +-inf anywhere in raw row n, wherever it sits (vector body, scalar
+    tail, the mask token, a later vocabulary split); sanitising must not hide it."""
+    V = 1000 if small_vocab(backend, device) else 5003
+    logits, tokens, offsets, mask_id = make_case(10, V, [0, 4, 10], dtype=dtype)
+    spots = {1: (3, float("nan")), 2: (V - 1, float("inf")), 3: (V // 2, float("-inf")),
+             5: (mask_id, float("nan")), 6: (V - 3, float("-inf")), 8: (17, float("inf"))}
+    for row, (v, x) in spots.items():
+        logits[row, v] = x
+    logits[9] = float("nan")
+    outs = check_backend(backend, device, logits, tokens, offsets, mask_id, "threshold")
+    assert outs[5].nonzero().flatten().tolist() == sorted([*spots, 9])
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_row_keys_key_the_noise(backend, device):
+    """Sampling noise follows row_keys, not row indices: rows moved together with their keys sample
+    the same tokens; no keys is keys = row indices; keys use their low 32 bits."""
+    V, N = 301, 12
+    logits, tokens, _, mask_id = make_case(N, V, [0, N], masked_frac=1.0, scale=0.5)
+    offsets = torch.arange(N + 1, dtype=torch.int32)         # one row per sequence: order-free
+    keys = torch.randint(0, 2**32, (N,), dtype=torch.int64)
+    kw = dict(temperature=2.0, seed=5, offset=1)
+    base = check_backend(backend, device, logits, tokens, offsets, mask_id, row_keys=keys, **kw)[0]
+    perm = torch.randperm(N)
+    moved = check_backend(backend, device, logits[perm], tokens[perm], offsets, mask_id,
+                          row_keys=keys[perm] + (3 << 32), **kw)[0]
+    assert torch.equal(moved, base[perm])
+    plain = check_backend(backend, device, logits, tokens, offsets, mask_id, **kw)[0]
+    indexed = check_backend(backend, device, logits, tokens, offsets, mask_id,
+                            row_keys=torch.arange(N), **kw)[0]
+    assert torch.equal(plain, indexed) and not torch.equal(plain, base)

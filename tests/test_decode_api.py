@@ -37,6 +37,22 @@ def test_public_op_matches_reference(backend, device):
     assert_precision(out.confidence.cpu(), ref.confidence, truth.confidence, "confidence")
 
 
+@pytest.mark.parametrize("backend,device", device_backends())
+@pytest.mark.usefixtures("host_isa")
+def test_public_op_flags_nonfinite_rows_and_takes_row_keys(backend, device):
+    logits, tokens, offsets = case(device=device)
+    logits[1, 4] = float("nan")
+    logits[4, 0] = float("-inf")
+    keys = torch.tensor([7, 2**40 + 3, 5, 2**32 - 1, 0, 11], device=device)
+    ref_tokens = tokens.cpu().clone()
+    out = dk.decode_step(logits, tokens, offsets, 3, threshold=0.6, temperature=1.5, seed=4, row_keys=keys,
+                         backend=backend)
+    ref = decode_step_reference(logits.cpu(), ref_tokens, offsets.cpu(), 3, threshold=torch.full((2,), 0.6),
+                                temperature=1.5, seed=4, row_keys=keys.cpu())
+    assert out.nonfinite.tolist() == [False, True, False, False, True, False] == ref.nonfinite.tolist()
+    assert torch.equal(out.candidate.cpu(), ref.candidate) and torch.equal(tokens.cpu(), ref_tokens)
+
+
 @pytest.mark.usefixtures("host_isa")
 def test_auto_backend_on_host():
     assert dk.available_backends("cpu")[-1] == "torch"
@@ -68,7 +84,7 @@ def test_opcheck():
     ids = torch.full((6, 4), -1, dtype=torch.int32)
     vals = torch.zeros(6, 4)
     args = (logits, tokens, offsets, torch.full((2,), 0.7), torch.ones(2, dtype=torch.int32), ids, vals,
-            3, 0, 0.4, 0.0, 0, 0, 0.7, 0.8, 0.2, "auto_placeholder")
+            3, 0, 0.4, 0.0, 0, 0, 0.7, 0.8, 0.2, torch.arange(6) * 977, "auto_placeholder")
     backend = "cpu" if "cpu" in dk.available_backends("cpu") else "torch"
     args = args[:-1] + (backend,)
     torch.library.opcheck(torch.ops.dinfer.decode_step.default, args,
@@ -155,6 +171,10 @@ BAD = [
     (dict(credit=dk.CreditState(torch.zeros(6, 4, dtype=torch.int64), torch.zeros(6, 4))), TypeError, "credit.ids"),
     (dict(credit=dk.CreditState(torch.full((5, 4), -1, dtype=torch.int32), torch.zeros(5, 4))), ValueError, "credit.ids"),
     (dict(credit=dk.CreditState(torch.full((6, 4), 99, dtype=torch.int32), torch.zeros(6, 4))), ValueError, "credit.ids"),
+    (dict(row_keys=torch.arange(6, dtype=torch.int32)), TypeError, "row_keys"),
+    (dict(row_keys=torch.arange(5)), ValueError, "row_keys"),
+    (dict(row_keys=torch.arange(12).view(6, 2)), ValueError, "row_keys"),
+    (dict(row_keys=[0, 1, 2, 3, 4, 5]), TypeError, "row_keys"),
     (dict(backend="fpga"), ValueError, "backend"),
     (dict(logits="not a tensor"), TypeError, "logits"),
 ]

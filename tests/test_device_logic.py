@@ -50,19 +50,20 @@ def emulated_decode_step(lib):
     f = lib.dinfer_decode_step_cuda_on_host
     i64, i32, u32, flt, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
     f.argtypes = [vp, i32, i64, i64, i64, vp, vp, i64, i64, i32, vp, vp, flt, flt, u32, u32, vp, vp,
-                  i32, flt, flt, flt, vp, vp, vp, vp, vp]
+                  i32, flt, flt, flt, vp, vp, vp, vp, vp, vp, vp]
     f.restype = ctypes.c_int
 
     def decode_step(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals,
                     mask_id, rule, low_threshold, temperature, seed, offset, alpha, beta, gamma,
-                    candidate, confidence, commit, row_max, row_lse):
+                    candidate, confidence, commit, row_max, row_lse, nonfinite=None, row_keys=None):
         assert logits.stride(1) == 1 or logits.shape[1] <= 1
         N, V = logits.shape
         rc = f(_ptr(logits), DTYPES[logits.dtype], N, V, logits.stride(0) if N > 1 else V,
                _ptr(tokens), _ptr(seq_offsets), seq_offsets.numel() - 1, mask_id, rule,
                _ptr(threshold), _ptr(num_commit), low_threshold, temperature, seed, offset,
                _ptr(credit_ids), _ptr(credit_vals), credit_ids.shape[1], alpha, beta, gamma,
-               _ptr(candidate), _ptr(confidence), _ptr(commit), _ptr(row_max), _ptr(row_lse))
+               _ptr(candidate), _ptr(confidence), _ptr(commit), _ptr(row_max), _ptr(row_lse),
+               _ptr(nonfinite), _ptr(row_keys))
         assert rc == 0
     return decode_step
 
@@ -103,9 +104,21 @@ def test_decode_dtypes_and_misaligned_rows(emulated, dtype):
 
 @pytest.mark.parametrize("case", ["test_ties_pick_lowest_index", "test_inf_nan_and_dead_rows",
                                   "test_many_sequences_and_empty_ones",
-                                  "test_sampling_reproducible_per_seed"])
+                                  "test_sampling_reproducible_per_seed", "test_row_keys_key_the_noise"])
 def test_decode_edge_cases(emulated, case):
     getattr(test_decode, case)(EMULATED, "cpu")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_decode_nonfinite_flags(emulated, dtype):
+    """The split pass's per-thread flag, merged through the kernels' reduction trees."""
+    test_decode.test_nonfinite_flags(EMULATED, "cpu", dtype)
+
+
+@pytest.mark.parametrize("rule", list(test_decode.RULES))
+@pytest.mark.parametrize("mask_id", [0, 5])
+def test_decode_default_token(emulated, rule, mask_id):
+    test_decode.test_sequences_without_any_fallback_commit_the_default_token(EMULATED, "cpu", rule, mask_id)
 
 
 @pytest.mark.parametrize("rule", list(test_decode.RULES))

@@ -2,6 +2,7 @@
 // ranges; on CPU also the data), then calls the torch-free launcher.
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -57,7 +58,8 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
                  py::handle row_max_o, py::handle row_lse_o, py::handle mask_id_o, py::handle rule_o,
                  py::handle low_threshold_o, py::handle temperature_o, py::handle seed_o,
                  py::handle offset_o, py::handle alpha_o, py::handle beta_o, py::handle gamma_o,
-                 py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
+                 py::handle workspace_o, py::handle stream_o, py::handle num_threads_o,
+                 py::handle row_keys_o, py::handle nonfinite_o) {
   const int64_t mask_id = int_arg(mask_id_o, "mask_id"), seed = int_arg(seed_o, "seed"),
                 offset = int_arg(offset_o, "offset"), stream = int_arg(stream_o, "stream");
   const int64_t rule = int_arg(rule_o, "rule");
@@ -136,6 +138,26 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   if (gamma < 0) throw_value_error("credit_gamma: must be >= 0");
 
   DecodeStepParams p;
+  // Optional: per-row noise keys (any values: they only feed the hash) and the non-finite flags.
+  // Held until the launch: a TensorArg owns its DLPack reference.
+  std::optional<TensorArg> row_keys, nonfinite;
+  if (!row_keys_o.is_none()) {
+    row_keys.emplace(row_keys_o, "row_keys");
+    row_keys->expect_dtype({DType::kInt64});
+    row_keys->expect_shape({N});
+    row_keys->expect_contiguous();
+    row_keys->expect_same_device(logits);
+    p.row_keys = row_keys->data<int64_t>();
+  }
+  if (!nonfinite_o.is_none()) {
+    nonfinite.emplace(nonfinite_o, "nonfinite");
+    nonfinite->expect_dtype({DType::kBool, DType::kUInt8});
+    nonfinite->expect_shape({N});
+    nonfinite->expect_contiguous();
+    nonfinite->expect_writable();
+    nonfinite->expect_same_device(logits);
+    p.nonfinite = nonfinite->data<uint8_t>();
+  }
   p.logits = logits.data<void>();
   p.logits_dtype = scalar_type(logits.dtype());
   p.num_rows = N;
@@ -203,9 +225,11 @@ void register_decode(py::module_& m) {
         py::arg("low_threshold"), py::arg("temperature"), py::arg("seed"), py::arg("offset"),
         py::arg("credit_alpha"), py::arg("credit_beta"), py::arg("credit_gamma"),
         py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
-        py::arg("num_threads") = py::int_(0),
+        py::arg("num_threads") = py::int_(0), py::arg("row_keys") = py::none(),
+        py::arg("nonfinite") = py::none(),
         "Fused decode step over DLPack arrays (contract: dinfer_kernels/reference/decode.py). "
-        "Outputs are caller-allocated; tokens and credit slots are updated in place. CUDA arrays "
+        "Outputs are caller-allocated; tokens and credit slots are updated in place; row_keys [N] int64 "
+        "(noise keys, default the row index) and the output nonfinite [N] bool are optional. CUDA arrays "
         "need a uint8 workspace of cuda_workspace_bytes(N, V) bytes and run on `stream`.");
 #ifdef DINFER_WITH_CUDA
   m.def("cuda_workspace_bytes", &dinfer_kernels::decode_step_cuda_workspace_bytes, py::arg("num_rows"),

@@ -39,7 +39,7 @@ __device__ __forceinline__ Partial shfl_down(const Partial& p, int off) {
   q.arg = __shfl_down_sync(kAll, p.arg, off);
   q.score_arg = __shfl_down_sync(kAll, p.score_arg, off);
   q.nm_arg = __shfl_down_sync(kAll, p.nm_arg, off);
-  q.pad = 0;
+  q.nonfinite = __shfl_down_sync(kAll, p.nonfinite, off);
   return q;
 }
 

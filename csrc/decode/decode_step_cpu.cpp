@@ -89,18 +89,38 @@ int64_t first_index_of(const float* buf, int64_t len, float m, int64_t skip) {
   return -1;
 }
 
+// Whether raw elements [lo, lo + len) hold a NaN or +-inf: an all-ones exponent field. Read from
+// the raw row, which the sanitised copy cannot tell (NaN and -inf both become -inf there); a branch-
+// free OR over integer bits that the compiler vectorises, on a chunk just loaded into L1.
+template <class Bits, Bits kExp>
+bool bits_nonfinite(const void* row, int64_t lo, int64_t len) {
+  const Bits* b = static_cast<const Bits*>(row) + lo;
+  Bits any = 0;
+  for (int64_t i = 0; i < len; ++i) any |= static_cast<Bits>((b[i] & kExp) == kExp);
+  return any != 0;
+}
+
+bool chunk_nonfinite(const void* row, ScalarType t, int64_t lo, int64_t len) {
+  switch (t) {
+    case ScalarType::kFloat32: return bits_nonfinite<uint32_t, 0x7F800000u>(row, lo, len);
+    case ScalarType::kBFloat16: return bits_nonfinite<uint16_t, 0x7F80u>(row, lo, len);
+    default: return bits_nonfinite<uint16_t, 0x7C00u>(row, lo, len);
+  }
+}
+
 Partial scan_chunk(const DecodeStepParams& p, int64_t n, int64_t lo, int64_t len, float* buf) {
   const void* row = static_cast<const char*>(p.logits) +
                     n * p.row_stride * (p.logits_dtype == ScalarType::kFloat32 ? 4 : 2);
   Partial r = decode_math::empty_partial();
   r.max = load_chunk(row, p.logits_dtype, lo, len, buf);
+  r.nonfinite = chunk_nonfinite(row, p.logits_dtype, lo, len) ? 1 : 0;
   if (r.max == -INFINITY) return r;  // nothing but -inf: merges as empty
   r.sum = chunk_sum_exp(buf, len, r.max);
   r.arg = static_cast<int32_t>(lo + first_index_of(buf, len, r.max, -1));
   const int64_t mask_local = p.mask_id >= lo && p.mask_id < lo + len ? p.mask_id - lo : -1;
   if (p.temperature > 0.f) {
     // Sampling is rare and its noise costs two logs per element anyway: a plain scalar loop.
-    const uint32_t key = decode_math::row_key(p.seed, p.offset, static_cast<uint32_t>(n));
+    const uint32_t key = decode_math::row_key(p.seed, p.offset, decode_math::row_counter(p.row_keys, n));
     for (int64_t i = 0; i < len; ++i) {
       const float s = decode_math::score_of(buf[i], p.temperature, key, lo + i);
       const int32_t v = static_cast<int32_t>(lo + i);
@@ -174,7 +194,7 @@ void decode_step_cpu(const DecodeStepParams& p, int num_threads) {
     int64_t* cand = p.candidate + lo;
     float* conf = p.confidence + lo;
     const decode_math::SeqStats s = decode_math::sequence_stats(
-        L, tok, cand, conf, fallback_conf.data() + lo, p.mask_id);
+        L, tok, cand, conf, fallback_conf.data() + lo, p.mask_id, V > 1);
     const float tau = p.threshold ? p.threshold[b] : 1.f;
     const int32_t k = p.num_commit ? p.num_commit[b] : 0;
     for (int64_t i = 0; i < L; ++i)
@@ -183,7 +203,7 @@ void decode_step_cpu(const DecodeStepParams& p, int num_threads) {
                          i == s.fallback_row;
     if (s.fallback_row >= 0) {
       cand[s.fallback_row] = fallback[lo + s.fallback_row];
-      conf[s.fallback_row] = fallback_conf[lo + s.fallback_row];
+      conf[s.fallback_row] = std::max(fallback_conf[lo + s.fallback_row], 0.f);  // 0: default token
     }
     for (int64_t i = 0; i < L; ++i)
       if (p.commit[lo + i]) tok[i] = cand[i];

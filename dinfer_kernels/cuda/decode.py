@@ -10,7 +10,7 @@ from .._backend import compiled
 
 def decode_step(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals,
                 mask_id, rule, low_threshold, temperature, seed, offset, alpha, beta, gamma,
-                candidate, confidence, commit, row_max, row_lse):
+                candidate, confidence, commit, row_max, row_lse, nonfinite=None, row_keys=None):
     ext = compiled()
     N, V = logits.shape
     workspace = torch.empty(ext.cuda_workspace_bytes(N, V), dtype=torch.uint8, device=logits.device)
@@ -20,4 +20,4 @@ def decode_step(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, 
             logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals, candidate,
             confidence, commit, row_max, row_lse, mask_id=mask_id, rule=rule, low_threshold=low_threshold,
             temperature=temperature, seed=seed, offset=offset, credit_alpha=alpha, credit_beta=beta,
-            credit_gamma=gamma, workspace=workspace, stream=stream)
+            credit_gamma=gamma, workspace=workspace, stream=stream, row_keys=row_keys, nonfinite=nonfinite)

@@ -47,8 +47,9 @@ def _decode_step_op(logits: torch.Tensor, tokens: torch.Tensor, seq_offsets: tor
                     threshold: torch.Tensor, num_commit: torch.Tensor, credit_ids: torch.Tensor,
                     credit_vals: torch.Tensor, mask_id: int, rule: int, low_threshold: float,
                     temperature: float, seed: int, offset: int, credit_alpha: float,
-                    credit_beta: float, credit_gamma: float, backend: str
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    credit_beta: float, credit_gamma: float, row_keys: Optional[torch.Tensor], backend: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                               torch.Tensor]:
     N = logits.shape[0]
     dev = logits.device
     if backend == "torch":
@@ -58,13 +59,14 @@ def _decode_step_op(logits: torch.Tensor, tokens: torch.Tensor, seq_offsets: tor
             low_threshold=low_threshold, num_commit=num_commit, temperature=temperature, seed=seed,
             offset=offset, credit_ids=credit_ids if use_credit else None,
             credit_vals=credit_vals if use_credit else None, credit_alpha=credit_alpha,
-            credit_beta=credit_beta, credit_gamma=credit_gamma)
+            credit_beta=credit_beta, credit_gamma=credit_gamma, row_keys=row_keys)
         return tuple(t.clone() for t in out)
     candidate = torch.empty(N, dtype=torch.int64, device=dev)
     confidence = torch.empty(N, dtype=torch.float32, device=dev)
     commit = torch.empty(N, dtype=torch.bool, device=dev)
     row_max = torch.empty(N, dtype=torch.float32, device=dev)
     row_lse = torch.empty(N, dtype=torch.float32, device=dev)
+    nonfinite = torch.empty(N, dtype=torch.bool, device=dev)
     if backend == "triton":
         from ..triton.decode import decode_step as impl
     elif backend == "cuda":
@@ -73,16 +75,16 @@ def _decode_step_op(logits: torch.Tensor, tokens: torch.Tensor, seq_offsets: tor
         from ..cpu.decode import decode_step as impl
     impl(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals, mask_id, rule,
          low_threshold, temperature, seed, offset, credit_alpha, credit_beta, credit_gamma,
-         candidate, confidence, commit, row_max, row_lse)
-    return candidate, confidence, commit, row_max, row_lse
+         candidate, confidence, commit, row_max, row_lse, nonfinite, row_keys)
+    return candidate, confidence, commit, row_max, row_lse, nonfinite
 
 
 @_decode_step_op.register_fake
 def _(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals, mask_id, rule,
-      low_threshold, temperature, seed, offset, credit_alpha, credit_beta, credit_gamma, backend):
+      low_threshold, temperature, seed, offset, credit_alpha, credit_beta, credit_gamma, row_keys, backend):
     N = logits.shape[0]
     f = lambda dt: logits.new_empty((N,), dtype=dt)  # noqa: E731
-    return f(torch.int64), f(torch.float32), f(torch.bool), f(torch.float32), f(torch.float32)
+    return f(torch.int64), f(torch.float32), f(torch.bool), f(torch.float32), f(torch.float32), f(torch.bool)
 
 
 def _per_sequence(name, value, B, dtype, device):
@@ -105,7 +107,8 @@ def decode_step(
     rule: str = "threshold", threshold: Union[float, torch.Tensor] = 0.9, low_threshold: float = 0.4,
     num_commit: Union[int, torch.Tensor, None] = None, temperature: float = 0.0, seed: int = 0,
     offset: int = 0, credit: Optional[CreditState] = None, credit_alpha: float = 0.7,
-    credit_beta: float = 0.8, credit_gamma: float = 0.2, backend: str = "auto",
+    credit_beta: float = 0.8, credit_gamma: float = 0.2, row_keys: Optional[torch.Tensor] = None,
+    backend: str = "auto",
     validate: Optional[bool] = None,
 ) -> DecodeOutput:
     """One diffusion decode step over a ragged batch of block positions (see the reference docstring).
@@ -113,7 +116,11 @@ def decode_step(
     logits [N, V] fp32/fp16/bf16 (last dim contiguous); tokens [N] int64, updated in place;
     seq_offsets [B+1] int32; threshold: tau (threshold) or tau_high (hierarchical), float or [B];
     num_commit: k per sequence for rule="fixed" (int or [B] int32); credit: a CreditState (updated in
-    place) or None. Returns DecodeOutput(candidate, confidence, commit, row_max, row_lse).
+    place) or None; row_keys: [N] int64 noise keys of the rows (low 32 bits; default: the row
+    index), so a caller can key sampling on something stabler than a row's place in the batch.
+    Returns DecodeOutput(candidate, confidence, commit, row_max, row_lse, nonfinite): nonfinite[n]
+    tells that row n's raw logits hold a NaN or +-inf (a broken model; the step itself still
+    commits, see the reference's step 5).
 
     validate: check tensor *values* (token range, offsets, credit ids). Default: on host tensors only,
     since on a GPU it would synchronise (and is impossible under capture); the kernels never read
@@ -157,6 +164,10 @@ def decode_step(
         _checks.shape("credit.vals", vals, [N, ids.shape[1]])
         _checks.contiguous("credit.ids", ids)
         _checks.contiguous("credit.vals", vals)
+    if row_keys is not None:
+        _checks.tensor("row_keys", row_keys, (torch.int64,), ndim=1, device=dev)
+        _checks.shape("row_keys", row_keys, [N])
+        row_keys = row_keys.contiguous()
     backend = _backend.resolve(backend, dev, "decode_step")
 
     check_data = _checks.data_checks_possible(logits) if validate is None else validate
@@ -175,5 +186,5 @@ def decode_step(
     out = _decode_step_op(
         logits, tokens, seq_offsets, thr, k, ids, vals, mask_id, code, float(low_threshold),
         float(temperature), seed, offset, float(credit_alpha), float(credit_beta),
-        float(credit_gamma), backend)
+        float(credit_gamma), row_keys, backend)
     return DecodeOutput(*out)

@@ -20,7 +20,9 @@ threshold    [B] fp32: tau for "threshold", tau_high for "hierarchical" (unused 
 low_threshold  float: tau_low for "hierarchical".
 num_commit   [B] int32 >= 0: k for "fixed".
 temperature  float >= 0. 0: candidate = argmax. > 0: Gumbel-max sample from softmax(z'/T) with the
-             counter-based noise of reference/rng.py keyed by (seed, offset, row n, token v).
+             counter-based noise of reference/rng.py keyed by (seed, offset, row key, token v).
+row_keys     [N] int64 or None: row n's noise key (low 32 bits); None: the row index n. Any values
+             (nothing is read through them), so unchecked device tensors are safe.
 credit_ids   [N, K] int32 and credit_vals [N, K] fp32 (K may be 0: no credit). Slot j of row n holds
              (token id, credit) or id -1 for an empty slot. Updated in place. The caller resets them
              (ids = -1, vals = 0) at a block start. A slot whose id is outside [0, V) (-1, or an
@@ -30,8 +32,10 @@ credit_alpha, credit_beta, credit_gamma   floats (dInfer: 0.7, 0.8, 0.2).
 Semantics (all math in fp32 unless compute_dtype says otherwise)
 ---------------------------------------------------------------
 0. Sanitise: z = float(logits); NaN -> -inf; +inf -> the largest finite fp32 value.
-   A row whose z is -inf everywhere is *dead*: candidate = mask_id, confidence = 0, never committed,
-   row_max = row_lse = -inf, credit only decays.
+   nonfinite[n] = whether row n of the *raw* logits holds a NaN or a +-inf anywhere (sanitising
+   does not hide it: the caller can stop a run whose model produces them).
+   A row whose z is -inf everywhere is *dead*: candidate = mask_id, confidence = 0, not eligible,
+   row_max = row_lse = -inf, credit only decays (it may still commit through step 5).
 1. Raw statistics: m = max z, a = argmax z (lowest index on ties), s = sum exp(z - m),
    lse = m + log s, p* = 1 / s. (Probabilities are always exp(z - m) / s, never exp(z - lse):
    near FLT_MAX, lse cannot hold m + log s.) Outputs row_max = m, row_lse = lse (what iteration smoothing needs).
@@ -52,14 +56,19 @@ Semantics (all math in fp32 unless compute_dtype says otherwise)
                    plus the first row holding the sequence's maximum c;
    - fixed:        commit the min(k, #eligible) eligible rows of highest c (lower row first on ties).
 5. Progress guarantee (dInfer can loop forever here): if a sequence has masked rows but none is
-   eligible (all predict the mask token), the masked row whose fallback token has the highest
-   probability softmax(z')[fallback] (lowest row on ties) commits its fallback token; its candidate
-   and confidence outputs become that token and probability. So tokens[n] == candidate[n] wherever
-   commit[n], always.
+   eligible (all predict the mask token, or are dead), the masked row whose fallback token has the
+   highest probability softmax(z')[fallback] (lowest row on ties) commits its fallback token; its
+   candidate and confidence outputs become that token and probability. If no masked row has a
+   fallback (every one is dead or has only the mask token finite, e.g. NaN logits everywhere), the
+   lowest masked row commits DEFAULT_TOKEN = the lowest id != mask_id (0, or 1 when mask_id == 0)
+   with confidence 0 -- unless V == 1, where no such token exists. So, for V >= 2, every call
+   commits at least one row of every sequence holding a masked row unless the rule commits none on
+   purpose (fixed with k = 0): a block of L rows is done after at most L calls, whatever the
+   logits. And tokens[n] == candidate[n] wherever commit[n], always.
 6. tokens[n] = candidate[n] where commit[n].
 
 Outputs: DecodeOutput(candidate [N] int64, confidence [N] fp32, commit [N] bool,
-row_max [N] fp32, row_lse [N] fp32).
+row_max [N] fp32, row_lse [N] fp32, nonfinite [N] bool).
 """
 from typing import NamedTuple
 
@@ -78,6 +87,12 @@ class DecodeOutput(NamedTuple):
     commit: torch.Tensor
     row_max: torch.Tensor
     row_lse: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+def default_token(mask_id: int) -> int:
+    """Step 5's token when no masked row has a fallback: the lowest id that is not the mask."""
+    return 1 if mask_id == 0 else 0
 
 
 def sanitize_logits(logits: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -141,7 +156,7 @@ def commit_sequence(c, eligible, masked, rule, tau, tau_low, k):
 def decode_step_reference(
     logits, tokens, seq_offsets, mask_id, *, rule="threshold", threshold=None, low_threshold=0.4,
     num_commit=None, temperature=0.0, seed=0, offset=0, credit_ids=None, credit_vals=None,
-    credit_alpha=0.7, credit_beta=0.8, credit_gamma=0.2, compute_dtype=torch.float32,
+    credit_alpha=0.7, credit_beta=0.8, credit_gamma=0.2, row_keys=None, compute_dtype=torch.float32,
 ) -> DecodeOutput:
     """The spec (module docstring). Mutates tokens and the credit slots in place.
 
@@ -150,6 +165,7 @@ def decode_step_reference(
     N, V = logits.shape
     B = seq_offsets.numel() - 1
     dev = logits.device
+    nonfinite = ~torch.isfinite(logits).all(dim=-1)
     z = sanitize_logits(logits, compute_dtype)
     masked = tokens == mask_id
 
@@ -171,7 +187,7 @@ def decode_step_reference(
         zf = z
 
     if temperature > 0:
-        score = zf / temperature + rng.gumbel(seed, offset, N, V, dev).to(compute_dtype)
+        score = zf / temperature + rng.gumbel(seed, offset, N, V, dev, row_keys).to(compute_dtype)
     else:
         score = zf
     cand = torch.argmax(score, dim=-1)
@@ -191,6 +207,7 @@ def decode_step_reference(
     fb_valid = zf.gather(1, fb[:, None])[:, 0] > float("-inf")
     fb_valid &= torch.arange(V, device=dev)[fb] != mask_id
     fb_conf = torch.where(fb_valid, prob(fb), torch.full_like(conf, float("-inf")))
+    fb = torch.where(fb_valid, fb, torch.full_like(fb, default_token(mask_id)))
 
     eligible = masked & (cand != mask_id) & ~dead
     c_all = torch.where(eligible, conf, torch.full_like(conf, float("-inf")))
@@ -206,13 +223,13 @@ def decode_step_reference(
         sl = slice(lo, hi)
         commit[sl] = commit_sequence(c_all[sl].cpu(), eligible[sl].cpu(), masked[sl].cpu(), rule,
                                      tau, low_threshold, k).to(dev)
-        if masked[sl].any() and not eligible[sl].any() and fb_valid[sl][masked[sl]].any():
+        if masked[sl].any() and not eligible[sl].any() and (V > 1 or fb_valid[sl][masked[sl]].any()):
             cands = torch.where(masked[sl] & fb_valid[sl], fb_conf[sl], torch.full_like(fb_conf[sl], float("-inf")))
-            r = lo + int(torch.argmax(cands))
+            r = lo + int(torch.argmax(cands) if fb_valid[sl][masked[sl]].any() else torch.argmax(masked[sl].int()))
             commit[r] = True
             cand[r] = fb[r]
-            conf[r] = fb_conf[r]
+            conf[r] = fb_conf[r].clamp(min=0.0)   # 0 for the default token
 
     tokens.copy_(torch.where(commit, cand, tokens))
     return DecodeOutput(cand.to(torch.int64), conf.to(torch.float32), commit,
-                        m.to(torch.float32), lse.to(torch.float32))
+                        m.to(torch.float32), lse.to(torch.float32), nonfinite)

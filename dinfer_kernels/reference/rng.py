@@ -1,10 +1,13 @@
 """Counter-based RNG shared by every backend (the spec for sampling noise).
 
-One uniform number per (seed, offset, row, vocab index), with no state: a rerun with the same
-(seed, offset) reproduces, and every backend (torch, C++, CUDA, Triton) draws the same noise.
-All arithmetic is on 32-bit unsigned integers; seed and offset are in [0, 2**32).
+One uniform number per (seed, offset, row key, vocab index), with no state: a rerun with the same
+(seed, offset, row keys) reproduces, and every backend (torch, C++, CUDA, Triton) draws the same
+noise. All arithmetic is on 32-bit unsigned integers; seed and offset are in [0, 2**32). A row's key
+is its row index n unless the caller gives per-row keys (only their low 32 bits count): the engine
+keys a row on its request, position and iteration, so that where a request sits in a batch never
+changes its samples (dinfer/generate.py).
 
-    h  = mix(mix(mix(mix(seed ^ GOLDEN) ^ offset) ^ row) ^ v)
+    h  = mix(mix(mix(mix(seed ^ GOLDEN) ^ offset) ^ row_key) ^ v)
     u  = ((h >> 9) + 0.5) / 2**23            # 24 significant bits: exact in fp32, inside (0, 1)
     g  = -log(-log(u))                        # standard Gumbel noise
 
@@ -34,15 +37,34 @@ def row_keys(seed: int, offset: int, rows: torch.Tensor) -> torch.Tensor:
     return mix32(k ^ rows.to(torch.int64))
 
 
-def uniform(seed: int, offset: int, num_rows: int, vocab: int, device=None) -> torch.Tensor:
-    """[num_rows, vocab] fp32 uniforms in (0, 1)."""
-    keys = row_keys(seed, offset, torch.arange(num_rows, device=device))
+def uniform(seed: int, offset: int, num_rows: int, vocab: int, device=None, rows=None) -> torch.Tensor:
+    """[num_rows, vocab] fp32 uniforms in (0, 1). rows: [num_rows] integer row keys (default: the
+    row indices), of which the low 32 bits are used."""
+    rows = torch.arange(num_rows, device=device) if rows is None else rows.to(torch.int64) & _U32
+    keys = row_keys(seed, offset, rows)
     v = torch.arange(vocab, device=device, dtype=torch.int64)
     h = mix32(keys[:, None] ^ v[None, :])
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
-def gumbel(seed: int, offset: int, num_rows: int, vocab: int, device=None) -> torch.Tensor:
-    """[num_rows, vocab] fp32 Gumbel noise -log(-log(u))."""
-    u = uniform(seed, offset, num_rows, vocab, device)
+def gumbel(seed: int, offset: int, num_rows: int, vocab: int, device=None, rows=None) -> torch.Tensor:
+    """[num_rows, vocab] fp32 Gumbel noise -log(-log(u)); rows as in uniform()."""
+    u = uniform(seed, offset, num_rows, vocab, device, rows)
     return -torch.log(-torch.log(u))
+
+
+def sequence_key(tokens) -> int:
+    """A uint32 key of a token sequence (its ids and length), for keying sampling on a request's
+    content: every token mixed with its position, summed mod 2**32, mixed with the length."""
+    t = torch.as_tensor(tokens, dtype=torch.int64).flatten() & _U32
+    spread = mix32(t ^ mix32(torch.arange(t.numel(), dtype=torch.int64) ^ GOLDEN))
+    return int(mix32(torch.tensor((int(spread.sum()) & _U32) ^ t.numel(), dtype=torch.int64)))
+
+
+def request_row_keys(request_keys: torch.Tensor, positions: torch.Tensor, iterations: torch.Tensor) -> torch.Tensor:
+    """[B, L] row keys mix(mix(mix(request) ^ position) ^ iteration) for B requests (keys [B]),
+    their absolute positions [B, L] and their own iteration counts [B]: what a request samples then
+    depends on nothing but itself, not on the batch it runs in."""
+    k = mix32(request_keys.to(torch.int64) & _U32)
+    k = mix32(k[:, None] ^ (positions.to(torch.int64) & _U32))
+    return mix32(k ^ (iterations.to(torch.int64) & _U32)[:, None])

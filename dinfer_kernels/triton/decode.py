@@ -11,7 +11,8 @@ Two launches, both with grids fixed by the shapes (CUDA-graph capturable, no hos
    programs, and each streams >= BLOCK_V = 2048 logits.
 2. `_finalize_kernel`, grid (B,): one program per sequence walks its rows in chunks of BLOCK_R and
    (A) merges the S partials of each row, folds in the mask token, updates the credit slots, applies
-   the credit to max / sum / argmax in O(K) and writes candidate, confidence, row_max, row_lse;
+   the credit to max / sum / argmax in O(K) and writes candidate, confidence, row_max, row_lse,
+   nonfinite;
    (B) after a CTA barrier, applies the commit rule and the progress guarantee and writes commit and
    tokens. Per-row values that (B) reads across rows go through a small scratch area.
 
@@ -21,8 +22,9 @@ Workspace (one fp32 allocation, also viewed as int32), with P = N * S:
   [2P, 3P)    fp32  best score z/T + gumbel over the chunk (sampling only)
   [3P, 4P)    int32 argmax of z (lowest index on ties)
   [4P, 5P)    int32 argmax of the score (sampling only)
+  [5P, 6P)    int32 1 if a raw logit of the chunk is NaN or +-inf (sanitising hides it), else 0
   then 4 row fields of N each: c (confidence if eligible, else -inf), fallback confidence (-inf if
-  none or not masked), fallback token (int32), segment id (hierarchical: masked runs share one).
+  none or not masked), fallback token (int32; the default token if none), segment id (hierarchical: masked runs share one).
 Entry (n, s) of a partial field sits at n * S + s.
 """
 import torch
@@ -34,7 +36,7 @@ from ..reference import rng
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 INT_MAX = tl.constexpr(2147483647)
 AT_LEAST_ONE_EPS = tl.constexpr(1e-5)
-PARTIAL_FIELDS = tl.constexpr(5)
+PARTIAL_FIELDS = tl.constexpr(6)
 ROW_FIELDS = 4
 # 4 programs per SM of an H200 (132 SMs); a constant, not the device's count, so that the split (and
 # hence the summation order, i.e. the bits of row_lse) is the same on every device.
@@ -89,6 +91,15 @@ def _row_keys(key, rows):
 
 
 @triton.jit
+def _row_counters(row_keys, rows, ok, HAS_KEYS: tl.constexpr):
+    """The hash's row counters: the caller's keys (low 32 bits) or the row indices."""
+    if HAS_KEYS:
+        return tl.load(row_keys + rows, mask=ok, other=0).to(tl.uint32)
+    else:
+        return rows
+
+
+@triton.jit
 def _score(z, row_key, v, temperature, SAMPLE: tl.constexpr):
     """z (argmax decoding) or z / T + gumbel (sampling); an IEEE division, as the contract's z'/T."""
     if SAMPLE:
@@ -113,25 +124,27 @@ def _best(vals, ids, ok):
 
 
 @triton.jit(do_not_specialize=["mask_id", "key"])
-def _partials_kernel(logits, stride_n, ws, ws_i, N, V, S, CHUNK, mask_id, temperature, key,
-                     SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr):
+def _partials_kernel(logits, stride_n, ws, ws_i, row_keys, N, V, S, CHUNK, mask_id, temperature, key,
+                     SAMPLE: tl.constexpr, HAS_KEYS: tl.constexpr, BLOCK_V: tl.constexpr):
     n = tl.program_id(0)
     s = tl.program_id(1)
     lo = s * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     row = logits + n.to(tl.int64) * stride_n
-    row_key = _row_keys(key, n)
+    row_key = _row_keys(key, _row_counters(row_keys, n, n < N, HAS_KEYS))
 
     # Per-lane running state, merged once after the loop: no cross-thread reduction per tile.
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_V], tl.float32)
     arg = tl.zeros([BLOCK_V], tl.int32)
+    bad = tl.zeros([BLOCK_V], tl.int32)
     if SAMPLE:
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
         best_arg = tl.zeros([BLOCK_V], tl.int32)
     for start in range(lo, hi, BLOCK_V):
         v = start + tl.arange(0, BLOCK_V)
         z = tl.load(row + v, mask=v < hi, other=float("-inf")).to(tl.float32)
+        bad = tl.maximum(bad, ((v < hi) & ~(tl.abs(z) <= FLT_MAX)).to(tl.int32))   # NaN or +-inf
         z = tl.where(v == mask_id, float("-inf"), _sanitise(z))
         # A strict '>' keeps each lane's first (lowest) index.
         arg = tl.where(z > m, v, arg)
@@ -147,6 +160,7 @@ def _partials_kernel(logits, stride_n, ws, ws_i, N, V, S, CHUNK, mask_id, temper
     tl.store(ws + at, m_all)
     tl.store(ws + P + at, total)
     tl.store(ws_i + 3 * P + at, tl.min(tl.where(m == m_all, arg, INT_MAX), 0))
+    tl.store(ws_i + 5 * P + at, tl.max(bad, 0))
     if SAMPLE:
         best_all = tl.max(best, 0)
         tl.store(ws + 2 * P + at, best_all)
@@ -195,10 +209,10 @@ def _rank(c_ws, rows, c, lo, hi, BLOCK_R: tl.constexpr):
 
 @triton.jit(do_not_specialize=["mask_id", "key"])
 def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commit,
-                     credit_ids, credit_vals, ws, ws_i,
-                     candidate, confidence, commit, row_max, row_lse,
+                     credit_ids, credit_vals, ws, ws_i, row_keys,
+                     candidate, confidence, commit, row_max, row_lse, nonfinite,
                      N, V, S, K, mask_id, low_threshold, temperature, key, alpha, beta, gamma,
-                     RULE: tl.constexpr, SAMPLE: tl.constexpr, HAS_CREDIT: tl.constexpr,
+                     RULE: tl.constexpr, SAMPLE: tl.constexpr, HAS_CREDIT: tl.constexpr, HAS_KEYS: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     b = tl.program_id(0)
     # Unchecked offsets (values are not validated on a GPU) must not reach past the rows: clamped to
@@ -217,6 +231,7 @@ def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commi
     c_row = lo
     fb_max = tl.full([], float("-inf"), tl.float32)     # best fallback confidence of masked rows
     fb_row = lo
+    first_masked = tl.full([], INT_MAX, tl.int32)       # the default-token row of step 5
     any_masked = tl.zeros([], tl.int32)
     any_eligible = tl.zeros([], tl.int32)
     seg_base = tl.zeros([], tl.int32)
@@ -226,7 +241,7 @@ def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commi
         rows = r0 + tl.arange(0, BLOCK_R)
         live = rows < hi
         row_ptr = logits + rows.to(tl.int64) * stride_n
-        row_key = _row_keys(key, rows)
+        row_key = _row_keys(key, _row_counters(row_keys, rows, live, HAS_KEYS))
         tok = tl.load(tokens + rows, mask=live, other=0)
         masked = live & (tok == mask_id)
 
@@ -238,6 +253,8 @@ def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commi
         m_nm, a_nm = _best(part_m, tl.load(ws_i + 3 * P + at, mask=ok, other=INT_MAX), ok)
         m_nm_safe = tl.where(m_nm == float("-inf"), 0.0, m_nm)
         s_nm = tl.sum(part_s * tl.exp(part_m - m_nm_safe[:, None]), 1)
+        bad = tl.max(tl.load(ws_i + 5 * P + at, mask=ok, other=0), 1)
+        tl.store(nonfinite + rows, bad > 0, mask=live)
         if SAMPLE:
             g_nm, gi_nm = _best(tl.load(ws + 2 * P + at, mask=ok, other=float("-inf")),
                                 tl.load(ws_i + 4 * P + at, mask=ok, other=INT_MAX), ok)
@@ -321,7 +338,7 @@ def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commi
         c = tl.where(eligible, conf, float("-inf"))
         tl.store(c_ws + rows, c, mask=live)
         tl.store(fbc_ws + rows, fb_conf, mask=live)
-        tl.store(fb_ws + rows, gi_nm, mask=live)
+        tl.store(fb_ws + rows, tl.where(fb_ok, gi_nm, tl.where(mask_id == 0, 1, 0)), mask=live)
         if RULE == 1:
             # Segment ids: a maximal run of masked rows shares one; every unmasked row is its own.
             prev = tl.load(tokens + rows - 1, mask=live & (rows > lo), other=-1)
@@ -335,6 +352,7 @@ def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commi
         chunk_max, chunk_arg = tl.max(fb_conf, 0, return_indices=True)
         fb_row = tl.where(chunk_max > fb_max, r0 + chunk_arg, fb_row)
         fb_max = tl.maximum(fb_max, chunk_max)
+        first_masked = tl.minimum(first_masked, tl.min(tl.where(masked, rows, INT_MAX), 0))
         any_masked = tl.maximum(any_masked, tl.max(masked.to(tl.int32), 0))
         any_eligible = tl.maximum(any_eligible, tl.max(eligible.to(tl.int32), 0))
 
@@ -345,9 +363,11 @@ def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commi
     tau = tl.load(threshold + b)
     k = tl.load(num_commit + b)
     cut = tl.minimum(tau, c_max - AT_LEAST_ONE_EPS)
-    # Step 5: masked rows but none eligible -> the best fallback commits (no rule commits then).
-    rescue = (any_masked > 0) & (any_eligible == 0) & (fb_max > float("-inf"))
-    rescue_row = tl.where(rescue, fb_row, -1)
+    # Step 5: masked rows but none eligible -> the best fallback commits (no rule commits then),
+    # else (no fallback anywhere) the lowest masked row commits the default token, if V > 1.
+    has_fb = fb_max > float("-inf")
+    rescue = (any_masked > 0) & (any_eligible == 0) & (has_fb | (V > 1))
+    rescue_row = tl.where(rescue, tl.where(has_fb, fb_row, first_masked), -1)
     for r0 in range(lo, hi, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         live = rows < hi
@@ -365,7 +385,7 @@ def _finalize_kernel(logits, stride_n, tokens, seq_offsets, threshold, num_commi
         take = take | is_fb
         fb = tl.load(fb_ws + rows, mask=is_fb, other=0).to(tl.int64)
         tl.store(candidate + rows, fb, mask=is_fb)
-        tl.store(confidence + rows, tl.load(fbc_ws + rows, mask=is_fb, other=0.0), mask=is_fb)
+        tl.store(confidence + rows, tl.maximum(tl.load(fbc_ws + rows, mask=is_fb, other=0.0), 0.0), mask=is_fb)
         new_tok = tl.where(is_fb, fb, tl.load(candidate + rows, mask=take & ~is_fb, other=0))
         tl.store(tokens + rows, new_tok, mask=take)
         tl.store(commit + rows, take, mask=live)
@@ -386,7 +406,7 @@ def _int32(x: int) -> int:
 def decode_step(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals,
                 mask_id: int, rule: int, low_threshold: float, temperature: float, seed: int, offset: int,
                 alpha: float, beta: float, gamma: float,
-                candidate, confidence, commit, row_max, row_lse) -> None:
+                candidate, confidence, commit, row_max, row_lse, nonfinite=None, row_keys=None) -> None:
     N, V = logits.shape
     B = seq_offsets.numel() - 1
     if N == 0:
@@ -399,17 +419,22 @@ def decode_step(logits, tokens, seq_offsets, threshold, num_commit, credit_ids, 
     ws = torch.empty(PARTIAL_FIELDS.value * N * S + ROW_FIELDS * N, dtype=torch.float32, device=logits.device)
     ws_i = ws.view(torch.int32)
     key = _int32(rng.mix32(rng.mix32(seed ^ rng.GOLDEN) ^ offset))
+    if nonfinite is None:   # the backend-level callers of tests need not ask for the flags
+        nonfinite = torch.empty(N, dtype=torch.bool, device=logits.device)
+    has_keys = row_keys is not None
+    keys = row_keys if has_keys else tokens   # any int64 pointer when unused
 
-    _partials_kernel[(N, S)](logits, logits.stride(0), ws, ws_i, N, V, S, chunk, mask_id, float(temperature),
-                             key, SAMPLE=sample, BLOCK_V=block_v, num_warps=max(1, block_v // 256))
+    _partials_kernel[(N, S)](logits, logits.stride(0), ws, ws_i, keys, N, V, S, chunk, mask_id,
+                             float(temperature), key, SAMPLE=sample, HAS_KEYS=has_keys, BLOCK_V=block_v,
+                             num_warps=max(1, block_v // 256))
 
     block_s = triton.next_power_of_2(S)
     block_k = max(2, triton.next_power_of_2(K))
     block_r = max(2, min(64, triton.next_power_of_2(N), 4096 // max(block_s, block_k)))
     _finalize_kernel[(B,)](
         logits, logits.stride(0), tokens, seq_offsets, threshold, num_commit, credit_ids, credit_vals,
-        ws, ws_i, candidate, confidence, commit, row_max, row_lse,
+        ws, ws_i, keys, candidate, confidence, commit, row_max, row_lse, nonfinite,
         N, V, S, K, mask_id, float(low_threshold), float(temperature), key,
         float(alpha), float(beta), float(gamma),
-        RULE=rule, SAMPLE=sample, HAS_CREDIT=K > 0, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_K=block_k,
+        RULE=rule, SAMPLE=sample, HAS_CREDIT=K > 0, HAS_KEYS=has_keys, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_K=block_k,
         num_warps=4)

@@ -33,6 +33,7 @@ struct DecodeStepParams {
   float low_threshold = 0.4f;          // tau_low (hierarchical)
   float temperature = 0.0f;            // 0: argmax; > 0: Gumbel-max sampling
   uint32_t seed = 0, offset = 0;       // counter-based RNG key (reference/rng.py)
+  const int64_t* row_keys = nullptr;   // [N] noise key of each row (low 32 bits); null: the row index
   // ---- sparse credit (num_slots == 0 disables it) ----------------------------------------------
   int32_t* credit_ids = nullptr;       // [N, num_slots] in/out, -1 = empty slot
   float* credit_vals = nullptr;        // [N, num_slots] in/out
@@ -44,6 +45,7 @@ struct DecodeStepParams {
   uint8_t* commit = nullptr;           // [N] (bool)
   float* row_max = nullptr;            // [N] raw max of the sanitised logits
   float* row_lse = nullptr;            // [N] raw log-sum-exp
+  uint8_t* nonfinite = nullptr;        // [N] (bool) the raw row holds a NaN or +-inf; may be null
 };
 
 // Vocabulary splits per row used by the CUDA kernels: a pure function of (N, V), so results never

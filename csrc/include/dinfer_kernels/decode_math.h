@@ -64,6 +64,11 @@ DINFER_HD uint32_t row_key(uint32_t seed, uint32_t offset, uint32_t row) {
   return mix32(mix32(mix32(seed ^ 0x9E3779B9u) ^ offset) ^ row);
 }
 
+// The counter of row n in the hash: the caller's per-row key (low 32 bits), else n itself.
+DINFER_HD uint32_t row_counter(const int64_t* row_keys, int64_t n) {
+  return static_cast<uint32_t>(row_keys != nullptr ? row_keys[n] : n);
+}
+
 DINFER_HD float gumbel(uint32_t key, uint32_t v) {
   // 23 random bits + 0.5 fit fp32's 24-bit significand: u is exact and strictly inside (0, 1),
   // so the noise is always finite.
@@ -82,12 +87,15 @@ struct Partial {
   int32_t arg;      // raw argmax (lowest index on ties)
   int32_t score_arg;
   int32_t nm_arg;
-  int32_t pad;
+  int32_t nonfinite;  // 1 if a raw element was NaN or +-inf (the sanitised values cannot tell)
 };
 
 DINFER_HD Partial empty_partial() {
   return Partial{-INFINITY, 0.f, -INFINITY, -INFINITY, kNoIndex, kNoIndex, kNoIndex, 0};
 }
+
+// Step 5's token when no masked row of a sequence has a fallback: the lowest id != mask_id.
+DINFER_HD int64_t default_token(int64_t mask_id) { return mask_id == 0 ? 1 : 0; }
 
 // Rescale a sum of exp(z - from) to exp(z - to), to >= from; -inf-safe.
 DINFER_HD float rescale(float sum, float from, float to) {
@@ -106,7 +114,7 @@ DINFER_HD Partial merge(const Partial& a, const Partial& b) {
   bool bn = beats(b.nm_score, b.nm_arg, a.nm_score, a.nm_arg);
   r.nm_score = bn ? b.nm_score : a.nm_score;
   r.nm_arg = bn ? b.nm_arg : a.nm_arg;
-  r.pad = 0;
+  r.nonfinite = a.nonfinite | b.nonfinite;
   return r;
 }
 
@@ -120,7 +128,7 @@ DINFER_HD float score_of(float zf, float temperature, uint32_t key, int64_t v) {
 struct RowResult {
   int64_t candidate;
   float confidence;
-  int64_t fallback;      // best non-mask token, -1 if none
+  int64_t fallback;      // best non-mask token, default_token() if none
   float fallback_conf;   // its probability, -inf if none
   float max, lse;        // raw statistics
 };
@@ -137,6 +145,7 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
   // A live row always has a valid score_arg: scores are never NaN (sanitised logits, finite noise)
   // and beats() lets even a -inf score take the index, so the logits reads below stay in bounds.
   const bool dead = p.max == -INFINITY;
+  if (prm.nonfinite != nullptr) prm.nonfinite[n] = p.nonfinite != 0;
 
   // Step 2: sparse credit. Invalid ids (outside [0, V)) are treated as empty slots, never read.
   for (int j = 0; j < K; ++j) {
@@ -162,7 +171,7 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
   if (dead) {
     r.candidate = prm.mask_id;
     r.confidence = 0.f;
-    r.fallback = -1;
+    r.fallback = default_token(prm.mask_id);
     r.fallback_conf = -INFINITY;
     r.max = r.lse = -INFINITY;
     return r;
@@ -170,7 +179,7 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
 
   // Step 3: fused logits differ from raw ones only at credited tokens, and only upwards, so the
   // best score is either the pass's best (its raw score is a lower bound) or a credited token.
-  const uint32_t key = row_key(prm.seed, prm.offset, static_cast<uint32_t>(n));
+  const uint32_t key = row_key(prm.seed, prm.offset, row_counter(prm.row_keys, n));
   float best = p.score, nm_best = p.nm_score, fmax = p.max;
   int64_t best_i = p.score_arg, nm_i = p.nm_arg;
   for (int j = 0; j < K; ++j) {
@@ -200,7 +209,7 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
   r.candidate = best_i;
   r.confidence = expf(fused_logit(best_i) - fmax) / sum;
   const bool nm_ok = nm_i != kNoIndex && nm_i != prm.mask_id && fused_logit(nm_i) > -INFINITY;
-  r.fallback = nm_ok ? nm_i : -1;
+  r.fallback = nm_ok ? nm_i : default_token(prm.mask_id);
   r.fallback_conf = nm_ok ? expf(fused_logit(nm_i) - fmax) / sum : -INFINITY;
   r.max = p.max;
   r.lse = p.max + logf(p.sum);
@@ -225,8 +234,11 @@ struct SeqStats {
   int64_t fallback_row;  // progress-guarantee row (-1 if not needed or impossible)
 };
 
+// can_default: the vocabulary has a token other than the mask (V >= 2), so a masked row without a
+// fallback can still commit default_token(); the lowest such row is picked when no row has one.
 DINFER_HD SeqStats sequence_stats(int64_t L, const int64_t* tokens, const int64_t* cand,
-                                  const float* conf, const float* fb_conf, int64_t mask_id) {
+                                  const float* conf, const float* fb_conf, int64_t mask_id,
+                                  bool can_default) {
   SeqStats s{-INFINITY, -1, -1};
   bool any_masked = false;
   float best_fb = -INFINITY;
@@ -237,7 +249,8 @@ DINFER_HD SeqStats sequence_stats(int64_t L, const int64_t* tokens, const int64_
       s.max_c = conf[i];
       s.argmax_c = i;
     }
-    if (fb_conf[i] > best_fb) { best_fb = fb_conf[i]; s.fallback_row = i; }
+    const bool usable = can_default || fb_conf[i] > -INFINITY;
+    if (usable && (s.fallback_row < 0 || fb_conf[i] > best_fb)) { best_fb = fb_conf[i]; s.fallback_row = i; }
   }
   if (!any_masked || s.argmax_c >= 0) s.fallback_row = -1;
   return s;

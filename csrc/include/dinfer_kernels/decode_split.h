@@ -163,6 +163,9 @@ struct ScanState {
   float maskv = -INFINITY;
   int32_t maski = kNoIndex;
   float thr = -INFINITY;
+  // Smallest raw element, with NaN and +inf counted as -inf: -inf iff the thread saw a non-finite
+  // logit. One fminf per element in the fast path; NaN takes the sum's NaN branch, +inf the slow path.
+  float zmin = INFINITY;
 
   DINFER_HD void raise_max(float z, int32_t v) {  // z > m
     sum = decode_math::rescale(sum, m, z);
@@ -183,6 +186,7 @@ struct ScanState {
 
   // Any element, any value: the slow path (row head/tail, vectors holding +inf or the mask token).
   DINFER_HD void scalar(float raw, int32_t v, const ScanCtx& c) {
+    zmin = fminf(zmin, fabsf(raw) <= FLT_MAX ? raw : -INFINITY);
     const float z = decode_math::sanitize(raw);
     if (z > m) raise_max(z, v);
     sum += exp_shifted(z, ms);
@@ -230,7 +234,12 @@ struct ScanState {
     for (int w = 1; w < E; w *= 2)  // pairwise: shorter dependency chain, smaller rounding error
       DINFER_UNROLL
       for (int j = 0; j + w < E; j += 2 * w) e[j] += e[j + w];
+    float vmin = z[0];
+    DINFER_UNROLL
+    for (int j = 1; j < E; ++j) vmin = fminf(vmin, z[j]);
+    zmin = fminf(zmin, vmin);
     if (e[0] != e[0]) {  // a NaN input: NaN -> -inf contributes exp(-inf) = 0
+      zmin = -INFINITY;
       e[0] = 0.f;
       DINFER_UNROLL
       for (int j = 0; j < E; ++j) e[0] += exp_shifted(decode_math::sanitize(z[j]), ms);
@@ -251,8 +260,9 @@ struct ScanState {
 
   DINFER_HD Partial partial() const {
     // Nothing but -inf (or no elements): merge as empty, like the CPU backend's all -inf chunks.
-    if (m == -INFINITY) return decode_math::empty_partial();
-    Partial p;
+    Partial p = decode_math::empty_partial();
+    p.nonfinite = zmin == -INFINITY ? 1 : 0;
+    if (m == -INFINITY) return p;
     p.max = m;
     p.sum = sum;
     p.arg = arg;
@@ -266,7 +276,6 @@ struct ScanState {
       p.score = m;
       p.score_arg = arg;
     }
-    p.pad = 0;
     return p;
   }
 };
@@ -324,6 +333,7 @@ struct SplitArgs {
   int32_t mask_id;     // -1 when outside [0, V)
   float temperature;
   uint32_t seed, offset;
+  const int64_t* row_keys;  // [N] or null (decode_math::row_counter)
   Partial* partials;   // [N, num_splits]
 };
 
@@ -340,6 +350,7 @@ inline SplitArgs split_args(const DecodeStepParams& p, int num_splits, Partial* 
   sa.temperature = p.temperature;
   sa.seed = p.seed;
   sa.offset = p.offset;
+  sa.row_keys = p.row_keys;
   sa.partials = partials;
   return sa;
 }
@@ -359,7 +370,7 @@ DINFER_HD Partial split_thread_partial(const SplitArgs& a, uint32_t cta, int tid
   c.mask_id = a.mask_id;
   c.temperature = a.temperature;
   c.inv_t = 1.0f / a.temperature;
-  c.key = decode_math::row_key(a.seed, a.offset, static_cast<uint32_t>(n));
+  c.key = decode_math::row_key(a.seed, a.offset, decode_math::row_counter(a.row_keys, n));
   return scan_chunk<Tag, kSample>(row, c0, c1, tid, kSplitThreads, c);
 }
 
@@ -451,7 +462,8 @@ DINFER_HD SeqView seq_view(const FinalizeArgs& a, const FinalizeSeq& q, const Fi
 // Phase b, thread 0 only: sequence statistics, O(L) serial (L is a block length).
 DINFER_HD void finalize_stats(const FinalizeArgs& a, const FinalizeSeq& q, const SeqView& v,
                               FinalizeShared& sh) {
-  sh.stats = decode_math::sequence_stats(q.L, v.tokens, v.cand, v.conf, v.fb_conf, a.p.mask_id);
+  sh.stats = decode_math::sequence_stats(q.L, v.tokens, v.cand, v.conf, v.fb_conf, a.p.mask_id,
+                                         a.p.vocab > 1);
 }
 
 // Phase c, thread tid: commit decisions of its rows, from the tokens as they were before this step.
@@ -476,7 +488,7 @@ DINFER_HD void finalize_write(const FinalizeArgs& a, const FinalizeSeq& q, const
     const int64_t n = q.lo + i;
     if (i == st.fallback_row) {
       p.candidate[n] = a.fb_token[n];
-      p.confidence[n] = a.fb_conf[n];
+      p.confidence[n] = fmaxf(a.fb_conf[n], 0.f);  // 0 for the default token (-inf fallback)
     }
     if (p.commit[n]) p.tokens[n] = p.candidate[n];
   }
