@@ -77,6 +77,7 @@ class LLM:
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         config = ModelConfig.from_dir(path)
+        check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
         self.tokenizer = Tokenizer(path, eos_id=config.eos_id)
         self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))

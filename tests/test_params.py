@@ -130,3 +130,8 @@ def test_memory_refused_before_allocating(llm, monkeypatch):
     with pytest.raises(MemoryError, match=r"more than the .* free on cpu; lower batch_size, gen_length"):
         llm.generate("add:1+2")
 
+
+
+def test_look_bounded_when_the_llm_is_built():
+    with pytest.raises(ValueError, match="after_look: must be <= the model's"):
+        LLM(device="cpu", after_look=10**8)
