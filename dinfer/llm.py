@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .decoders import DECODERS, DecoderConfig
@@ -124,7 +125,7 @@ class LLM:
     def _prompt_ids(self, prompts: Prompts, chat: bool) -> List[List[int]]:
         if isinstance(prompts, str):
             prompts = [prompts]
-        if not isinstance(prompts, (Sequence, torch.Tensor)):
+        if not isinstance(prompts, (Sequence, torch.Tensor, np.ndarray)):
             raise TypeError(f"prompts: expected a string, a list of strings or a list of token-id lists, "
                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
@@ -137,9 +138,9 @@ class LLM:
             if not prompt:  # a chat template would hide it: the model would answer an empty turn
                 raise ValueError(f"prompts[{i}]: empty prompt")
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
-        if isinstance(prompt, torch.Tensor):
+        if isinstance(prompt, (torch.Tensor, np.ndarray)):
             prompt = prompt.tolist()
-        if not isinstance(prompt, Sequence):  # a flat list of ids is one prompt: it goes in a list
+        if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):  # a flat list of ids is one prompt: it goes in a list
             raise TypeError(f"prompts[{i}]: expected a string or a list of token ids, got "
                             f"{type(prompt).__name__}" + (" (one tokenised prompt is [ids], not ids)"
                                                           if isinstance(prompt, numbers.Integral) else ""))

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
@@ -162,6 +163,10 @@ def test_chat_template_and_pre_tokenised_prompts(llm):
     templated = tok.encode(tok.apply_chat_template("hello world"))
     assert llm.generate("hello world").token_ids == llm.generate([templated]).token_ids
     assert llm.generate("hello world", chat=False).token_ids == llm.generate([tok.encode("hello world")]).token_ids
+    # token ids as arrays: numpy or torch, one per prompt or stacked
+    expected = llm.generate([templated]).token_ids
+    assert llm.generate([np.array(templated)]).token_ids == expected
+    assert llm.generate(torch.tensor([templated])).token_ids == expected
 
 
 def test_options_defaults_and_overrides(llm):
@@ -284,6 +289,7 @@ def test_generation_config_json_defaults(ckpt, tmp_path):
     ([1, 2, 3], r"prompts\[0\]: expected a string or a list of token ids, got int \(one tokenised prompt"),
     (["hello", [[1, 2]]], r"prompts\[1\]\[0\]: expected a token id \(int\), got list"),
     ([[1, 2.5]], r"prompts\[0\]\[1\]: expected a token id"),
+    ([b"hello"], r"prompts\[0\]: expected a string or a list of token ids, got bytes"),
 ])
 def test_generate_badly_shaped_prompts(llm, prompts, match):
     with pytest.raises(TypeError, match=match):
