@@ -4,126 +4,272 @@
     dinfer eval [--model M] [--tasks add,sort] [options]    accuracy / TPF / TPS on the task suite
 
 --model is a checkpoint folder or an embedded model's name (default: tiny-llada-moe, shipped in the
-package). Options left out keep the GenerationConfig / DecoderConfig defaults (every option defaults
-to None, which dinfer.llm reads as "not given"). Errors print one line on stderr and exit with status 2.
+package). Options left out keep the GenerationConfig / DecoderConfig defaults, or the checkpoint's
+generation_config.json (every option's argparse default is None, which dinfer.llm reads as "not
+given"; `-h` shows the effective defaults, for the model given with --model).
+
+generate reads its prompts from --prompt (repeatable), --prompts-file (one per line, `-`: stdin) or,
+without either, stdin, one prompt per non-empty line. Each answer is printed as soon as it and every
+prompt before it are finished, so the output stays in prompt order; --output FILE also writes one JSON
+line per prompt as it finishes ({"index", "prompt", "text"}, in finishing order); --json prints one
+object with every text, token ids and the stats when all are done.
+
+Errors print one line on stderr and exit with status 2; Ctrl-C prints one line and exits with 130,
+keeping what finished (printed answers, --output lines, eval's --output after each task).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from .batch import CACHE_MODES
 from .decoders import DECODERS
-from .llm import LLM
-from .models.embedded import DEFAULT, EMBEDDED
+from .evaluate import Progress
+from .llm import LLM, _device, _dtype, generation_config
+from .models.embedded import DEFAULT, EMBEDDED, generation_defaults, model_dir
 from .tasks import TASKS
 
 
-def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"checkpoint folder, or an embedded model ({', '.join(EMBEDDED)}; "
-                                   f"default {DEFAULT})")
-    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--dtype", help="bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on the host)")
+def _defaults(model: Optional[str]) -> Dict[str, object]:
+    """The effective default of every generation option for `model`: the config classes' defaults
+    under its generation_config.json (the configs' own when the checkpoint cannot be read: the
+    command then fails on it with a proper message)."""
+    try:
+        cfg = generation_config(**generation_defaults(model_dir(model)))
+    except (OSError, ValueError):
+        cfg = generation_config()
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    values.update({f.name: getattr(cfg.decoder, f.name) for f in dataclasses.fields(cfg.decoder)})
+    values["decoder"] = cfg.decoder.name
+    return values
+
+
+def _model_options(p: argparse.ArgumentParser, batch_default: str) -> None:
+    device = _device(None)
+    p.add_argument("--model", help=f"checkpoint folder, or an embedded model ({', '.join(EMBEDDED)}) "
+                                   f"(default: {DEFAULT})")
+    p.add_argument("--device", help=f"cuda, cuda:1, cpu (default: cuda when available: {device} here)")
+    p.add_argument("--dtype", help=f"bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on the host: "
+                                   f"{str(_dtype(None, device)).replace('torch.', '')} here)")
     p.add_argument("--batch-size", type=int,
-                   help="most prompts decoded at once; a finished one's place goes to the next (default: all)")
+                   help=f"most prompts decoded at once; a finished one's place goes to the next "
+                        f"(default: {batch_default})")
 
 
-def _generation_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gen-length", type=int)
-    p.add_argument("--block-length", type=int)
-    p.add_argument("--decoder", choices=DECODERS)
-    p.add_argument("--threshold", type=float, help="commit threshold (tau_high for hierarchy)")
-    p.add_argument("--low-threshold", type=float, help="tau_low for hierarchy")
-    p.add_argument("--steps-per-block", type=int, help="fixed decoder: steps per block (0: one token per step)")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--cache", choices=CACHE_MODES)
-    p.add_argument("--warmup-steps", type=int, help="first N iterations are full refreshes")
+def _generation_options(p: argparse.ArgumentParser, d: Dict[str, object]) -> None:
+    def opt(*flags, help, **kw):
+        dest = flags[0].lstrip("-").replace("-", "_")
+        p.add_argument(*flags, dest=dest, help=f"{help} (default: {d[dest]})", **kw)
+
+    opt("--gen-length", "--max-new-tokens", type=int, help="tokens generated per prompt")
+    opt("--block-length", type=int, help="tokens per block (capped to --gen-length)")
+    opt("--decoder", choices=DECODERS, help="decoding strategy")
+    opt("--threshold", type=float, help="commit threshold in [0, 1] (tau_high for hierarchy)")
+    opt("--low-threshold", type=float, help="tau_low in [0, 1] for hierarchy")
+    opt("--steps-per-block", type=int, help="fixed decoder: steps per block (0: one token per step)")
+    opt("--temperature", type=float, help="sampling temperature (0: the most likely token)")
+    opt("--seed", type=int, help="sampling seed, in [0, 2**32)")
+    opt("--cache", choices=CACHE_MODES, help="KV cache mode")
+    opt("--warmup-steps", type=int, help="first N iterations are full refreshes")
+    opt("--unroll", type=int, help="iterations per host check")
+    opt("--smoothing-threshold-start", type=float,
+        help="smoothing's threshold warm-up tau_n = max(start - decay * n, tau): start (<= --threshold: no warm-up)")
+    opt("--smoothing-threshold-decay", type=float, help="... and its decay per iteration")
+    on_off = lambda name: "on" if d[name] else "off"  # noqa: E731
     p.add_argument("--no-write-back", dest="write_back", action="store_false", default=None,
-                   help="window steps leave the KV cache as it was (dInfer's vicinity step)")
-    p.add_argument("--smoothing", action="store_true", default=None, help="iteration smoothing")
-    p.add_argument("--smoothing-threshold-start", type=float,
-                   help="smoothing's threshold warm-up tau_n = max(start - decay * n, tau): start (default 1.0; "
-                        "<= --threshold: no warm-up)")
-    p.add_argument("--smoothing-threshold-decay", type=float, help="... and its decay per iteration (default 0.02)")
-    p.add_argument("--unroll", type=int, help="iterations per host check")
+                   help="window steps leave the KV cache as it was, dInfer's vicinity step "
+                        f"(default: write-back {on_off('write_back')})")
+    p.add_argument("--smoothing", action="store_true", default=None,
+                   help=f"iteration smoothing (default: {on_off('smoothing')})")
     p.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=None,
-                   help="decode every block even after EOS")
+                   help=f"decode every block even after EOS (default: early stop {on_off('early_stop')})")
     p.add_argument("--no-compact", dest="compact", action="store_false", default=None,
-                   help="sequences whose block is done keep running its forwards (dInfer's batches)")
+                   help="sequences whose block is done keep running its forwards, dInfer's batches "
+                        f"(default: compaction {on_off('compact')})")
     p.add_argument("--no-align-blocks", dest="align_blocks", action="store_false", default=None,
-                   help="block 0 starts right after the prompt (LLaDA's sampler), not at a block boundary")
+                   help="block 0 starts right after the prompt (LLaDA's sampler), not at a block boundary "
+                        f"(default: aligned {on_off('align_blocks')})")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
+    # The defaults -h shows depend on the model (its generation_config.json): find --model first.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model")
+    d = _defaults(pre.parse_known_args(argv)[0].model)
     parser = argparse.ArgumentParser(prog="dinfer", description="Inference for diffusion language models.")
     commands = parser.add_subparsers(dest="command", required=True)
-    g = commands.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; default: read stdin)")
-    g.add_argument("--json", action="store_true", help='print {"texts", "token_ids", "stats"} as JSON')
-    g.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
-    _model_options(g)
-    _generation_options(g)
+    g = commands.add_parser("generate", help="generate text for one or more prompts",
+                            description="Prompts from --prompt, --prompts-file, or stdin (one per non-empty line).")
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    g.add_argument("--prompts-file", help="a file of prompts, one per non-empty line ('-': stdin)")
+    g.add_argument("--stop", action="append",
+                   help="cut each answer before the first occurrence of this string (repeatable)")
+    g.add_argument("--json", action="store_true", help='print {"texts", "token_ids", "stats"} as JSON at the end')
+    g.add_argument("--output", help='also write one JSON line {"index", "prompt", "text"} per prompt as it finishes')
+    g.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="do not apply the checkpoint's chat template (default: applied)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: with several prompts when stderr is a terminal)")
+    _model_options(g, "all")
+    _generation_options(g, d)
     e = commands.add_parser("eval", help="exact-match accuracy, tokens/forward and tokens/s on the task suite")
     e.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)} (default: all)")
-    e.add_argument("--num-problems", type=int, default=100, help="held-out problems per task (default 100)")
-    e.add_argument("--problem-seed", type=int, default=0, help="which held-out problems (default 0)")
+    e.add_argument("--num-problems", type=int, default=100, help="held-out problems per task (default: 100)")
+    e.add_argument("--problem-seed", type=int, default=0, help="which held-out problems (default: 0)")
     e.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    e.add_argument("--output", help="also write the JSON result to this file (and the table to FILE.md)")
+    e.add_argument("--output", help="also write the JSON result to this file (and the table to FILE.md), "
+                                    "rewritten after each task")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    _model_options(e)
-    _generation_options(e)
+    _model_options(e, "1")
+    _generation_options(e, d)
     return parser
 
 
 # Command-line settings that are not generation options.
-_RUN_ARGS = ("command", "model", "prompt", "json", "chat", "device", "dtype", "batch_size", "tasks",
-             "num_problems", "problem_seed", "output", "progress")
+_RUN_ARGS = ("command", "model", "prompt", "prompts_file", "stop", "json", "chat", "device", "dtype",
+             "batch_size", "tasks", "num_problems", "problem_seed", "output", "progress")
 
 
 def _options(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k not in _RUN_ARGS}
 
 
-def _generate(args: argparse.Namespace) -> None:
-    prompts = args.prompt if args.prompt is not None else [sys.stdin.read().rstrip("\n")]
+def _writable(path: str, option: str) -> None:
+    """ValueError naming the option unless `path` can be written: checked before any work, so that a
+    long run does not end in a lost result."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{option}: {path!r} is a directory")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option}: directory {folder!r} does not exist")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"{option}: {path!r} is not writable")
+
+
+def _read_prompts(args: argparse.Namespace) -> List[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None or args.prompt is None:
+        name = args.prompts_file or "-"
+        if name == "-":
+            if sys.stdin.isatty():
+                print("dinfer: reading prompts from stdin, one per line (Ctrl-D to end)", file=sys.stderr)
+            text = sys.stdin.read()
+        else:
+            try:
+                with open(name, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise ValueError(f"prompts-file: cannot read {name!r} ({e.strerror})") from e
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("prompts: none given (--prompt, --prompts-file, or one per line on stdin)")
+    return prompts
+
+
+class _Printer:
+    """Prints answers in prompt order as soon as each and all before it are finished; writes
+    --output's JSON lines in finishing order."""
+
+    def __init__(self, prompts: List[str], show: bool, output, bar: Progress):
+        self.prompts, self.show, self.output, self.bar = prompts, show, output, bar
+        self.ready: Dict[int, str] = {}
+        self.printed = 0
+
+    def __call__(self, i: int, text: str) -> None:
+        if self.output is not None:
+            self.output.write(json.dumps({"index": i, "prompt": self.prompts[i], "text": text},
+                                         ensure_ascii=False) + "\n")
+            self.output.flush()
+        self.ready[i] = text
+        while self.printed in self.ready:
+            text = self.ready.pop(self.printed)
+            if self.show:
+                self.bar.write(text)
+                sys.stdout.flush()
+            self.printed += 1
+        self.bar.update(1, "generate")
+
+
+def _generate(args: argparse.Namespace, state: dict) -> None:
+    if args.output:
+        _writable(args.output, "output")
+    prompts = _read_prompts(args)
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    result = llm.generate(prompts, chat=args.chat, batch_size=args.batch_size, **_options(args))
+    progress = len(prompts) > 1 and sys.stderr.isatty() if args.progress is None else args.progress
+    bar = Progress(len(prompts), progress)
+    output = open(args.output, "w", encoding="utf-8") if args.output else None
+    try:
+        printer = state["printer"] = _Printer(prompts, not args.json, output, bar)
+        result = llm.generate(prompts, chat=args.chat, batch_size=args.batch_size, stop=args.stop,
+                              on_finish=printer, **_options(args))
+    finally:
+        bar.close()
+        if output is not None:
+            output.close()
     if args.json:
         print(json.dumps({"texts": result.texts, "token_ids": result.token_ids, "stats": result.stats},
                          ensure_ascii=False))
-        return
-    for text in result.texts:
-        print(text)
     s = result.stats
     print(f"{len(result.texts)} prompt(s): {s['tokens']} tokens, {s['forwards']} forwards "
           f"({s['refreshes']} refreshes), {s['seconds']:.3f} s, {s['tokens_per_forward']} tokens/forward, "
           f"{s['tokens_per_second']} tokens/s", file=sys.stderr)
+    empty = [i for i, ids in enumerate(result.token_ids) if not ids]
+    if empty and not args.chat and not args.stop and llm.tokenizer.chat_template:
+        # Models trained on chat-templated prompts only (the embedded ones are) see a raw prompt as
+        # a finished turn and answer EOS at once: the answer is empty, not wrong.
+        print(f"dinfer: note: {len(empty)} answer(s) empty (prompt {empty[0]} first): the model ended them "
+              f"at once; it was trained on prompts in its chat template, which --no-chat leaves out",
+              file=sys.stderr)
 
 
-def _eval(args: argparse.Namespace) -> None:
+def _eval(args: argparse.Namespace, state: dict) -> None:
     from .evaluate import evaluate, markdown_table
 
+    if args.output:
+        for path in (args.output, args.output + ".md"):
+            _writable(path, "output")
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     batch_size = 1 if args.batch_size is None else args.batch_size
+    options = _options(args)
+    title = f"{llm.path} {json.dumps({k: v for k, v in options.items() if v is not None})}"
+
+    def save(result: dict) -> None:   # after every task: an interrupted run keeps the tasks done
+        result["model"] = llm.path
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
+            with open(args.output + ".md", "w", encoding="utf-8") as f:
+                f.write(markdown_table(result, title=title) + "\n")
+            state["saved"] = len(result["tasks"])
+
     result = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch_size,
-                      problem_seed=args.problem_seed, progress=args.progress, **_options(args))
-    result["model"] = llm.path
-    table = markdown_table(result, title=f"{llm.path} {json.dumps(result['options'])}")
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        with open(args.output + ".md", "w", encoding="utf-8") as f:
-            f.write(table + "\n")
-    print(json.dumps(result, indent=2) if args.json else table)
+                      problem_seed=args.problem_seed, progress=args.progress, on_task=save, **options)
+    print(json.dumps(result, indent=2) if args.json else markdown_table(result, title=title))
+
+
+def _interrupted(args: argparse.Namespace, state: dict) -> str:
+    if args.command == "eval":
+        kept = f"{state['saved']} finished task(s) are in {args.output}" if state.get("saved") else "nothing kept"
+    else:
+        printer = state.get("printer")
+        done = len(printer.ready) + printer.printed if printer else 0
+        kept = (f"{printer.printed if printer and printer.show else 0} answer(s) printed" +
+                (f", {done} in {args.output}" if args.output else ""))
+    return f"dinfer: interrupted; {kept}"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)  # argparse itself exits 2 on a bad command line
+    args = _parser(argv).parse_args(argv)  # argparse itself exits 2 on a bad command line
+    state: dict = {}
     try:
-        _generate(args) if args.command == "generate" else _eval(args)
+        _generate(args, state) if args.command == "generate" else _eval(args, state)
+    except KeyboardInterrupt:
+        print(_interrupted(args, state), file=sys.stderr)
+        return 130
     except Exception as e:  # a user-facing command: the message, not a traceback
         print(f"dinfer: error: {e}", file=sys.stderr)
         return 2

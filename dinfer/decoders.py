@@ -13,6 +13,8 @@ import torch
 
 import dinfer_kernels as dk
 
+from .params import Int, OneOf, Real, check
+
 DECODERS = ("threshold", "credit", "hierarchy", "fixed")
 
 
@@ -29,11 +31,12 @@ class DecoderConfig:
     temperature: float = 0.0
     seed: int = 0
 
-    def __post_init__(self):
-        if self.name not in DECODERS:
-            raise ValueError(f"decoder: expected one of {DECODERS}, got {self.name!r}")
-        if self.steps_per_block < 0:
-            raise ValueError(f"steps_per_block: must be >= 0, got {self.steps_per_block}")
+    def __post_init__(self):  # the rules of every field (dinfer.params); `name` is the `decoder` option
+        unit = Real(0.0, 1.0)
+        check(self, dict(name=OneOf(DECODERS), threshold=unit, low_threshold=unit, steps_per_block=Int(0),
+                         credit_slots=Int(0, 1024), credit_alpha=Real(0.0), credit_beta=unit,
+                         credit_gamma=Real(0.0), temperature=Real(0.0), seed=Int(0, 2**32 - 1)),
+              names=dict(name="decoder"))
 
 
 class Decoder:

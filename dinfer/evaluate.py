@@ -11,10 +11,12 @@ untimed warm-up call excluded). Each task's problems go to one generate call wit
 flight (continuous batching).
 """
 import sys
-import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
+
+from tqdm import tqdm
 
 from .llm import LLM
+from .params import Int
 from .tasks import check_tasks, eval_problems
 
 # Summed per task from the generate stats. Refreshes are full forwards; with refreshes only at block
@@ -23,39 +25,40 @@ COUNTS = ("forwards", "sequence_forwards", "refreshes", "tokens", "seconds")
 
 
 class Progress:
-    """A one-line progress bar on stderr (no dependency); silent when disabled."""
+    """A progress bar on stderr (tqdm), one step per finished prompt, labelled with its task; silent
+    when disabled. Redrawn on every step: steps are whole prompts, never a hot loop."""
 
     def __init__(self, total: int, enabled: bool = True, stream=None):
-        self.total, self.done, self.enabled = total, 0, enabled
-        self.stream = stream or sys.stderr
-        self.t0 = time.perf_counter()
+        self.bar = tqdm(total=total, disable=not enabled, file=stream or sys.stderr, unit="prompt",
+                        mininterval=0, miniters=1, dynamic_ncols=True)
 
     def update(self, n: int, label: str) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * self.done // max(self.total, 1)
-        elapsed = time.perf_counter() - self.t0
-        self.stream.write(f"\r{label:<10} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                          f"{elapsed:6.1f} s")
-        if self.done >= self.total:
-            self.stream.write("\n")
-        self.stream.flush()
+        self.bar.set_description_str(label, refresh=False)
+        self.bar.update(n)
+        if self.bar.n >= self.bar.total:
+            self.bar.close()
+
+    def write(self, text: str, stream=None) -> None:
+        """Prints a line (stdout by default) without breaking the bar."""
+        self.bar.write(text, file=stream or sys.stdout)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, problem_seed: int = 0,
-             progress: bool = False, warmup: bool = True, **options) -> dict:
+             progress: bool = False, warmup: bool = True, on_task: Optional[Callable[[dict], None]] = None,
+             **options) -> dict:
     """Run every task's held-out problems through llm.generate(..., **options).
 
     warmup: first generate for one problem, untimed, with the same options, so that one-off
     initialisation (kernel libraries, allocator, CUDA graph capture, Triton compilation on a GPU) is
-    not charged to the first task's tokens/s."""
+    not charged to the first task's tokens/s.
+    on_task(result): after each task, the result over the tasks done so far (what an interrupted
+    run keeps); the last call's is the result returned."""
     tasks = check_tasks(tasks)
-    if num_problems < 1:
-        raise ValueError(f"num_problems: must be >= 1, got {num_problems}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    num_problems, batch_size = Int(1)("num_problems", num_problems), Int(1)("batch_size", batch_size)
+    problem_seed = Int()("problem_seed", problem_seed)
     if warmup:
         llm.generate([eval_problems(tasks[0], 1, problem_seed + 1)[0][0]], **options)
     bar = Progress(num_problems * len(tasks), progress)
@@ -67,11 +70,13 @@ def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, prob
         counts = {key: out.stats[key] for key in COUNTS}
         counts["correct"] = sum(text == answer for text, (_, answer) in zip(out.texts, problems))
         per_task[task] = _rates(counts, len(problems))
-    total = {k: sum(per_task[t][k] for t in tasks)
-             for k in ("correct",) + COUNTS}
-    return {"options": {k: v for k, v in options.items() if v is not None}, "batch_size": batch_size,
-            "num_problems": num_problems, "problem_seed": problem_seed, "tasks": per_task,
-            "overall": _rates(total, num_problems * len(tasks))}
+        total = {k: sum(r[k] for r in per_task.values()) for k in ("correct",) + COUNTS}
+        result = {"options": {k: v for k, v in options.items() if v is not None}, "batch_size": batch_size,
+                  "num_problems": num_problems, "problem_seed": problem_seed, "tasks": dict(per_task),
+                  "overall": _rates(total, num_problems * len(per_task))}
+        if on_task is not None:
+            on_task(result)
+    return result
 
 
 def _rates(c: Dict[str, float], n: int) -> dict:

@@ -31,6 +31,7 @@ import dinfer_kernels as dk
 from .batch import CACHE_MODES, Batch, make_batch, window
 from .decoders import Decoder, DecoderConfig
 from .graphs import StepGraphs
+from .params import Bool, Instance, Int, OneOf, Real, Tuple, check, check_memory
 from .stats import Stats
 
 
@@ -40,7 +41,7 @@ SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)   # dInfer's w_n = min(w0 + dw * n, w_max)
 @dataclass(frozen=True)
 class GenerationConfig:
     gen_length: int = 1024
-    block_length: int = 64
+    block_length: int = 64         # capped to gen_length
     decoder: DecoderConfig = field(default_factory=lambda: DecoderConfig(threshold=0.8))
     cache: str = "vicinity"        # none | prefix | dual | vicinity
     prefix_look: int = 16          # vicinity window: [block - prefix_look, block + after_look)
@@ -63,19 +64,19 @@ class GenerationConfig:
     cuda_graphs: bool = True
     time_phases: bool = False      # synchronise around phases to time them (always on the host)
 
-    def __post_init__(self):
-        if self.cache not in CACHE_MODES:
-            raise ValueError(f"cache: expected one of {CACHE_MODES}, got {self.cache!r}")
-        for name in ("unroll", "expected_tpf", "gen_length", "block_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("prefix_look", "after_look", "warmup_steps", "refresh_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.smoothing_threshold_start <= 1:
-            raise ValueError(f"smoothing_threshold_start: must be in [0, 1], got {self.smoothing_threshold_start}")
-        if self.smoothing_threshold_decay < 0:
-            raise ValueError(f"smoothing_threshold_decay: must be >= 0, got {self.smoothing_threshold_decay}")
+    def __post_init__(self):  # the rules of every field (dinfer.params)
+        n, count, unit, flag = Int(1), Int(0), Real(0.0, 1.0), Bool()
+        check(self, dict(
+            gen_length=n, block_length=n, decoder=Instance(DecoderConfig, "a DecoderConfig"),
+            cache=OneOf(CACHE_MODES), prefix_look=count, after_look=count, warmup_steps=count,
+            refresh_every=count, write_back=flag, smoothing=flag,
+            # w_n = min(w0 + dw * n, w_max) mixes hard and soft embeddings: a weight in [0, 1]
+            smoothing_weight=Tuple((unit, Real(0.0), unit)),
+            smoothing_threshold_start=unit, smoothing_threshold_decay=Real(0.0), unroll=n, expected_tpf=n,
+            early_stop=flag, compact=flag, align_blocks=flag, cuda_graphs=flag, time_phases=flag))
+        # A block longer than the answer would only decode padding rows (8x slower at 1000 for 32
+        # tokens): one block then covers the answer, as dInfer's block_length = gen_length runs do.
+        object.__setattr__(self, "block_length", min(self.block_length, self.gen_length))
 
 
 class BlockState:
@@ -201,6 +202,7 @@ class Generator:
         ran = torch.zeros(full.size, dtype=torch.int64)
         done = torch.zeros(full.size, dtype=torch.bool)
         iters = torch.zeros(full.size, dtype=torch.int64, device=model.device)
+        check_memory(model, slots, full.max_len, cfg.block_length)  # a clear refusal, not an OOM
         cache = model.new_cache(slots, full.max_len)
         rng_offset, queue, flight = 0, deque(range(full.size)), []
         out: List[torch.Tensor] = [None] * full.size   # filled as sequences finish; all do

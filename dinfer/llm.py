@@ -3,24 +3,28 @@ generation loop (dinfer.generate) on batches of prompts.
 
 Every generation setting is a field of GenerationConfig or DecoderConfig, whose defaults are dInfer's
 published LLaDA-MoE settings; a checkpoint's generation_config.json (gen_length, block_length),
-LLM(..., **defaults) and generate(..., **options) override them, in that order.
+LLM(..., **defaults) and generate(..., **options) override them, in that order. Every value is
+checked where the configs are built (dinfer.params): a TypeError or ValueError naming the option.
 """
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
-from .decoders import DecoderConfig
+from .decoders import DECODERS, DecoderConfig
 from .generate import GenerationConfig, generate
 from .models.checkpoint import load_weights
 from .models.config import ModelConfig
 from .models.embedded import generation_defaults, model_dir
 from .models.tokenizer import Tokenizer
 from .models.transformer import DiffusionLM
+from .params import Bool, Int, check_windows
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -50,6 +54,9 @@ def generation_config(**options) -> GenerationConfig:
     decoder = options.pop("decoder", base.decoder)
     if isinstance(decoder, str):
         decoder = dataclasses.replace(base.decoder, name=decoder)
+    elif not isinstance(decoder, DecoderConfig):
+        raise TypeError(f"decoder: expected a decoder name ({', '.join(DECODERS)}) or a DecoderConfig, "
+                        f"got {type(decoder).__name__}")
     decoder = dataclasses.replace(decoder, **{k: options.pop(k) for k in _DEC_FIELDS & set(options)})
     return dataclasses.replace(base, decoder=decoder, **options)
 
@@ -71,6 +78,7 @@ class LLM:
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         config = ModelConfig.from_dir(path)
+        check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
         self.tokenizer = Tokenizer(path, eos_id=config.eos_id)
         self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
@@ -78,7 +86,7 @@ class LLM:
     def generate(self, prompts: Prompts, gen_length: Optional[int] = None, block_length: Optional[int] = None,
                  decoder: Union[str, DecoderConfig, None] = None, cache: Optional[str] = None, chat: bool = True,
                  batch_size: Optional[int] = None, on_finish: Optional[Callable[[int, str], None]] = None,
-                 **options) -> GenerateResult:
+                 stop: Union[str, Sequence[str], None] = None, **options) -> GenerateResult:
         """Generate for a prompt or a list of prompts (strings, or token-id lists taken as they are).
 
         chat: wrap string prompts in the checkpoint's chat template (when it has one).
@@ -86,19 +94,24 @@ class LLM:
             waiting prompt takes its place at the next block boundary (continuous batching).
         on_finish: on_finish(i, text) as soon as prompt i is finished, while others still run
             (results as they come; progress bars).
+        stop: a string or strings; each answer's text is cut before the first place one of them
+            occurs, its token_ids to the tokens wholly before that place. Decoding is not ended
+            early: a diffusion model fills a whole block at once, so this only trims the answer.
         options: GenerationConfig / DecoderConfig fields (threshold=0.9, smoothing=True, ...).
         """
         given = dict(options, gen_length=gen_length, block_length=block_length, decoder=decoder, cache=cache)
         cfg = generation_config(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
+        check_windows(cfg, self.model.config.max_positions)  # before any buffer is sized by them
+        Bool()("chat", chat)
+        if batch_size is not None:
+            Int(1)("batch_size", batch_size)
+        stops = _stop_strings(stop)
         ids = self._prompt_ids(prompts, chat)
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
         token_ids: List[List[int]] = [None] * len(ids)
         texts: List[str] = [None] * len(ids)
 
         def decode(i: int, tokens: torch.Tensor) -> None:
-            token_ids[i] = self._until_eos(tokens.tolist())
-            texts[i] = self.tokenizer.decode(token_ids[i])
+            token_ids[i], texts[i] = self._cut(self._until_eos(tokens.tolist()), stops)
 
         def finished(i: int, tokens: torch.Tensor) -> None:   # decoded once, handed over at once
             decode(i, tokens)
@@ -112,6 +125,9 @@ class LLM:
     def _prompt_ids(self, prompts: Prompts, chat: bool) -> List[List[int]]:
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, (Sequence, torch.Tensor, np.ndarray)):
+            raise TypeError(f"prompts: expected a string, a list of strings or a list of token-id lists, "
+                            f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts: expected at least one prompt")
@@ -122,6 +138,15 @@ class LLM:
             if not prompt:  # a chat template would hide it: the model would answer an empty turn
                 raise ValueError(f"prompts[{i}]: empty prompt")
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
+        if isinstance(prompt, (torch.Tensor, np.ndarray)):
+            prompt = prompt.tolist()
+        if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):  # a flat list of ids is one prompt: it goes in a list
+            raise TypeError(f"prompts[{i}]: expected a string or a list of token ids, got "
+                            f"{type(prompt).__name__}" + (" (one tokenised prompt is [ids], not ids)"
+                                                          if isinstance(prompt, numbers.Integral) else ""))
+        for j, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"prompts[{i}][{j}]: expected a token id (int), got {type(t).__name__}")
         ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -132,6 +157,33 @@ class LLM:
     def _until_eos(self, ids: List[int]) -> List[int]:
         eos = self.model.config.eos_id
         return ids[:ids.index(eos)] if eos in ids else ids
+
+    def _cut(self, ids: List[int], stops: List[str]):
+        """(token ids, text) of an answer cut before its first stop string: the text exactly there,
+        the token ids to the tokens wholly before it (a token that straddles the cut is dropped)."""
+        text = self.tokenizer.decode(ids)
+        hits = [text.find(s) for s in stops if s in text]
+        if not hits:
+            return ids, text
+        cut, n = min(hits), 0
+        while n < len(ids) and len(self.tokenizer.decode(ids[:n + 1])) <= cut:
+            n += 1
+        return ids[:n], text[:cut]
+
+
+def _stop_strings(stop) -> List[str]:
+    if stop is None or isinstance(stop, str):
+        stops = [] if stop is None else [stop]
+    elif isinstance(stop, Sequence):
+        stops = list(stop)
+    else:
+        raise TypeError(f"stop: expected a string or a list of strings, got {type(stop).__name__}")
+    for i, s in enumerate(stops):
+        if not isinstance(s, str):
+            raise TypeError(f"stop[{i}]: expected a string, got {type(s).__name__}")
+        if not s:
+            raise ValueError(f"stop[{i}]: an empty stop string would cut every answer to nothing")
+    return stops
 
 
 def _device(device) -> torch.device:

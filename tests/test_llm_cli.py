@@ -1,10 +1,14 @@
 """dinfer.LLM and the `dinfer generate` command on a tiny random LLaDA-MoE checkpoint in the released
 HF layout (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template)."""
+import io
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
@@ -12,6 +16,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from dinfer import LLM, GenerationConfig
+from dinfer.cli import main
 from dinfer.models import ModelConfig, random_weights, save_checkpoint
 from dinfer.models.tokenizer import Tokenizer
 
@@ -85,6 +90,17 @@ def run_cli(*args, stdin=None):
                           text=True, cwd=REPO, timeout=120)
 
 
+def cli(capsys, monkeypatch, *args, stdin=""):
+    """`dinfer ARGS` in this process (quicker than run_cli): (exit status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    try:
+        rc = main(list(args))
+    except SystemExit as e:   # -h
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 # ------------------------------------------------------------------------------------------- tokenizer
 
 def test_tokenizer_template_encode_decode(ckpt):
@@ -147,6 +163,10 @@ def test_chat_template_and_pre_tokenised_prompts(llm):
     templated = tok.encode(tok.apply_chat_template("hello world"))
     assert llm.generate("hello world").token_ids == llm.generate([templated]).token_ids
     assert llm.generate("hello world", chat=False).token_ids == llm.generate([tok.encode("hello world")]).token_ids
+    # token ids as arrays: numpy or torch, one per prompt or stacked
+    expected = llm.generate([templated]).token_ids
+    assert llm.generate([np.array(templated)]).token_ids == expected
+    assert llm.generate(torch.tensor([templated])).token_ids == expected
 
 
 def test_options_defaults_and_overrides(llm):
@@ -260,3 +280,138 @@ def test_generation_config_json_defaults(ckpt, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
     with pytest.raises(ValueError, match="max_new_tokens"):
         LLM(tmp_path, device="cpu")
+
+
+# ------------------------------------------------------------------ clear errors, stop strings, CLI habits
+
+@pytest.mark.parametrize("prompts,match", [
+    (5, "prompts: expected a string, a list of strings or a list of token-id lists, got int"),
+    ([1, 2, 3], r"prompts\[0\]: expected a string or a list of token ids, got int \(one tokenised prompt"),
+    (["hello", [[1, 2]]], r"prompts\[1\]\[0\]: expected a token id \(int\), got list"),
+    ([[1, 2.5]], r"prompts\[0\]\[1\]: expected a token id"),
+    ([b"hello"], r"prompts\[0\]: expected a string or a list of token ids, got bytes"),
+])
+def test_generate_badly_shaped_prompts(llm, prompts, match):
+    with pytest.raises(TypeError, match=match):
+        llm.generate(prompts)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(decoder=3), TypeError, "decoder: expected a decoder name"),
+    (dict(decoder=GenerationConfig()), TypeError, "decoder: expected a decoder name"),
+    (dict(batch_size="2"), TypeError, "batch_size: expected an int"),
+    (dict(stop=5), TypeError, "stop: expected a string or a list of strings"),
+    (dict(stop=[""]), ValueError, r"stop\[0\]"),
+])
+def test_generate_bad_option_types(llm, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate("hello", **kwargs)
+
+
+def test_stop_strings_cut_the_answer():
+    llm = LLM(device="cpu")   # the embedded model: one character per token
+    prompt = "add:048213+000937"
+    full = llm.generate(prompt)
+    text = full.texts[0]
+    stop = text[3:5]
+    cut = llm.generate(prompt, stop=["never there", stop])
+    assert cut.texts == [text[:text.find(stop)]]
+    ids = cut.token_ids[0]
+    assert ids == full.token_ids[0][:len(ids)] and llm.tokenizer.decode(ids) == cut.texts[0]
+    assert llm.generate(prompt, stop="never there").texts == full.texts
+
+
+def test_evaluate_reports_each_task(llm):
+    from dinfer.evaluate import evaluate
+    seen = []
+    result = evaluate(llm, "add,sort", num_problems=2, warmup=False, on_task=seen.append)
+    assert [list(r["tasks"]) for r in seen] == [["add"], ["add", "sort"]]
+    assert seen[0]["overall"]["problems"] == 2 and seen[-1] == result
+
+
+def test_cli_one_prompt_per_line(ckpt, llm, tmp_path, capsys, monkeypatch):
+    expected = llm.generate(["hello", "two plus three"]).texts
+    args = ("generate", "--model", ckpt, "--gen-length", "16", "--block-length", "8", "--device", "cpu")
+    rc, out, err = cli(capsys, monkeypatch, *args, stdin="hello\n\ntwo plus three\n")
+    assert rc == 0, err
+    assert out.splitlines() == expected and "2 prompt(s)" in err
+    f = tmp_path / "prompts.txt"
+    f.write_text("hello\n  \ntwo plus three\n")
+    assert cli(capsys, monkeypatch, *args, "--prompts-file", str(f))[1].splitlines() == expected
+    assert cli(capsys, monkeypatch, *args, "--prompts-file", "-", stdin="hello\ntwo plus three")[1].splitlines() \
+        == expected
+    rc, _, err = cli(capsys, monkeypatch, *args, "--prompts-file", str(tmp_path / "none.txt"))
+    assert rc == 2 and "prompts-file: cannot read" in err
+    rc, _, err = cli(capsys, monkeypatch, *args, stdin="\n \n")
+    assert rc == 2 and "prompts: none given" in err
+
+
+def test_cli_max_new_tokens_stop_and_output(ckpt, llm, tmp_path, capsys, monkeypatch):
+    prompts = ["hello", "two plus three"]
+    expected = llm.generate(prompts, gen_length=8)
+    stop = expected.texts[1].split()[1]
+    cut = llm.generate(prompts, gen_length=8, stop=stop).texts
+    out_file = tmp_path / "answers.jsonl"
+    rc, out, err = cli(capsys, monkeypatch, "generate", "--model", ckpt, "--prompt", prompts[0], "--prompt",
+                       prompts[1], "--max-new-tokens", "8", "--block-length", "8", "--stop", stop, "--device", "cpu",
+                       "--output", str(out_file), "--progress")
+    assert rc == 0, err
+    assert out.splitlines() == cut and cut != expected.texts
+    lines = sorted((json.loads(line) for line in out_file.read_text().splitlines()), key=lambda d: d["index"])
+    assert lines == [{"index": i, "prompt": p, "text": t} for i, (p, t) in enumerate(zip(prompts, cut))]
+    assert "2/2" in err   # the progress bar
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_cli_output_checked_before_the_work(ckpt, tmp_path, capsys, monkeypatch, command):
+    what = ["--prompt", "hello"] if command == "generate" else ["--tasks", "add", "--num-problems", "1"]
+    rc, _, err = cli(capsys, monkeypatch, command, "--model", ckpt, *what, "--device", "cpu",
+                     "--output", str(tmp_path / "nowhere" / "x.json"))
+    assert rc == 2 and "output: directory" in err and "does not exist" in err
+    assert "1/1" not in err and "prompt(s)" not in err     # nothing ran
+
+
+def test_cli_help_shows_the_defaults(ckpt, capsys, monkeypatch):
+    from dinfer.models.embedded import generation_defaults, model_dir
+
+    g = cli(capsys, monkeypatch, "generate", "--model", ckpt, "-h")[1]
+    cfg = GenerationConfig()
+    assert "--max-new-tokens GEN_LENGTH" in g
+    for flag, value in (("gen-length", cfg.gen_length), ("threshold", cfg.decoder.threshold),
+                        ("seed", cfg.decoder.seed), ("cache", cfg.cache)):
+        assert re.search(rf"--{flag} .*?\(default: {value}\)", g, re.S), flag
+    embedded = cli(capsys, monkeypatch, "generate", "-h")[1]   # the embedded model's generation_config.json
+    assert re.search(rf"--gen-length .*?\(default: {generation_defaults(model_dir(None))['gen_length']}\)",
+                     embedded, re.S)
+    e = cli(capsys, monkeypatch, "eval", "-h")[1]
+    assert re.search(r"--batch-size .*?\(default: 1\)", e, re.S) and "(default: None)" not in g + e
+
+
+def test_cli_no_chat_empty_answer_hint(capsys, monkeypatch):
+    rc, out, err = cli(capsys, monkeypatch, "generate", "--prompt", "add:048213+000937", "--no-chat",
+                       "--device", "cpu", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["texts"] == [""]
+    assert "trained on prompts in its chat template" in err
+
+
+def test_cli_ctrl_c_keeps_finished_answers(ckpt, llm):
+    prompts = [f"hello w{i}" for i in range(40)]
+    options = dict(gen_length=64, block_length=8, early_stop=False)
+    first = llm.generate(prompts[:1], **options).texts[0]
+    args = [sys.executable, "-m", "dinfer", "generate", "--model", ckpt, "--batch-size", "1", "--no-early-stop",
+            "--gen-length", "64", "--block-length", "8"]
+    for p in prompts:
+        args += ["--prompt", p]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        line = proc.stdout.readline()          # the first answer, printed as soon as it is done
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert line.rstrip("\n") == first
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("dinfer: interrupted;")
+    assert "answer(s) printed" in err and "Traceback" not in err
+    assert len(rest.splitlines()) < len(prompts) - 1
