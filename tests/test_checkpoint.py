@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dinfer.models import ModelConfig, expected_shapes, load_weights, random_weights, save_checkpoint
+from dinfer.models import CheckpointError, ModelConfig, expected_shapes, load_weights, random_weights, save_checkpoint
 
 # Released config.json values (models.md §1.1 and §2.1), used both as parsing tests and as templates.
 DENSE_8B = {
@@ -214,15 +214,27 @@ def test_dtype_handling_router_stays_fp32(file_dtype, tmp_path):
         assert loaded[name].dtype == want.dtype and torch.equal(loaded[name], want), name
 
 
-def test_extra_tensors_are_ignored(tmp_path):
+def test_derived_buffers_are_ignored(tmp_path):
+    """RoPE frequencies some exports save are recomputed from rope_theta, so they are not "unexpected"."""
     c = tiny("dense")
     w = random_weights(c)
     save_checkpoint(tmp_path, c, w)
     raw = load_file(tmp_path / "model.safetensors")
     raw["model.transformer.blocks.0.rotary_emb.inv_freq"] = torch.ones(8)
-    raw["model.transformer.step"] = torch.tensor([3], dtype=torch.int64)  # a dtype we do not load
     save_file(raw, tmp_path / "model.safetensors")
     assert torch.equal(load_weights(tmp_path, c, dtype=torch.float32)["layers.0.q"], w["layers.0.q"])
+
+
+def test_extra_tensors_are_reported(tmp_path):
+    c = tiny("dense")
+    save_checkpoint(tmp_path, c, random_weights(c))
+    raw = load_file(tmp_path / "model.safetensors")
+    raw["model.transformer.step"] = torch.tensor([3], dtype=torch.int64)
+    raw["model.transformer.blocks.0.q_bias"] = torch.zeros(64)
+    save_file(raw, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: unexpected tensor "
+                                              r"'model\.transformer\.blocks\.0\.q_bias' and 1 more"):
+        load_weights(tmp_path, c)
 
 
 def _mapped_file(address):
