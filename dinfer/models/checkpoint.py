@@ -8,13 +8,17 @@ Canonical names (the models use these; per-layer names carry a `layers.{i}.` pre
 
 Released layouts (shared/reference/models.md): LLaDA dense §1.2, LLaDA-MoE per-expert §2.2 and dInfer's fused
 stacked-expert layout §2.3. Loading parses safetensors over a private memory map, so a tensor that needs no
-cast is a zero-copy view of the file and the model is never held twice in RAM.
+cast is a zero-copy view of the file and the model is never held twice in RAM. Before any tensor is used
+the checkpoint is checked against the config from the headers alone (load_weights), so a config that
+disagrees with the weights, or a broken file, is a CheckpointError naming the file, the key and both values.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import mmap
+import operator
 import os
 import re
 import struct
@@ -147,7 +151,8 @@ class _SafetensorsFile:
         self._data_len = size - self._data_start
         self.entries = {name: self._parse_entry(name, entry) for name, entry in header.items()}
         try:  # the reference reader's checks on top of ours (header only: it maps, it does not read)
-            safe_open(path, framework="pt").__exit__(None, None, None)
+            with safe_open(path, framework="pt"):
+                pass
         except SafetensorError as e:
             raise CheckpointError(f"{path}: not a valid safetensors file (safetensors: {e})") from e
 
@@ -155,11 +160,9 @@ class _SafetensorsFile:
         """(dtype, shape, begin, end) of a header entry, its offsets inside the data and consistent
         with shape x dtype where we know the dtype's size."""
         where = f"tensor {name!r} in {self.path}"
-        try:
-            (begin, end) = entry["data_offsets"]
-            dtype, shape = entry["dtype"], tuple(entry["shape"])
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in (begin, end, *shape)):
-                raise TypeError("non-integer offset or dimension")
+        try:  # operator.index: a TypeError for anything but an integer (strings, floats, null)
+            begin, end = map(operator.index, entry["data_offsets"])
+            dtype, shape = entry["dtype"], tuple(map(operator.index, entry["shape"]))
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: corrupt header entry {entry!r}") from e
         if not 0 <= begin <= end <= self._data_len:
@@ -275,9 +278,10 @@ def load_weights(path, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
     _check_structure(ckpt, config, layout, plan)
     symbols, sizes = _symbolic_shapes(config), _dim_sizes(config)
     for name, sources in plan.items():
-        for src, index in sources:
-            dims = _source_dims(symbols[name], index)
-            ckpt.file(src).check(src, tuple(sizes[d][0] for d in dims), tuple(sizes[d] for d in dims))
+        dims = _source_dims(symbols[name], sources[0][1])  # every part of a stacked tensor has one shape
+        shape, dim_sizes = tuple(sizes[d][0] for d in dims), tuple(sizes[d] for d in dims)
+        for src, _ in sources:
+            ckpt.file(src).check(src, shape, dim_sizes)
     shapes = expected_shapes(config)
     return {name: _assemble(ckpt, sources, shapes[name], torch.float32 if name.endswith("router") else dtype,
                             device)
@@ -303,12 +307,12 @@ def _check_structure(ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: 
             raise CheckpointError(f"{CONFIG_FILE}: {config_key} is {want} but {ckpt.source} holds {held}")
     wanted = {src for sources in plan.values() for src, _ in sources}
     if config.is_moe:  # the optional MoE tensors say which flag is wrong
-        every = _moe_plan(config, layout)
+        every = _moe_plan(dataclasses.replace(config, num_layers=1), layout)  # layer 0's names suffice
         for name, field in (("layers.0.q_norm", "qk_norm"), ("layers.0.expert_bias", "expert_bias")):
             (src, _), = every[name]
             if (src in names) != (name in plan):
-                state = "true but it has no" if name in plan else "false but it holds"
-                raise CheckpointError(f"{CONFIG_FILE}: {key(field)} is {state} tensor {src!r} ({ckpt.source})")
+                state = f"true but {ckpt.source} has no" if name in plan else f"false but {ckpt.source} holds"
+                raise CheckpointError(f"{CONFIG_FILE}: {key(field)} is {state} tensor {src!r}")
     missing = sorted(wanted - names, key=lambda n: [int(t) if t.isdigit() else t for t in n.split(".")])
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
