@@ -80,7 +80,7 @@ class LLM:
         config = ModelConfig.from_dir(path)
         check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
-        self.tokenizer = Tokenizer(path, eos_id=config.eos_id)
+        self.tokenizer = Tokenizer(path, config=config)  # checked against the model config
         self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
 
     def generate(self, prompts: Prompts, gen_length: Optional[int] = None, block_length: Optional[int] = None,

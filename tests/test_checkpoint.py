@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dinfer.models import ModelConfig, expected_shapes, load_weights, random_weights, save_checkpoint
+from dinfer.models import CheckpointError, ModelConfig, expected_shapes, load_weights, random_weights, save_checkpoint
 
 # Released config.json values (models.md §1.1 and §2.1), used both as parsing tests and as templates.
 DENSE_8B = {
@@ -214,15 +214,27 @@ def test_dtype_handling_router_stays_fp32(file_dtype, tmp_path):
         assert loaded[name].dtype == want.dtype and torch.equal(loaded[name], want), name
 
 
-def test_extra_tensors_are_ignored(tmp_path):
+def test_derived_buffers_are_ignored(tmp_path):
+    """RoPE frequencies some exports save are recomputed from rope_theta, so they are not "unexpected"."""
     c = tiny("dense")
     w = random_weights(c)
     save_checkpoint(tmp_path, c, w)
     raw = load_file(tmp_path / "model.safetensors")
     raw["model.transformer.blocks.0.rotary_emb.inv_freq"] = torch.ones(8)
-    raw["model.transformer.step"] = torch.tensor([3], dtype=torch.int64)  # a dtype we do not load
     save_file(raw, tmp_path / "model.safetensors")
     assert torch.equal(load_weights(tmp_path, c, dtype=torch.float32)["layers.0.q"], w["layers.0.q"])
+
+
+def test_extra_tensors_are_reported(tmp_path):
+    c = tiny("dense")
+    save_checkpoint(tmp_path, c, random_weights(c))
+    raw = load_file(tmp_path / "model.safetensors")
+    raw["model.transformer.step"] = torch.tensor([3], dtype=torch.int64)
+    raw["model.transformer.blocks.0.q_bias"] = torch.zeros(64)
+    save_file(raw, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: unexpected tensor "
+                                              r"'model\.transformer\.blocks\.0\.q_bias' and 1 more"):
+        load_weights(tmp_path, c)
 
 
 def _mapped_file(address):
@@ -380,3 +392,52 @@ def test_save_rejects_bad_weights(tmp_path):
     del w["lm_head"]
     with pytest.raises(ValueError, match="lm_head"):
         save_checkpoint(tmp_path, c, w)
+
+
+# ------------------------------------------------------------------------------ config against weights
+
+def test_fused_layout_expert_count_names_the_key(tmp_path):
+    """The fused layout has no per-expert names to count: the stacked shapes name num_experts."""
+    c = _saved(tmp_path, "moe", layout="fused")
+    fewer = tiny("moe", num_experts=4)
+    with pytest.raises(CheckpointError, match=r"config\.json: num_experts is 4 but tensor "
+                                              r"'model\.layers\.0\.mlp\.gate\.weight' .*\[8, 48\], expected \[4, 48\]"):
+        load_weights(tmp_path, fewer)
+    assert load_weights(tmp_path, c)["layers.1.w13"].shape[0] == c.num_experts
+
+
+def test_sharded_layer_count_and_unlisted_tensors(tmp_path):
+    c = _saved(tmp_path, "dense", shards=3)
+    with pytest.raises(CheckpointError, match=r"n_layers is 1 but the shards of .*index\.json holds layers 0\.\.1"):
+        load_weights(tmp_path, tiny("dense", n_layers=1))
+    # A tensor a shard holds but the index does not list is still part of the checkpoint.
+    shard = tmp_path / "model-00003-of-00003.safetensors"
+    raw = load_file(shard)
+    raw["model.transformer.blocks.0.extra.weight"] = torch.zeros(4)
+    save_file(raw, shard)
+    with pytest.raises(CheckpointError, match=r"model-00003-of-00003\.safetensors: unexpected tensor "
+                                              r"'model\.transformer\.blocks\.0\.extra\.weight'"):
+        load_weights(tmp_path, c)
+
+
+def test_index_entries_must_be_file_names(tmp_path):
+    _saved(tmp_path, "moe", shards=2)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"weight_map\['lm_head\.weight'\] = '\.\./elsewhere"):
+        load_weights(tmp_path, tiny("moe"))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(mask_token_id=97), r"mask_token_id is 97 but vocab_size is 97"),
+    ({"mask_token_id": None}, r"mask_token_id is 156895 \(absent, so the release's default\) but vocab_size is 97"),
+    (dict(pad_token_id=96), r"mask_token_id and pad_token_id are both 96"),
+    (dict(rope_theta=float("inf")), r"rope_theta=inf must be a positive number"),
+    (dict(architectures="LLaDAMoEModelLM"), r"architectures='LLaDAMoEModelLM' must be a list"),
+    (dict(moe_router_enable_expert_bias=1), r"moe_router_enable_expert_bias=1 must be true or false"),
+])
+def test_config_values_name_file_and_key(changes, message):
+    with pytest.raises(CheckpointError, match=r"^my/config\.json: " + message):
+        ModelConfig.from_hf(dict(TINY_MOE, **changes), file="my/config.json")

@@ -8,20 +8,26 @@ Canonical names (the models use these; per-layer names carry a `layers.{i}.` pre
 
 Released layouts (shared/reference/models.md): LLaDA dense §1.2, LLaDA-MoE per-expert §2.2 and dInfer's fused
 stacked-expert layout §2.3. Loading parses safetensors over a private memory map, so a tensor that needs no
-cast is a zero-copy view of the file and the model is never held twice in RAM.
+cast is a zero-copy view of the file and the model is never held twice in RAM. Before any tensor is used
+the checkpoint is checked against the config from the headers alone (load_weights), so a config that
+disagrees with the weights, or a broken file, is a CheckpointError naming the file, the key and both values.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import mmap
+import operator
 import os
+import re
 import struct
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from .config import ModelConfig
+from .config import CONFIG_FILE, DENSE, MOE, CheckpointError, ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -32,28 +38,44 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 Source = Tuple[str, tuple]
 
 
+def _symbolic_shapes(config: ModelConfig) -> Dict[str, Tuple[str, ...]]:
+    """Canonical name -> its shape as size symbols (see _dim_sizes), in checkpoint order (embedding,
+    layers, final norm, head)."""
+    c = config
+    shapes = {"embed": ("V", "H")}
+    for i in range(c.num_layers):
+        layer = {"attn_norm": ("H",), "q": ("Q", "H"), "k": ("KV", "H"), "v": ("KV", "H"), "o": ("H", "Q")}
+        if c.qk_norm:
+            layer.update(q_norm=("D",), k_norm=("D",))
+        layer["mlp_norm"] = ("H",)
+        if c.is_moe:
+            layer.update(router=("E", "H"), w13=("E", "2I", "H"), w2=("E", "H", "I"))
+            if c.expert_bias:
+                layer["expert_bias"] = ("E",)
+        else:
+            layer.update(gate=("I", "H"), up=("I", "H"), down=("H", "I"))
+        shapes.update({f"layers.{i}.{name}": dims for name, dims in layer.items()})
+    shapes.update(final_norm=("H",), lm_head=("V", "H"))
+    return shapes
+
+
+def _dim_sizes(config: ModelConfig) -> Dict[str, Tuple[int, str]]:
+    """Size symbol -> (size, the config.json keys that set it), so a shape mismatch names the key."""
+    c, key = config, config.hf_key
+    inner = "expert_intermediate_size" if c.is_moe else "intermediate_size"
+    width = getattr(c, inner)
+    head_dim = f"head_dim ({key('hidden_size')}/{key('num_heads')})"
+    return {"V": (c.vocab_size, key("vocab_size")), "H": (c.hidden_size, key("hidden_size")),
+            "Q": (c.num_heads * c.head_dim, f"{key('num_heads')} x {head_dim}"),
+            "KV": (c.num_kv_heads * c.head_dim, f"{key('num_kv_heads')} x {head_dim}"),
+            "D": (c.head_dim, head_dim), "I": (width, key(inner)), "2I": (2 * (width or 0), f"2 x {key(inner)}"),
+            "E": (c.num_experts, key("num_experts"))}
+
+
 def expected_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     """Canonical name -> shape, in checkpoint order (embedding, layers, final norm, head)."""
-    c = config
-    H, D = c.hidden_size, c.head_dim
-    shapes = {"embed": (c.vocab_size, H)}
-    for i in range(c.num_layers):
-        layer = {"attn_norm": (H,), "q": (c.num_heads * D, H), "k": (c.num_kv_heads * D, H),
-                 "v": (c.num_kv_heads * D, H), "o": (H, c.num_heads * D)}
-        if c.qk_norm:
-            layer.update(q_norm=(D,), k_norm=(D,))
-        layer["mlp_norm"] = (H,)
-        if c.is_moe:
-            E, I = c.num_experts, c.expert_intermediate_size
-            layer.update(router=(E, H), w13=(E, 2 * I, H), w2=(E, H, I))
-            if c.expert_bias:
-                layer["expert_bias"] = (E,)
-        else:
-            I = c.intermediate_size
-            layer.update(gate=(I, H), up=(I, H), down=(H, I))
-        shapes.update({f"layers.{i}.{name}": shape for name, shape in layer.items()})
-    shapes.update(final_norm=(H,), lm_head=(c.vocab_size, H))
-    return shapes
+    sizes = _dim_sizes(config)
+    return {name: tuple(sizes[d][0] for d in dims) for name, dims in _symbolic_shapes(config).items()}
 
 
 def _dense_plan(config: ModelConfig) -> Dict[str, List[Source]]:
@@ -103,65 +125,84 @@ def checkpoint_plan(config: ModelConfig, layout: str = "hf") -> Dict[str, List[S
 
 class _SafetensorsFile:
     """One safetensors file mapped privately (copy-on-write): views of it are writable without touching
-    the file, and pages are shared with the page cache until written."""
+    the file, and pages are shared with the page cache until written. Opening reads and checks the
+    header only (every entry's dtype, shape and offsets; then the safetensors library's own validation,
+    which also catches overlapping or uncovered data), never the tensors' data."""
 
     def __init__(self, path: str):
         self.path = path
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
-                raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         (header_len,) = struct.unpack("<Q", self._map[:8])
         if 8 + header_len > size:
-            raise ValueError(f"{path}: header length {header_len} runs past the end of the {size}-byte file "
-                             "(truncated or not a safetensors file)")
+            raise CheckpointError(f"{path}: header length {header_len} runs past the end of the {size}-byte "
+                                  "file (truncated or not a safetensors file)")
         try:
             header = json.loads(self._map[8:8 + header_len])
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: corrupt safetensors header ({e})") from e
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
         if not isinstance(header, dict):
-            raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+            raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
         header.pop("__metadata__", None)
-        self.entries = header
         self._data_start = 8 + header_len
         self._data_len = size - self._data_start
+        self.entries = {name: self._parse_entry(name, entry) for name, entry in header.items()}
+        try:  # the reference reader's checks on top of ours (header only: it maps, it does not read)
+            with safe_open(path, framework="pt"):
+                pass
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: not a valid safetensors file (safetensors: {e})") from e
 
-    def tensor(self, name: str, shape: Tuple[int, ...]) -> torch.Tensor:
-        """The tensor `name`, checked to have `shape`, as a view of the mapping where alignment allows."""
-        dtype, got, begin, end = self._entry(name)
+    def _parse_entry(self, name: str, entry) -> Tuple[str, Tuple[int, ...], int, int]:
+        """(dtype, shape, begin, end) of a header entry, its offsets inside the data and consistent
+        with shape x dtype where we know the dtype's size."""
+        where = f"tensor {name!r} in {self.path}"
+        try:  # operator.index: a TypeError for anything but an integer (strings, floats, null)
+            begin, end = map(operator.index, entry["data_offsets"])
+            dtype, shape = entry["dtype"], tuple(map(operator.index, entry["shape"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: corrupt header entry {entry!r}") from e
+        if not 0 <= begin <= end <= self._data_len:
+            raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] lie outside the {self._data_len} data "
+                                  "bytes (truncated or corrupt file)")
+        if dtype in _DTYPES and end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
+            raise CheckpointError(f"{where}: data_offsets span {end - begin} bytes but shape {list(shape)} of "
+                                  f"{dtype} needs {math.prod(shape) * _DTYPES[dtype].itemsize} (corrupt file)")
+        return dtype, shape, begin, end
+
+    def check(self, name: str, shape: Tuple[int, ...], sizes: Tuple[Tuple[int, str], ...]) -> None:
+        """A CheckpointError unless tensor `name` has a dtype we load and `shape`, whose dimensions
+        `sizes` sets as (size, config.json key); a wrong size names the key."""
+        dtype, got, _, _ = self.entries[name]
         where = f"tensor {name!r} in {self.path}"
         if dtype not in _DTYPES:
-            raise ValueError(f"{where} has dtype {dtype}; supported: {', '.join(_DTYPES)}")
-        if tuple(got) != tuple(shape):
-            raise ValueError(f"{where} has shape {list(got)}, expected {list(shape)}")
-        if not 0 <= begin <= end <= self._data_len:
-            raise ValueError(f"{where}: data_offsets [{begin}, {end}] lie outside the {self._data_len} data "
-                             "bytes (truncated or corrupt file)")
+            raise CheckpointError(f"{where} has dtype {dtype}; supported: {', '.join(_DTYPES)}")
+        if got == tuple(shape):
+            return
+        wrong = [(want, key) for (want, key), have in zip(sizes, got) if want != have]
+        if len(got) != len(shape) or not wrong:
+            raise CheckpointError(f"{where} has shape {list(got)}, expected {list(shape)}")
+        want, key = wrong[0]
+        raise CheckpointError(f"{CONFIG_FILE}: {key} is {want} but {where} has shape {list(got)}, expected "
+                              f"{list(shape)}")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor `name` (checked), as a view of the mapping where alignment allows."""
+        dtype, shape, begin, end = self.entries[name]
         torch_dtype = _DTYPES[dtype]
-        itemsize = torch_dtype.itemsize
-        if end - begin != math.prod(shape) * itemsize:
-            raise ValueError(f"{where}: data_offsets span {end - begin} bytes but shape {list(got)} of {dtype} "
-                             f"needs {math.prod(shape) * itemsize} (corrupt file)")
         offset = self._data_start + begin
-        if offset % itemsize:  # the format does not promise alignment; copy rather than make a misaligned view
+        if offset % torch_dtype.itemsize:  # the format does not promise alignment; copy, not a misaligned view
             return torch.frombuffer(bytearray(self._map[offset:offset + end - begin]), dtype=torch_dtype).view(shape)
         return torch.frombuffer(self._map, dtype=torch_dtype, count=math.prod(shape), offset=offset).view(shape)
 
-    def _entry(self, name: str):
-        entry = self.entries[name]
-        try:
-            (begin, end) = entry["data_offsets"]
-            dtype, shape = entry["dtype"], entry["shape"]
-            if not all(isinstance(x, int) for x in (begin, end, *shape)):
-                raise TypeError("non-integer offset or dimension")
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"tensor {name!r} in {self.path}: corrupt header entry {entry!r}") from e
-        return dtype, shape, begin, end
-
 
 class _Checkpoint:
-    """The tensors of a checkpoint directory: one model.safetensors, or shards listed by the index."""
+    """The tensors of a checkpoint directory: one model.safetensors, or shards listed by the index. Every
+    file's header is read (and checked) up front: a missing shard or a broken header fails before any
+    weight is used."""
 
     def __init__(self, path: str):
         self.path = path
@@ -169,25 +210,31 @@ class _Checkpoint:
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
             self.where = _read_index(index)
+            self.source = f"the shards of {index}"
+            for shard in dict.fromkeys(self.where.values()):
+                file = self._open(shard, f"listed in {INDEX_FILE}")
+                for name in file.entries:  # a shard's tensors are all loaded by HF, listed or not
+                    self.where.setdefault(name, shard)
+            for name, shard in self.where.items():
+                if name not in self._files[shard].entries:
+                    raise CheckpointError(f"{index} places tensor {name!r} in {self._files[shard].path}, which "
+                                          "has no such tensor")
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
-            self.where = dict.fromkeys(self._file(SINGLE_FILE).entries, SINGLE_FILE)
+            self.where = dict.fromkeys(self._open(SINGLE_FILE, "").entries, SINGLE_FILE)
+            self.source = os.path.join(path, SINGLE_FILE)
         elif os.path.isdir(path):
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {path!r}")
         else:
             raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
 
-    def tensor(self, name: str, shape: Tuple[int, ...]) -> torch.Tensor:
-        file = self._file(self.where[name])
-        if name not in file.entries:
-            raise ValueError(f"{INDEX_FILE} places tensor {name!r} in {file.path}, which has no such tensor")
-        return file.tensor(name, shape)
+    def file(self, name: str) -> _SafetensorsFile:
+        return self._files[self.where[name]]
 
-    def _file(self, shard: str) -> _SafetensorsFile:
-        if shard not in self._files:
-            file = os.path.join(self.path, shard)
-            if not os.path.isfile(file):
-                raise FileNotFoundError(f"shard {file!r} (listed in {INDEX_FILE}) does not exist")
-            self._files[shard] = _SafetensorsFile(file)
+    def _open(self, shard: str, listed: str) -> _SafetensorsFile:
+        file = os.path.join(self.path, shard)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"shard {file!r} ({listed}) does not exist")
+        self._files[shard] = _SafetensorsFile(file)
         return self._files[shard]
 
 
@@ -195,43 +242,102 @@ def _read_index(index: str) -> Dict[str, str]:
     with open(index, encoding="utf-8") as f:
         try:
             weight_map = json.load(f).get("weight_map")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise ValueError(f"{index}: corrupt index ({e})") from e
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: corrupt index ({e})") from e
     if not isinstance(weight_map, dict):
-        raise ValueError(f"{index}: no 'weight_map' object")
+        raise CheckpointError(f"{index}: no 'weight_map' object")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or os.path.basename(shard) != shard:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] = {shard!r} is not a file name in the folder")
     return weight_map
+
+
+# Buffers some exports save that are recomputed from config.json (RoPE frequencies from rope_theta).
+_DERIVED = (".rotary_emb.inv_freq",)
+_LAYER = {DENSE: re.compile(r"model\.transformer\.blocks\.(\d+)\."), MOE: re.compile(r"model\.layers\.(\d+)\.")}
+_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+_ROOT = {DENSE: "model.transformer.", MOE: "model.layers."}
 
 
 def load_weights(path, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
                  device="cpu") -> Dict[str, torch.Tensor]:
     """Canonical name -> tensor for the checkpoint in directory `path` (either released layout).
 
-    Everything is cast to `dtype` except the routers, which stay fp32 (as dInfer keeps its gate). A tensor
-    already in the target dtype, loaded to the host, is a view of the memory-mapped file; any other is
-    converted with one copy, and per-expert tensors are copied straight into a preallocated stacked tensor.
+    The checkpoint is first checked against `config` from the headers alone: the layer and expert
+    counts, the optional tensors (QK-norm, expert bias), every tensor's dtype and shape (a wrong size
+    names the config.json key), and every tensor consumed; a CheckpointError names the file, the key
+    or tensor and both values. Everything is cast to `dtype` except the routers, which stay fp32 (as
+    dInfer keeps its gate). A tensor already in the target dtype, loaded to the host, is a view of the
+    memory-mapped file; any other is converted with one copy, and per-expert tensors are copied straight
+    into a preallocated stacked tensor. Values are not inspected (NaN weights load).
     """
     ckpt = _Checkpoint(os.fspath(path))
     # dInfer's fused layout is recognised by its tensor names, whatever config.json says.
     layout = "fused" if config.is_moe and "model.layers.0.mlp.w1" in ckpt.where else "hf"
     plan = checkpoint_plan(config, layout)
-    missing = [src for sources in plan.values() for src, _ in sources if src not in ckpt.where]
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise ValueError(f"checkpoint {ckpt.path!r} ({layout} layout) has no tensor {missing[0]!r}{more}")
+    _check_structure(ckpt, config, layout, plan)
+    symbols, sizes = _symbolic_shapes(config), _dim_sizes(config)
+    for name, sources in plan.items():
+        dims = _source_dims(symbols[name], sources[0][1])  # every part of a stacked tensor has one shape
+        shape, dim_sizes = tuple(sizes[d][0] for d in dims), tuple(sizes[d] for d in dims)
+        for src, _ in sources:
+            ckpt.file(src).check(src, shape, dim_sizes)
     shapes = expected_shapes(config)
     return {name: _assemble(ckpt, sources, shapes[name], torch.float32 if name.endswith("router") else dtype,
                             device)
             for name, sources in plan.items()}
 
 
+def _check_structure(ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: Dict[str, List[Source]]) -> None:
+    """The checkpoint's tensor names against config: family, layer and expert counts, optional
+    tensors, then every planned tensor present and every present tensor planned."""
+    names, key = set(ckpt.where), config.hf_key
+    other = MOE if config.family == DENSE else DENSE
+    if not any(n.startswith(_ROOT[config.family]) for n in names) and any(n.startswith(_ROOT[other]) for n in names):
+        example = min(n for n in names if n.startswith(_ROOT[other]))
+        raise CheckpointError(f"{CONFIG_FILE}: architectures {list(config.architectures)} describe a "
+                              f"{config.family} model but {ckpt.source} holds {other} tensors such as {example!r}")
+    counts = [(key("num_layers"), config.num_layers, "layers", _LAYER[config.family])]
+    if config.is_moe and layout == "hf":
+        counts.append((key("num_experts"), config.num_experts, "experts", _EXPERT))
+    for config_key, want, what, pattern in counts:
+        found = {int(m.group(1)) for m in map(pattern.match, names) if m}
+        if not found or max(found) + 1 != want:
+            held = f"{what} 0..{max(found)}" if found else f"no {what}"
+            raise CheckpointError(f"{CONFIG_FILE}: {config_key} is {want} but {ckpt.source} holds {held}")
+    wanted = {src for sources in plan.values() for src, _ in sources}
+    if config.is_moe:  # the optional MoE tensors say which flag is wrong
+        every = _moe_plan(dataclasses.replace(config, num_layers=1), layout)  # layer 0's names suffice
+        for name, field in (("layers.0.q_norm", "qk_norm"), ("layers.0.expert_bias", "expert_bias")):
+            (src, _), = every[name]
+            if (src in names) != (name in plan):
+                state = f"true but {ckpt.source} has no" if name in plan else f"false but {ckpt.source} holds"
+                raise CheckpointError(f"{CONFIG_FILE}: {key(field)} is {state} tensor {src!r}")
+    missing = sorted(wanted - names, key=lambda n: [int(t) if t.isdigit() else t for t in n.split(".")])
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{ckpt.source} ({layout} layout) has no tensor {missing[0]!r}{more}")
+    extra = sorted(n for n in names - wanted if not n.endswith(_DERIVED))
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise CheckpointError(f"{ckpt.file(extra[0]).path}: unexpected tensor {extra[0]!r}{more}: not part of the "
+                              f"{config.family} model {CONFIG_FILE} describes ({layout} layout)")
+
+
+def _source_dims(dims: Tuple[str, ...], index: tuple) -> Tuple[str, ...]:
+    """The size symbols of canonical[index]: an integer drops its dimension; the only slice taken is
+    one half (gate or up rows) of w13's 2I dimension."""
+    out = [None if isinstance(i, int) else ("I" if d == "2I" else d) for d, i in zip(dims, index)]
+    return tuple(d for d in out if d is not None) + dims[len(index):]
+
+
 def _assemble(ckpt: _Checkpoint, sources: List[Source], shape: Tuple[int, ...], dtype: torch.dtype,
               device) -> torch.Tensor:
     if len(sources) == 1 and sources[0][1] == ():
-        return ckpt.tensor(sources[0][0], shape).to(dtype=dtype, device=device)  # no-op when nothing changes
+        return ckpt.file(sources[0][0]).tensor(sources[0][0]).to(dtype=dtype, device=device)  # no-op if unchanged
     out = torch.empty(shape, dtype=dtype, device=device)
     for name, index in sources:
-        part = out[index]
-        part.copy_(ckpt.tensor(name, tuple(part.shape)))
+        out[index].copy_(ckpt.file(name).tensor(name))
     return out
 
 

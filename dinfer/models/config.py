@@ -4,14 +4,19 @@ The two families store their hyper-parameters under different key names (OLMo-st
 for dense, HF-style `hidden_size`/... for MoE) and both say `model_type: "llada"`, so `from_hf` tells them
 apart by `architectures` or by which keys exist (shared/reference/models.md §0), then maps each onto the
 same fields. Anything whose computation we do not implement is rejected with the offending key named,
-rather than loaded and run wrongly.
+rather than loaded and run wrongly; so are values of the wrong type and special-token ids that would
+break decoding (outside the vocabulary, or a mask token that is also the eos/pad token). Every error is a
+CheckpointError (a ValueError) that names the file, the key and the value.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+CONFIG_FILE = "config.json"
 
 DENSE = "llada"
 MOE = "llada_moe"
@@ -55,6 +60,24 @@ _MOE_ONLY = {
 }
 
 
+class CheckpointError(ValueError):
+    """A checkpoint folder whose files are broken or disagree with each other; the message names the
+    file, the key (or tensor) and the values that disagree."""
+
+
+# The config.json key of each size field, per family: cross-checks against the weights name the key the
+# user would edit. The dense vocabulary is embedding_size when set (it may pad vocab_size).
+_HF_KEYS = {
+    DENSE: {"hidden_size": "d_model", "num_layers": "n_layers", "num_heads": "n_heads",
+            "num_kv_heads": "n_kv_heads", "vocab_size": "embedding_size/vocab_size",
+            "intermediate_size": "mlp_hidden_size"},
+    MOE: {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+          "num_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "num_experts": "num_experts",
+          "expert_intermediate_size": "expert_intermediate_size", "qk_norm": "qk_layernorm",
+          "expert_bias": "moe_router_enable_expert_bias"},
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str  # DENSE ("llada") or MOE ("llada_moe")
@@ -92,23 +115,29 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.family == MOE
 
+    def hf_key(self, field: str) -> str:
+        """The config.json key that sets `field` in this family (the field's name where none does)."""
+        return _HF_KEYS[self.family].get(field, field)
+
     @classmethod
-    def from_hf(cls, d: dict) -> "ModelConfig":
-        """Normalise a Hugging Face config.json dict (the released format of either family)."""
-        return _parse_moe(d) if _family(d) == MOE else _parse_dense(d)
+    def from_hf(cls, d: dict, file: str = CONFIG_FILE) -> "ModelConfig":
+        """Normalise a Hugging Face config.json dict (the released format of either family); `file`
+        names the source in errors."""
+        keys = _Keys(d, file)
+        return _parse_moe(keys) if _family(keys) == MOE else _parse_dense(keys)
 
     @classmethod
     def from_dir(cls, path) -> "ModelConfig":
         """Read `config.json` from a checkpoint directory."""
-        file = os.path.join(os.fspath(path), "config.json")
+        file = os.path.join(os.fspath(path), CONFIG_FILE)
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"no config.json in checkpoint directory {os.fspath(path)!r}")
+            raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {os.fspath(path)!r}")
         with open(file, encoding="utf-8") as f:
             try:
                 d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}: not valid JSON ({e})") from e
-        return cls.from_hf(d)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+        return cls.from_hf(d, file)
 
     def to_hf(self, layout: str = "hf") -> dict:
         """A config.json dict in the released format of this family; layout "fused" (MoE only) is
@@ -152,13 +181,64 @@ class ModelConfig:
         return d
 
 
-def _family(d: dict) -> str:
+class _Keys:
+    """A config.json dict and the file it came from: typed reads whose errors name both."""
+
+    def __init__(self, d, file: str):
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{file}: expected a JSON object, got {type(d).__name__}")
+        self.d, self.file = d, file
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.d
+
+    def get(self, key: str, default=None):
+        return self.d.get(key, default)
+
+    def error(self, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.file}: {message}")
+
+    def value(self, key: str, default=None):
+        """d[key], or default where the key is absent or null; an error naming the key if neither exists."""
+        value = self.d.get(key)
+        if value is None:
+            value = default
+        if value is None:
+            raise self.error(f"required key {key!r} is missing")
+        return value
+
+    def int(self, key: str, default: Optional[int] = None, positive: bool = True) -> int:
+        value = self.value(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
+            raise self.error(f"{key}={value!r} must be a {'positive' if positive else 'non-negative'} integer")
+        return value
+
+    def float(self, key: str, default: Optional[float] = None) -> float:
+        value = self.value(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise self.error(f"{key}={value!r} must be a positive number")
+        return float(value)
+
+    def bool(self, key: str, default: Optional[bool] = None) -> bool:
+        value = self.value(key, default)
+        if not isinstance(value, bool):
+            raise self.error(f"{key}={value!r} must be true or false")
+        return value
+
+    def architectures(self) -> Tuple[str, ...]:
+        archs = self.d.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise self.error(f"architectures={archs!r} must be a list of class names")
+        return tuple(archs)
+
+
+def _family(d: _Keys) -> str:
     """DENSE or MOE from `architectures`, else from key presence; never from `model_type` (shared)."""
-    archs = d.get("architectures") or []
-    if _LLADA2_ARCHS & set(archs) or any(k in d for k in _LLADA2_KEYS):
-        raise ValueError("LLaDA2 checkpoints (architectures LLaDA2MoeModelLM, keys first_k_dense_replace/"
-                         "n_group) are not supported")
-    if _MOE_ARCHS & set(archs):
+    archs = set(d.architectures())
+    if _LLADA2_ARCHS & archs or any(k in d for k in _LLADA2_KEYS):
+        raise d.error("LLaDA2 checkpoints (architectures LLaDA2MoeModelLM, keys first_k_dense_replace/"
+                      "n_group) are not supported")
+    if _MOE_ARCHS & archs:
         return MOE
     if DENSE_ARCH in archs:
         return DENSE
@@ -166,102 +246,90 @@ def _family(d: dict) -> str:
         return MOE
     if "d_model" in d or "n_layers" in d:
         return DENSE
-    raise ValueError(f"unsupported architectures {archs!r}: config.json has neither LLaDA's d_model/n_layers "
-                     "nor LLaDA-MoE's expert_intermediate_size/moe_layer_freq")
+    raise d.error(f"unsupported architectures {sorted(archs)!r}: it has neither LLaDA's d_model/n_layers "
+                  "nor LLaDA-MoE's expert_intermediate_size/moe_layer_freq")
 
 
-def _parse_dense(d: dict) -> ModelConfig:
+def _parse_dense(d: _Keys) -> ModelConfig:
     _reject_unsupported(d, _DENSE_ONLY)
-    hidden, heads = _int(d, "d_model"), _int(d, "n_heads")
+    hidden, heads = d.int("d_model"), d.int("n_heads")
     # OLMo semantics: multi_query_attention overrides n_kv_heads; a null n_kv_heads means MHA.
-    kv_heads = 1 if d.get("multi_query_attention") else _int(d, "n_kv_heads", default=heads)
-    head_dim = _head_dim(hidden, heads, kv_heads, "d_model", "n_heads")
+    kv_heads = 1 if d.bool("multi_query_attention", False) else d.int("n_kv_heads", default=heads)
+    head_dim = _head_dim(d, hidden, heads, kv_heads, "d_model", "n_heads")
     # The embedding has embedding_size rows (possibly padded beyond vocab_size).
-    vocab = _int(d, "embedding_size") if d.get("embedding_size") is not None else _int(d, "vocab_size")
-    eos = _int(d, "eos_token_id", default=DENSE_EOS_ID, positive=False)
+    vocab_key = "embedding_size" if d.get("embedding_size") is not None else "vocab_size"
+    vocab = d.int(vocab_key)
+    mask, eos, pad = _special_ids(d, vocab, vocab_key, DENSE_MASK_ID, DENSE_EOS_ID)
     return ModelConfig(
-        family=DENSE, hidden_size=hidden, num_layers=_int(d, "n_layers"), num_heads=heads,
+        family=DENSE, hidden_size=hidden, num_layers=d.int("n_layers"), num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
-        intermediate_size=_int(d, "mlp_hidden_size"),  # mlp_ratio is ignored when this is set
+        intermediate_size=d.int("mlp_hidden_size"),  # mlp_ratio is ignored when this is set
         num_experts=0, top_k=0, expert_intermediate_size=None, qk_norm=False,
-        rope_theta=_float(d, "rope_theta"), rotary_dim=head_dim, rms_eps=_float(d, "rms_norm_eps", 1e-5),
-        max_positions=_int(d, "max_sequence_length"),
-        mask_id=_int(d, "mask_token_id", default=DENSE_MASK_ID, positive=False), eos_id=eos,
-        pad_id=_int(d, "pad_token_id", default=eos, positive=False),
-        tie_embeddings=False, router_renormalize=False, expert_bias=False,
-        architectures=tuple(d.get("architectures") or ()))
+        rope_theta=d.float("rope_theta"), rotary_dim=head_dim, rms_eps=d.float("rms_norm_eps", 1e-5),
+        max_positions=d.int("max_sequence_length"), mask_id=mask, eos_id=eos, pad_id=pad,
+        tie_embeddings=False, router_renormalize=False, expert_bias=False, architectures=d.architectures())
 
 
-def _parse_moe(d: dict) -> ModelConfig:
+def _parse_moe(d: _Keys) -> ModelConfig:
     _reject_unsupported(d, _MOE_ONLY)
     for key in ("shared_expert_intermediate_size", "num_shared_experts"):
         if d.get(key):
-            raise ValueError(f"config.json: {key}={d[key]!r}: shared experts are not supported")
+            raise d.error(f"{key}={d.get(key)!r}: shared experts are not supported")
     freq = d.get("moe_layer_freq", [1])
     if any(f != 1 for f in (freq if isinstance(freq, list) else [freq])):
-        raise ValueError(f"config.json: moe_layer_freq={freq!r}: only all-MoE models are supported "
-                         "(0 entries are dense layers)")
-    hidden, heads = _int(d, "hidden_size"), _int(d, "num_attention_heads")
-    kv_heads = _int(d, "num_key_value_heads", default=heads)
-    head_dim = _head_dim(hidden, heads, kv_heads, "hidden_size", "num_attention_heads")
+        raise d.error(f"moe_layer_freq={freq!r}: only all-MoE models are supported (0 entries are dense layers)")
+    hidden, heads = d.int("hidden_size"), d.int("num_attention_heads")
+    kv_heads = d.int("num_key_value_heads", default=heads)
+    head_dim = _head_dim(d, hidden, heads, kv_heads, "hidden_size", "num_attention_heads")
     if d.get("head_dim") not in (None, head_dim):
-        raise ValueError(f"config.json: head_dim={d['head_dim']!r} differs from hidden_size/"
-                         f"num_attention_heads={head_dim}; only that head size is supported")
-    experts, top_k = _int(d, "num_experts"), _int(d, "num_experts_per_tok")
+        raise d.error(f"head_dim={d.get('head_dim')!r} differs from hidden_size/num_attention_heads={head_dim}; "
+                      "only that head size is supported")
+    experts, top_k = d.int("num_experts"), d.int("num_experts_per_tok")
     if top_k > experts:
-        raise ValueError(f"config.json: num_experts_per_tok={top_k} exceeds num_experts={experts}")
-    eos = _int(d, "eos_token_id", default=MOE_EOS_ID, positive=False)
+        raise d.error(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    vocab = d.int("vocab_size")
+    mask, eos, pad = _special_ids(d, vocab, "vocab_size", MOE_MASK_ID, MOE_EOS_ID)
     return ModelConfig(
-        family=MOE, hidden_size=hidden, num_layers=_int(d, "num_hidden_layers"), num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=_int(d, "vocab_size"),
+        family=MOE, hidden_size=hidden, num_layers=d.int("num_hidden_layers"), num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
         intermediate_size=None, num_experts=experts, top_k=top_k,
-        expert_intermediate_size=_int(d, "expert_intermediate_size"),
-        qk_norm=bool(_value(d, "qk_layernorm")),  # no safe default: a wrong one silently changes the model
-        rope_theta=_float(d, "rope_theta"), rotary_dim=head_dim, rms_eps=_float(d, "rms_norm_eps", 1e-5),
-        max_positions=_int(d, "max_position_embeddings"),
-        mask_id=_int(d, "mask_token_id", default=MOE_MASK_ID, positive=False), eos_id=eos,
-        pad_id=_int(d, "pad_token_id", default=eos, positive=False),
+        expert_intermediate_size=d.int("expert_intermediate_size"),
+        qk_norm=d.bool("qk_layernorm"),  # no safe default: a wrong one silently changes the model
+        rope_theta=d.float("rope_theta"), rotary_dim=head_dim, rms_eps=d.float("rms_norm_eps", 1e-5),
+        max_positions=d.int("max_position_embeddings"), mask_id=mask, eos_id=eos, pad_id=pad,
         tie_embeddings=False,
         router_renormalize=False,  # the HF and dInfer code ignore norm_topk_prob and never renormalise
-        expert_bias=bool(d.get("moe_router_enable_expert_bias", False)),
-        architectures=tuple(d.get("architectures") or ()))
+        expert_bias=d.bool("moe_router_enable_expert_bias", False),
+        architectures=d.architectures())
 
 
-def _reject_unsupported(d: dict, supported: dict) -> None:
+def _special_ids(d: _Keys, vocab: int, vocab_key: str, mask_default: int, eos_default: int) -> Tuple[int, int, int]:
+    """mask, eos and pad ids, each inside [0, vocab) (else the embedding lookup fails unnamed), and the
+    mask distinct from eos and pad: a mask that is also the stop token makes every canvas "finished"
+    before decoding and lets decoded tokens count as still masked (the generation loop never ends)."""
+    eos = d.int("eos_token_id", default=eos_default, positive=False)
+    ids = {"mask_token_id": d.int("mask_token_id", default=mask_default, positive=False), "eos_token_id": eos,
+           "pad_token_id": d.int("pad_token_id", default=eos, positive=False)}
+    for key, value in ids.items():
+        if value >= vocab:
+            given = "" if d.get(key) is not None else " (absent, so the release's default)"
+            raise d.error(f"{key} is {value}{given} but {vocab_key} is {vocab}: ids must lie in [0, {vocab})")
+    for key in ("eos_token_id", "pad_token_id"):
+        if ids[key] == ids["mask_token_id"]:
+            raise d.error(f"mask_token_id and {key} are both {ids[key]}: the mask token must differ from the "
+                          "end/padding token")
+    return ids["mask_token_id"], eos, ids["pad_token_id"]
+
+
+def _reject_unsupported(d: _Keys, supported: dict) -> None:
     for key, value in supported.items():
         if d.get(key, value) not in (value, None):
-            raise ValueError(f"config.json: {key}={d[key]!r} is not supported (only {value!r})")
+            raise d.error(f"{key}={d.get(key)!r} is not supported (only {value!r})")
 
 
-def _value(d: dict, key: str, default=None):
-    """d[key], or default where the key is absent or null; a ValueError naming the key if neither exists."""
-    value = d.get(key)
-    if value is None:
-        value = default
-    if value is None:
-        raise ValueError(f"config.json: required key {key!r} is missing")
-    return value
-
-
-def _int(d: dict, key: str, default: Optional[int] = None, positive: bool = True) -> int:
-    value = _value(d, key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
-        raise ValueError(f"config.json: {key}={value!r} must be a {'positive' if positive else 'non-negative'} "
-                         "integer")
-    return value
-
-
-def _float(d: dict, key: str, default: Optional[float] = None) -> float:
-    value = _value(d, key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"config.json: {key}={value!r} must be a positive number")
-    return float(value)
-
-
-def _head_dim(hidden: int, heads: int, kv_heads: int, hidden_key: str, heads_key: str) -> int:
+def _head_dim(d: _Keys, hidden: int, heads: int, kv_heads: int, hidden_key: str, heads_key: str) -> int:
     if hidden % heads:
-        raise ValueError(f"config.json: {hidden_key}={hidden} is not a multiple of {heads_key}={heads}, "
-                         "so head_dim is not integral")
+        raise d.error(f"{hidden_key}={hidden} is not a multiple of {heads_key}={heads}, so head_dim is not integral")
     if heads % kv_heads:
-        raise ValueError(f"config.json: {heads_key}={heads} is not a multiple of the {kv_heads} key/value heads")
+        raise d.error(f"{heads_key}={heads} is not a multiple of the {kv_heads} key/value heads")
     return hidden // heads
