@@ -1,5 +1,6 @@
 """Argument checks shared by the public ops: each raises TypeError/ValueError naming the argument."""
 import math
+import numbers
 
 import torch
 
@@ -41,15 +42,18 @@ def contiguous(name, t):
 
 
 def integer(name, v, lo=None, hi=None):
-    if isinstance(v, bool) or not isinstance(v, int):
+    """v as a Python int: any numbers.Integral (NumPy's integer scalars too), never a bool."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    v = int(v)
     if (lo is not None and v < lo) or (hi is not None and v >= hi):
         raise ValueError(f"{name}: {v} is outside [{lo}, {hi})")
     return v
 
 
 def number(name, v, lo=None, hi=None, lo_open=False):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    """v as a finite Python float: any numbers.Real (NumPy's scalars too), never a bool."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
     v = float(v)
     if not math.isfinite(v):
@@ -73,3 +77,46 @@ def token_range(name, t, vocab):
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
         raise ValueError(f"{name}: token ids must be in [0, {vocab}), got range "
                          f"[{int(t.min())}, {int(t.max())}]")
+
+
+def _byte_span(t):
+    """[lo, hi): the addresses of the bytes t's elements occupy (an empty tensor occupies none)."""
+    base = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return base, base
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(t.shape, t.stride()))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(t.shape, t.stride()))
+    return base + lo * t.element_size(), base + (hi + 1) * t.element_size()
+
+
+def _same_view(a, b):
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride())))
+
+
+def disjoint(written, read, inplace=()):
+    """Refuses (ValueError naming both) any byte shared by a tensor the op writes and another tensor of
+    the call, the rule the compiled bindings apply (csrc/bindings/tensor_arg.h): the kernels read
+    while writing, in parallel, so an overlap gives wrong values. written / read: {name: tensor or
+    None}; inplace: (written, read) name pairs the op documents as in-place, which may be exactly
+    the same view. Skipped while tracing (fake tensors have no addresses)."""
+    if torch.compiler.is_compiling():
+        return
+    named = [(n, t) for n, t in written.items() if t is not None]
+    others = named + [(n, t) for n, t in read.items() if t is not None]
+    for i, (wn, w) in enumerate(named):
+        if w.device.type == "meta":
+            continue
+        w_lo, w_hi = _byte_span(w)
+        for rn, r in others[i + 1:]:
+            if r.device != w.device:
+                continue
+            r_lo, r_hi = _byte_span(r)
+            if not (w_lo < r_hi and r_lo < w_hi):
+                continue
+            allowed = (wn, rn) in inplace or (rn, wn) in inplace
+            if allowed and _same_view(w, r):
+                continue
+            raise ValueError(f"{wn}: overlaps {rn} in memory" + (
+                f" without being exactly the same view (in place: pass {rn} itself)" if allowed
+                else " (the op reads and writes them in parallel: use separate tensors)"))
