@@ -47,7 +47,8 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETER_FLOATS = (torch.float32, torch.float16)
 # Share of valid calls: a valid call runs a kernel (slow in the Triton interpreter); broken calls
 # stop at the checks.
-VALID_SHARE = {"triton": {"attention": 0.06, "moe": 0.06, "soft_embedding": 0.15, "decode_step": 0.2}}
+VALID_SHARE = {"triton": {"rms_norm": 0.2, "rope": 0.1, "soft_embedding": 0.1, "decode_step": 0.08,
+                          "moe": 0.05, "attention": 0.05}}
 
 
 # ---- the harness ------------------------------------------------------------------------------------
@@ -89,9 +90,10 @@ def poisoned_allocations():
         torch.empty, torch.empty_like = empty, empty_like
 
 
-def check_case(case):
-    """None if the case behaved, else what went wrong."""
+def check_case(case, threads=1):
+    """None if the case behaved, else what went wrong. The op runs on `threads` torch threads."""
     try:
+        torch.set_num_threads(threads)
         with poisoned_allocations():
             got = case.run()
     except (ValueError, TypeError, RuntimeError) as e:
@@ -103,12 +105,14 @@ def check_case(case):
         return None
     except Exception as e:  # noqa: BLE001 -- any other exception is a finding
         return f"{case.what}: {type(e).__name__}: {e}"
+    finally:
+        torch.set_num_threads(1)
     if case.names:
         return f"{case.what}: a broken call ({case.names[0]}) was accepted"
     same, truth = case.reference()
     for i, (out, want, true) in enumerate(zip(got, same, truth)):
         if i in case.exact:
-            if out.shape != want.shape or not torch.equal(out, want):
+            if out.shape != want.shape or out.dtype != want.dtype or not bool(((out == want) | (out != out) & (want != want)).all()):
                 return f"{case.what}: output {i} differs from the reference"
         else:
             msg = disagreement(out, want, true)
@@ -156,24 +160,19 @@ def fuzz(op, backend, calls=CALLS, seed=0):
     gen = GENERATORS[op]
     counts, problems = {"valid": 0, "broken": 0}, []
     threads = torch.get_num_threads()
+    # One thread: tiny ops on a busy box spend far more time in the thread pool than working. The host
+    # kernels run every other call on two threads (their row partitioning).
+    torch.set_num_threads(1)
     try:
         for i in range(calls):
-            # One thread: tiny ops on a busy box spend far more time in the thread pool than working.
-            # The host kernels also run every other call on two threads (their row partitioning).
-            torch.set_num_threads(2 if backend == "cpu" and i % 2 else 1)
-            run_one(r, gen, backend, floats, share, counts, problems, i)
+            case = gen(r, backend, floats, r.random() < share)
+            counts["broken" if case.names else "valid"] += 1
+            problem = check_case(case, threads=2 if backend == "cpu" and i % 2 else 1)
+            if problem:
+                problems.append(f"call {i}: {problem}")
     finally:
         torch.set_num_threads(threads)
     return {"calls": calls, **counts, "problems": problems}
-
-
-def run_one(r, gen, backend, floats, share, counts, problems, i):
-    valid = r.random() < share
-    case = gen(r, backend, floats, valid)
-    counts["valid" if not case.names else "broken"] += 1
-    problem = check_case(case)
-    if problem:
-        problems.append(f"call {i}: {problem}")
 
 
 # ---- value and layout helpers -------------------------------------------------------------------------
@@ -198,6 +197,12 @@ def strided_copy(r, t):
     view = big[..., pad:]
     view.copy_(t)
     return view
+
+
+def poison_rows(r, tensors, rows):
+    """NaN / +-inf into the selected rows (dim 0) of each tensor."""
+    for t in tensors:
+        t[rows] = r.choice((float("nan"), float("inf"), float("-inf")))
 
 
 def other_float(dtype):
@@ -427,6 +432,12 @@ def gen_attention(r, backend, floats, valid):
     a = dict(q=rand(r, (B, W, Hq, D), dt), k=rand(r, (B, W, Hkv, D), dt), v=rand(r, (B, W, Hkv, D), dt),
              k_cache=rand(r, (B, S, Hkv, D), dt, strided=False), v_cache=rand(r, (B, S, Hkv, D), dt, strided=False),
              positions=positions, seq_lens=seq_lens, write_back=r.random() < 0.6, scale=scale)
+    if r.random() < 0.3:
+        # NaN / inf where the contract says nothing is read: cache rows past seq_lens and the padding
+        # window rows (position >= seq_lens). (Attended non-finite values: see the xfail test below.)
+        for b in range(B):
+            poison_rows(r, [a["k_cache"][b], a["v_cache"][b]], torch.arange(S) >= seq_lens[b])
+            poison_rows(r, [a["q"][b], a["k"][b], a["v"][b]], positions[b] >= seq_lens[b])
     if r.random() < 0.5:
         q_block, kv_block = r.choice((1, 2, 3, 4)), r.choice((1, 2, 3, 5))
         a["block_mask"] = (dk.BlockMask.full(B, Hkv, W, S, q_block, kv_block) if r.random() < 0.5 else
@@ -549,14 +560,8 @@ GENERATORS = {"decode_step": gen_decode_step, "attention": gen_attention, "moe":
 # ---- the tests ------------------------------------------------------------------------------------
 
 def pairs():
-    """(op, backend) for every backend that runs the op on the host here, and cuda (gpu) if built."""
-    found = []
-    for op in OPS:
-        for b in _backend.available_backends("cpu", op):
-            found.append((op, b))
-        if "cuda" in _backend.IMPLEMENTED[op]:
-            found.append((op, "cuda"))
-    return found
+    """(op, backend) for every backend that runs the op on host tensors here."""
+    return [(op, b) for op in OPS for b in _backend.available_backends("cpu", op)]
 
 
 @pytest.fixture(scope="module")
@@ -575,14 +580,12 @@ def compiled_layer_results():
 
 
 RESULTS = {}
+# The Triton interpreter runs the kernels in NumPy, which warns about the NaN / inf the cases feed it.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 
 @pytest.mark.parametrize("op,backend", pairs(), ids=[f"{o}-{b}" for o, b in pairs()])
 def test_fuzz_op(op, backend, request):
-    if backend == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("needs a CUDA GPU")
-        pytest.skip("the cuda backend takes CUDA tensors; this suite generates host tensors")
     if backend == "cpu":
         res = request.getfixturevalue("compiled_layer_results")[op]
     else:
@@ -590,6 +593,29 @@ def test_fuzz_op(op, backend, request):
     RESULTS[(op, backend)] = res
     assert res["calls"] >= CALLS and res["valid"] > 0 and res["broken"] > 0
     assert not res["problems"], f"{len(res['problems'])} problems:\n" + "\n".join(res["problems"][:20])
+
+
+ATTENDED_NON_FINITE = [b for b in ("cpu", "triton") if b in _backend.available_backends("cpu", "attention")]
+
+
+@pytest.mark.parametrize("backend", ATTENDED_NON_FINITE)
+@pytest.mark.xfail(strict=True, reason="contract gap found by the fuzzer: for a query row with a NaN or a key "
+                   "scored +inf, the reference gives out 0 and lse NaN (its nan_to_num meant for rows without "
+                   "keys), the cpu kernel out NaN and lse NaN, the triton kernel out 0 and lse -inf")
+def test_attention_non_finite_attended_values_match_reference(backend):
+    """NaN / inf in what a row attends (the fuzz suite puts them only where nothing is read)."""
+    B, W, H, D, S = 1, 2, 1, 64, 4
+    q, k, v = (torch.randn(B, W, H, D) for _ in range(3))
+    k_cache, v_cache = torch.randn(B, S, H, D), torch.randn(B, S, H, D)
+    q[0, 0, 0, 1] = float("nan")                 # row 0: a NaN query
+    k_cache[0, 3, 0, :] = float("inf")           # row 1 attends key 3, scored +-inf
+    positions, seq_lens = torch.tensor([[0, 1]]), torch.tensor([S], dtype=torch.int32)
+    args = (q, k, v, k_cache, v_cache, positions, seq_lens)
+    got = dk.attention(*args, return_lse=True, backend=backend)
+    want = attention_reference(*args, return_lse=True)
+    truth = attention_reference(*args, compute_dtype=torch.float64, return_lse=True)
+    for name, g, w, t in zip(("out", "lse"), got, want, truth):
+        assert disagreement(g, w, t) is None, f"{name}: {disagreement(g, w, t)}"
 
 
 def test_fuzz_summary():

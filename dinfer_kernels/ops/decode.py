@@ -139,7 +139,8 @@ def decode_step(
     num_commit: k per sequence for rule="fixed" (int or [B] int32); credit: a CreditState (updated in
     place) or None. Returns DecodeOutput(candidate, confidence, commit, row_max, row_lse).
 
-    validate: check tensor *values* (token range, offsets, credit ids). Default: on host tensors only,
+    validate: check tensor *values* (token range, offsets, the credit state: CreditState.check).
+    Default: on host tensors only,
     since on a GPU it would synchronise (and is impossible under capture); the kernels never read
     out of bounds whatever the values are.
     """
