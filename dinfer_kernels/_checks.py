@@ -4,6 +4,8 @@ import numbers
 
 import torch
 
+from . import _dispatch
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -89,34 +91,27 @@ def _byte_span(t):
     return base + lo * t.element_size(), base + (hi + 1) * t.element_size()
 
 
-def _same_view(a, b):
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-            and all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride())))
-
-
-def disjoint(written, read, inplace=()):
+def disjoint(written, read):
     """Refuses (ValueError naming both) any byte shared by a tensor the op writes and another tensor of
     the call, the rule the compiled bindings apply (csrc/bindings/tensor_arg.h): the kernels read
-    while writing, in parallel, so an overlap gives wrong values. written / read: {name: tensor or
-    None}; inplace: (written, read) name pairs the op documents as in-place, which may be exactly
-    the same view. Skipped while tracing (fake tensors have no addresses)."""
+    while writing, in parallel, so an overlap gives wrong values. (No public op writes an input in
+    place of another, so unlike the bindings' rms_norm / rope `out`, nothing may alias.)
+    written / read: {name: tensor or None}. Only plain tensors with memory are compared: fake and
+    meta tensors (tracing) have no addresses."""
     if torch.compiler.is_compiling():
         return
-    named = [(n, t) for n, t in written.items() if t is not None]
-    others = named + [(n, t) for n, t in read.items() if t is not None]
+
+    def real(items):
+        return [(n, t) for n, t in items if type(t) in _dispatch._PLAIN and t.device.type != "meta"]
+
+    named = real(written.items())
+    others = named + real(read.items())
     for i, (wn, w) in enumerate(named):
-        if w.device.type == "meta":
-            continue
         w_lo, w_hi = _byte_span(w)
         for rn, r in others[i + 1:]:
             if r.device != w.device:
                 continue
             r_lo, r_hi = _byte_span(r)
-            if not (w_lo < r_hi and r_lo < w_hi):
-                continue
-            allowed = (wn, rn) in inplace or (rn, wn) in inplace
-            if allowed and _same_view(w, r):
-                continue
-            raise ValueError(f"{wn}: overlaps {rn} in memory" + (
-                f" without being exactly the same view (in place: pass {rn} itself)" if allowed
-                else " (the op reads and writes them in parallel: use separate tensors)"))
+            if w_lo < r_hi and r_lo < w_hi:
+                raise ValueError(f"{wn}: overlaps {rn} in memory (the op reads and writes them in "
+                                 "parallel: use separate tensors)")

@@ -140,9 +140,8 @@ def decode_step(
     place) or None. Returns DecodeOutput(candidate, confidence, commit, row_max, row_lse).
 
     validate: check tensor *values* (token range, offsets, the credit state: CreditState.check).
-    Default: on host tensors only,
-    since on a GPU it would synchronise (and is impossible under capture); the kernels never read
-    out of bounds whatever the values are.
+    Default: on host tensors only, since on a GPU it would synchronise (and is impossible under
+    capture); the kernels never read out of bounds whatever the values are.
     """
     N, V = _checks.logits_matrix("logits", logits)
     dev = logits.device
