@@ -320,3 +320,12 @@ def test_binding_takes_numpy_scalars_and_refuses_bools():
     for param, value in (("mask_id", np.bool_(True)), ("mask_id", True), ("seed", np.float64(1.0))):
         with pytest.raises(TypeError, match=rf"^{param}: expected an int"):
             call(numpy_args(), **{param: value})
+
+
+def test_overlap_with_negative_strides_uses_the_byte_range():
+    """NumPy rows in reverse order (a negative row stride): their bytes run below the data pointer."""
+    buf = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    x, w = buf[3::-1], np.ones(16, dtype=np.float32)          # rows 3, 2, 1, 0
+    EXT.rms_norm(x, w, buf[4:8], eps=1e-6)                    # rows 4..7: disjoint
+    with pytest.raises(ValueError, match=r"^out: overlaps x"):
+        EXT.rms_norm(x, w, buf[2:6], eps=1e-6)                # rows 2, 3 shared
