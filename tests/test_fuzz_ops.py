@@ -599,6 +599,86 @@ def test_fuzz_op(op, backend, request):
     assert not res["problems"], f"{len(res['problems'])} problems:\n" + "\n".join(res["problems"][:20])
 
 
+# ---- the compiled layer: every (written, other) pair of a binding's arrays -------------------------
+
+# The arrays each binding writes (attention's caches only with write_back).
+WRITTEN = {"rms_norm": ("out",), "rope": ("out",), "moe": ("out",), "attention": ("out", "lse", "block_mass"),
+           "decode_step": ("tokens", "credit_ids", "credit_vals", "candidate", "confidence", "commit", "row_max",
+                           "row_lse")}
+
+
+class Recorder:
+    """Stands in for dinfer_kernels._C in a cpu backend module: runs each call and keeps it, with
+    the capsules turned back into tensors, as (binding, {name: argument})."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getattr__(self, binding):
+        real = getattr(_backend.compiled(), binding)
+        names = real.__doc__.split("(", 1)[1].split(")", 1)[0].replace("*, ", "").split(", ")
+        names = [n.split(":")[0] for n in names]
+
+        def call(*args, **kwargs):
+            args = [torch.utils.dlpack.from_dlpack(a) if type(a).__name__ == "PyCapsule" else a for a in args]
+            self.calls.append((binding, {**dict(zip(names, args)), **kwargs}))
+            return real(*args, **kwargs)
+        return call
+
+
+def recorded_calls(op, count, monkeypatch):
+    """The _C calls behind `count` valid cpu-backend cases of op."""
+    import importlib
+    calls = []
+    module = importlib.import_module(f"dinfer_kernels.cpu.{op.replace('_step', '')}")
+    monkeypatch.setattr(module, "compiled", lambda: Recorder(calls))
+    r = random.Random(f"{op}/recorded")
+    while len(calls) < count:
+        gen = GENERATORS[op](r, "cpu", FLOATS, True)
+        gen.run()
+    return calls
+
+
+def overlapping_pair(a, b, r):
+    """Copies of a and b (contiguous) in one byte buffer, b starting inside a's bytes."""
+    a_bytes, b_bytes = a.numel() * a.element_size(), b.numel() * b.element_size()
+    start = r.randrange(max(a_bytes // b.element_size(), 1)) * b.element_size()
+    buf = torch.zeros(max(a_bytes, start + b_bytes), dtype=torch.uint8)
+    a2 = buf[:a_bytes].view(a.dtype).view(a.shape)
+    a2.copy_(a)
+    b2 = buf[start:start + b_bytes].view(b.dtype).view(b.shape)
+    b2.copy_(b)
+    return a2, b2
+
+
+@pytest.mark.skipif(_backend.compiled() is None, reason="dinfer_kernels._C was not built")
+@pytest.mark.parametrize("op", sorted(WRITTEN))
+def test_bindings_refuse_every_partial_overlap(op, monkeypatch):
+    """For real host calls of each binding (recorded from the cpu backend), each written array in turn
+    is placed inside the bytes of each other array: always a ValueError naming both. Exactly the
+    input as output (rms_norm / rope's documented in-place call) gives the out-of-place result."""
+    r = random.Random(f"{op}/overlap")
+    tried = 0
+    for binding, kw in recorded_calls(op, 12, monkeypatch):
+        arrays = {n: t for n, t in kw.items() if isinstance(t, torch.Tensor) and t.numel()}
+        written = [n for n in arrays if n in WRITTEN[op] or (kw.get("write_back") and n in ("k_cache", "v_cache"))]
+        for w in written:
+            for other in arrays:
+                if other == w:
+                    continue
+                host, inside = overlapping_pair(arrays[other], arrays[w], r)
+                call = dict(kw, **{other: host, w: inside})
+                with pytest.raises(ValueError, match="overlaps") as e:
+                    getattr(_backend.compiled(), binding)(**call)
+                assert {w, other} <= set(str(e.value).replace(":", " ").split()), str(e.value)
+                tried += 1
+        if op in ("rms_norm", "rope"):
+            x = kw["x"].clone()
+            getattr(_backend.compiled(), binding)(**dict(kw, out=x, x=x))
+            assert identical(x, kw["out"])
+    assert tried >= 12
+
+
 ATTENDED_NON_FINITE = [b for b in ("cpu", "triton") if b in _backend.available_backends("cpu", "attention")]
 
 
