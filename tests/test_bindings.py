@@ -185,3 +185,147 @@ def test_fuzz_bindings_never_crash(case):
     except (TypeError, ValueError) as e:
         assert bad, f"a valid call was refused: {e}"
         assert str(e).split(":")[0] in set(ORDER) | set(PARAMS), str(e)
+
+
+# ---- overlapping arrays, hand-built credit states, NumPy scalars (issue #25) ---------------------
+
+from dinfer_kernels import attention, decode_step  # noqa: E402
+from dinfer_kernels.ops.decode import CreditState  # noqa: E402
+from dinfer_kernels.reference.rms_norm import rms_norm_reference  # noqa: E402
+
+
+def rms_norm_views(out_start):
+    """x = rows 0..3 of a 9-row buffer, out = 4 rows from row `out_start` of the same buffer."""
+    buf = torch.randn(9, 16)
+    x = buf[:4]
+    return buf, x, buf[out_start:out_start + 4]
+
+
+def test_rms_norm_partial_overlap_is_refused():
+    """The issue's repro: out one row past x in one buffer gave max error 2.76; now a ValueError
+    naming both arrays."""
+    _, x, out = rms_norm_views(1)
+    with pytest.raises(ValueError, match=r"^out: overlaps x"):
+        EXT.rms_norm(x, torch.ones(16), out, eps=1e-6)
+
+
+@pytest.mark.parametrize("out_start", [0, 4, 5])
+def test_rms_norm_in_place_and_disjoint_views_are_allowed(out_start):
+    """Exactly x (the documented in-place call) or rows of the buffer x does not touch."""
+    _, x, out = rms_norm_views(out_start)
+    want = rms_norm_reference(x.clone(), torch.ones(16), 1e-6)
+    EXT.rms_norm(x, torch.ones(16), out, eps=1e-6)
+    assert torch.allclose(out, want, rtol=0, atol=4 * torch.finfo(torch.float32).eps * 4)
+
+
+def test_rms_norm_weight_overlapping_out_is_refused():
+    """No in-place alias is documented for weight: even a disjoint-looking row of out is refused."""
+    x = torch.randn(4, 16)
+    out = torch.empty(4, 16)
+    with pytest.raises(ValueError, match=r"^out: overlaps weight"):
+        EXT.rms_norm(x, out[2], out, eps=1e-6)
+
+
+def test_rope_strided_overlap_is_refused():
+    """out interleaved with x (same buffer, other heads) is refused; exactly x is allowed."""
+    buf = torch.randn(1, 3, 4, 8)
+    x, out = buf[:, :, 0::2], buf[:, :, 1::2]   # disjoint elements, but intersecting byte ranges
+    table = torch.randn(8, 8)
+    positions = torch.zeros(1, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"^out: overlaps x"):
+        EXT.rope(x, positions, table, out)
+    EXT.rope(x, positions, table, x)
+
+
+def test_decode_output_inside_an_input_is_refused():
+    a = numpy_args()
+    lg = torch.from_numpy(a["logits"])
+    a["confidence"] = lg[1, :5]   # fp32 [5] inside the logits
+    with pytest.raises(ValueError, match=r"^confidence: overlaps logits"):
+        call(a)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_attention_caches_overlapping_each_other_are_refused(backend):
+    """With write_back both caches are written: one buffer for both is refused on every backend."""
+    B, W, S, H, D = 1, 2, 8, 2, 8
+    kv = torch.randn(B, S, H, D + 4)
+    k_cache, v_cache = kv[..., :D], kv[..., 4:]
+    q, k, v = (torch.randn(B, W, H, D) for _ in range(3))
+    positions = torch.tensor([[2, 3]])
+    seq_lens = torch.tensor([S], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^k_cache: overlaps v_cache"):
+        attention(q, k, v, k_cache, v_cache, positions, seq_lens, backend=backend)
+    # without write_back the caches are only read: sharing is fine
+    attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back=False, backend=backend)
+
+
+def decode_case(N=4, V=10):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(N, V, generator=g) * 3, torch.full((N,), 3, dtype=torch.int64),
+            torch.tensor([0, N], dtype=torch.int32))
+
+
+def hand_built(N, K, slots):
+    """An empty CreditState with {(row, slot): (id, value)} filled in."""
+    cs = CreditState.empty(N, K)
+    for (n, j), (i, v) in slots.items():
+        cs.ids[n, j], cs.vals[n, j] = i, v
+    return cs
+
+
+BAD_CREDIT = [
+    ({(1, 0): (2, float("nan"))}, r"credit[._]vals: value nan at row 1, slot 0"),
+    ({(0, 1): (4, -5.0)}, r"credit[._]vals: value -5.0+ at row 0, slot 1"),
+    ({(2, 1): (4, float("inf"))}, r"credit[._]vals: value inf at row 2, slot 1"),
+    ({(3, 0): (-1, 2.0)}, r"credit[._]vals: the empty slot at row 3, slot 0"),
+    ({(0, 0): (7, 40.0), (0, 1): (7, 40.0)}, r"credit[._]ids: token id 7 is in two slots of row 0"),
+    ({(1, 1): (10, 0.0)}, r"credit[._]ids: slot id 10 at row 1, slot 1 is outside \[-1, 10\)"),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("slots,message", BAD_CREDIT, ids=range(len(BAD_CREDIT)))
+def test_hand_built_credit_state_is_validated(backend, slots, message):
+    """The issue's repro: such states gave NaN confidences, or (a duplicate id) confidences above 1."""
+    logits, tokens, offsets = decode_case()
+    with pytest.raises(ValueError, match=message):
+        decode_step(logits, tokens, offsets, 3, credit=hand_built(4, 2, slots), backend=backend)
+    with pytest.raises(ValueError, match=message):
+        hand_built(4, 2, slots).check(10)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_kept_credit_state_passes_validation(backend):
+    """States the op itself leaves (and zero-valued live slots, after decay) are accepted."""
+    logits, tokens, offsets = decode_case()
+    cs = hand_built(4, 3, {(0, 0): (5, 0.0), (0, 2): (6, 1.5)})
+    for _ in range(3):
+        decode_step(logits, tokens, offsets, 3, credit=cs, threshold=1.0, backend=backend)
+    cs.check(10)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("np_int", [np.int64, np.int32, np.uint8])
+def test_numpy_integer_scalars_are_taken_like_ints(backend, np_int):
+    logits, tokens, offsets = decode_case()
+    want = decode_step(logits, tokens.clone(), offsets, 3, seed=5, backend=backend)
+    got = decode_step(logits, tokens.clone(), offsets, np_int(3), seed=np_int(5),
+                      temperature=np.float32(0.0), backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_binding_takes_numpy_scalars_and_refuses_bools():
+    call(numpy_args(), mask_id=np.int64(3), seed=np.uint32(7), low_threshold=np.float32(0.4))
+    for param, value in (("mask_id", np.bool_(True)), ("mask_id", True), ("seed", np.float64(1.0))):
+        with pytest.raises(TypeError, match=rf"^{param}: expected an int"):
+            call(numpy_args(), **{param: value})
+
+
+def test_overlap_with_negative_strides_uses_the_byte_range():
+    """NumPy rows in reverse order (a negative row stride): their bytes run below the data pointer."""
+    buf = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    x, w = buf[3::-1], np.ones(16, dtype=np.float32)          # rows 3, 2, 1, 0
+    EXT.rms_norm(x, w, buf[4:8], eps=1e-6)                    # rows 4..7: disjoint
+    with pytest.raises(ValueError, match=r"^out: overlaps x"):
+        EXT.rms_norm(x, w, buf[2:6], eps=1e-6)                # rows 2, 3 shared

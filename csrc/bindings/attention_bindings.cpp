@@ -3,6 +3,7 @@
 // kernel (every build) or the CUDA one (CUDA builds; CUDA arrays are refused otherwise).
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -106,39 +107,48 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
     throw_value_error(std::string(has_counts ? "kv_indices" : "kv_num_blocks") +
                       ": kv_num_blocks and kv_indices must be given together");
   int64_t max_blocks = -1;
+  // The optional arrays, kept alive until the launch.
+  std::unique_ptr<TensorArg> counts, indices, lse, mass;
   if (has_counts) {
-    TensorArg counts(kv_num_blocks_o, "kv_num_blocks"), indices(kv_indices_o, "kv_indices");
-    counts.expect_dtype({DType::kInt32});
-    counts.expect_shape({B, Hkv, nqb});
-    counts.expect_contiguous();
-    indices.expect_dtype({DType::kInt32});
-    if (indices.ndim() != 4) throw_value_error("kv_indices: expected a 4-D array [B, Hkv, NQB, MAXB]");
-    max_blocks = indices.size(3);
-    indices.expect_shape({B, Hkv, nqb, max_blocks});
-    indices.expect_contiguous();
-    counts.expect_same_device(q);
-    indices.expect_same_device(q);
-    p.kv_num_blocks = counts.data<int32_t>();
-    p.kv_indices = indices.data<int32_t>();
+    counts.reset(new TensorArg(kv_num_blocks_o, "kv_num_blocks"));
+    indices.reset(new TensorArg(kv_indices_o, "kv_indices"));
+    counts->expect_dtype({DType::kInt32});
+    counts->expect_shape({B, Hkv, nqb});
+    counts->expect_contiguous();
+    indices->expect_dtype({DType::kInt32});
+    if (indices->ndim() != 4) throw_value_error("kv_indices: expected a 4-D array [B, Hkv, NQB, MAXB]");
+    max_blocks = indices->size(3);
+    indices->expect_shape({B, Hkv, nqb, max_blocks});
+    indices->expect_contiguous();
+    counts->expect_same_device(q);
+    indices->expect_same_device(q);
+    p.kv_num_blocks = counts->data<int32_t>();
+    p.kv_indices = indices->data<int32_t>();
   }
   if (!lse_o.is_none()) {
-    TensorArg lse(lse_o, "lse");
-    lse.expect_dtype({DType::kFloat32});
-    lse.expect_shape({B, W, Hq});
-    lse.expect_contiguous();
-    lse.expect_writable();
-    lse.expect_same_device(q);
-    p.lse = lse.data<float>();
+    lse.reset(new TensorArg(lse_o, "lse"));
+    lse->expect_dtype({DType::kFloat32});
+    lse->expect_shape({B, W, Hq});
+    lse->expect_contiguous();
+    lse->expect_writable();
+    lse->expect_same_device(q);
+    p.lse = lse->data<float>();
   }
   if (!block_mass_o.is_none()) {
-    TensorArg mass(block_mass_o, "block_mass");
-    mass.expect_dtype({DType::kFloat32});
-    mass.expect_shape({B, Hq, nkb});
-    mass.expect_contiguous();
-    mass.expect_writable();
-    mass.expect_same_device(q);
-    p.block_mass = mass.data<float>();
+    mass.reset(new TensorArg(block_mass_o, "block_mass"));
+    mass->expect_dtype({DType::kFloat32});
+    mass->expect_shape({B, Hq, nkb});
+    mass->expect_contiguous();
+    mass->expect_writable();
+    mass->expect_same_device(q);
+    p.block_mass = mass->data<float>();
   }
+  // The caches are only written with write_back (without it they are read like q, k and v).
+  const TensorArg* kc_written = write_back ? &k_cache : nullptr;
+  const TensorArg* vc_written = write_back ? &v_cache : nullptr;
+  expect_disjoint({&out, lse.get(), mass.get(), kc_written, vc_written},
+                  {&q, &k, &v, &positions, &seq_lens, counts.get(), indices.get(),
+                   write_back ? nullptr : &k_cache, write_back ? nullptr : &v_cache});
   p.batch = B;
   p.window = W;
   p.heads_q = Hq;
@@ -178,6 +188,8 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
     workspace.expect_contiguous();
     workspace.expect_writable();
     workspace.expect_same_device(q);
+    expect_disjoint({&workspace}, {&q, &k, &v, &k_cache, &v_cache, &positions, &seq_lens, &out, counts.get(),
+                                   indices.get(), lse.get(), mass.get()});
     if (static_cast<size_t>(workspace.numel()) < need)
       throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
                         std::to_string(workspace.numel()));

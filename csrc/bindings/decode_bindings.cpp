@@ -1,10 +1,12 @@
 // pybind11 entry for the decode step: validates every argument (dtype, shape, device, strides,
 // ranges; on CPU also the data), then calls the torch-free launcher.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "dinfer_kernels/decode.h"
 #include "tensor_arg.h"
@@ -20,10 +22,42 @@ void check_finite(float v, const char* name) {
   if (!std::isfinite(v)) throw_value_error(std::string(name) + ": must be finite, got " + std::to_string(v));
 }
 
+// A hand-built credit state must look like one the op keeps: every value finite and >= 0, ids in
+// [-1, V), an empty slot (-1) holding 0, no id twice in a row. Else credit turns into NaN or
+// confidences above 1.
+void check_credit(const TensorArg& credit_ids, const TensorArg& credit_vals, int64_t V) {
+  const int64_t N = credit_ids.size(0), K = credit_ids.size(1);
+  const int32_t* ids = credit_ids.data<int32_t>();
+  const float* vals = credit_vals.data<float>();
+  std::vector<int32_t> row;
+  row.reserve(K);
+  for (int64_t n = 0; n < N; ++n) {
+    row.clear();
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t id = ids[n * K + j];
+      const float v = vals[n * K + j];
+      auto at = [&] { return " at row " + std::to_string(n) + ", slot " + std::to_string(j); };
+      if (id < -1 || id >= V)
+        throw_value_error("credit_ids: slot id " + std::to_string(id) + at() + " is outside [-1, " +
+                          std::to_string(V) + ")");
+      if (!std::isfinite(v) || v < 0)
+        throw_value_error("credit_vals: value " + std::to_string(v) + at() + " must be finite and >= 0");
+      if (id == -1 && v != 0)
+        throw_value_error("credit_vals: the empty slot" + at() + " holds " + std::to_string(v) + " (must be 0)");
+      if (id >= 0) row.push_back(id);
+    }
+    std::sort(row.begin(), row.end());
+    const auto dup = std::adjacent_find(row.begin(), row.end());
+    if (dup != row.end())
+      throw_value_error("credit_ids: token id " + std::to_string(*dup) + " is in two slots of row " +
+                        std::to_string(n));
+  }
+}
+
 // Data checks that need to read device memory are only possible on the host without a sync.
 void check_host_data(const TensorArg& tokens, const TensorArg& offsets, const TensorArg& num_commit,
-                     const TensorArg& credit_ids, const TensorArg& threshold, int64_t N, int64_t V,
-                     CommitRule rule) {
+                     const TensorArg& credit_ids, const TensorArg& credit_vals, const TensorArg& threshold,
+                     int64_t N, int64_t V, CommitRule rule) {
   const int64_t* tok = tokens.data<int64_t>();
   for (int64_t i = 0; i < N; ++i)
     if (tok[i] < 0 || tok[i] >= V)
@@ -43,11 +77,7 @@ void check_host_data(const TensorArg& tokens, const TensorArg& offsets, const Te
   const float* tau = threshold.data<float>();
   for (int64_t b = 0; b < B; ++b)
     if (std::isnan(tau[b])) throw_value_error("threshold: must not be NaN");
-  const int32_t* ids = credit_ids.data<int32_t>();
-  for (int64_t i = 0; i < credit_ids.numel(); ++i)
-    if (ids[i] < -1 || ids[i] >= V)
-      throw_value_error("credit_ids: slot id " + std::to_string(ids[i]) + " is outside [-1, " +
-                        std::to_string(V) + ")");
+  check_credit(credit_ids, credit_vals, V);
 }
 
 }  // namespace
@@ -121,6 +151,8 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   for (TensorArg* t : {&tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals, &candidate,
                        &confidence, &commit, &row_max, &row_lse})
     t->expect_same_device(logits);
+  expect_disjoint({&tokens, &credit_ids, &credit_vals, &candidate, &confidence, &commit, &row_max, &row_lse},
+                  {&logits, &offsets, &threshold, &num_commit});
 
   if (mask_id < 0 || mask_id >= V)
     throw_value_error("mask_id: " + std::to_string(mask_id) + " is outside [0, " + std::to_string(V) + ")");
@@ -187,7 +219,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   p.row_lse = row_lse.data<float>();
 
   if (!logits.on_cuda()) {
-    check_host_data(tokens, offsets, num_commit, credit_ids, threshold, N, V, p.rule);
+    check_host_data(tokens, offsets, num_commit, credit_ids, credit_vals, threshold, N, V, p.rule);
     py::gil_scoped_release release;
     dinfer_kernels::decode_step_cpu(p, num_threads);
     return;
@@ -199,6 +231,8 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   workspace.expect_contiguous();
   workspace.expect_writable();
   workspace.expect_same_device(logits);
+  expect_disjoint({&workspace}, {&logits, &tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals,
+                                 &candidate, &confidence, &commit, &row_max, &row_lse});
   const size_t need = dinfer_kernels::decode_step_cuda_workspace_bytes(N, V);
   if (static_cast<size_t>(workspace.numel()) < need)
     throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +

@@ -116,6 +116,7 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   out.expect_contiguous();
   out.expect_writable();
   out.expect_same_device(hidden);
+  expect_disjoint({&out}, {&hidden, &w13, &w2, router.get(), bias.get()});
 
   in_range(num_groups, 1, E, "num_groups");
   if (E % num_groups) throw_value_error("num_groups: must divide the number of experts E=" + std::to_string(E) +
@@ -164,6 +165,7 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   workspace.expect_contiguous();
   workspace.expect_writable();
   workspace.expect_same_device(hidden);
+  expect_disjoint({&workspace}, {&hidden, &w13, &w2, router.get(), bias.get(), &out});
   const size_t need = dinfer_kernels::moe_cuda_workspace_bytes(T, E, static_cast<int32_t>(top_k), H, I);
   if (static_cast<size_t>(workspace.numel()) < need)
     throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +

@@ -28,6 +28,7 @@ void rms_norm(py::handle x_o, py::handle weight_o, py::handle out_o, py::handle 
   out.expect_writable();
   weight.expect_same_device(x);
   out.expect_same_device(x);
+  expect_disjoint({&out}, {&x, &weight}, {{&out, &x}});
 
   dinfer_kernels::RmsNormParams p;
   p.rows = N;

@@ -32,6 +32,7 @@ void rope(py::handle x_o, py::handle positions_o, py::handle cos_sin_o, py::hand
   out.expect_shape({B, T, H, D});
   out.expect_writable();
   for (TensorArg* t : {&positions, &cos_sin, &out}) t->expect_same_device(x);
+  expect_disjoint({&out}, {&x, &positions, &cos_sin}, {{&out, &x}});
   const int64_t* pos = positions.data<int64_t>();
   for (int64_t i = 0; i < B * T; ++i)
     if (pos[i] < 0 || pos[i] >= P)

@@ -1,5 +1,6 @@
 #include "tensor_arg.h"
 
+#include <algorithm>
 #include <sstream>
 
 namespace dinfer_bindings {
@@ -9,13 +10,28 @@ void throw_type_error(const std::string& msg) { throw py::type_error(msg); }
 
 namespace {
 std::string type_name(py::handle o) { return py::str(py::type::of(o).attr("__name__")); }
+
+// Whether `o` is an instance of numbers.<abc> (NumPy registers its scalars there). The class is
+// looked up once and kept for the process (a static py::object would be released after Python).
+bool is_number_abc(py::handle o, const char* abc) {
+  static py::handle integral = py::object(py::module_::import("numbers").attr("Integral")).release();
+  static py::handle real = py::object(py::module_::import("numbers").attr("Real")).release();
+  const int r = PyObject_IsInstance(o.ptr(), (abc[0] == 'I' ? integral : real).ptr());
+  if (r < 0) PyErr_Clear();
+  return r == 1;
+}
 }  // namespace
 
 int64_t int_arg(py::handle o, const char* name) {
-  if (!PyLong_Check(o.ptr()) || PyBool_Check(o.ptr()))
+  if (PyBool_Check(o.ptr()) || !(PyLong_Check(o.ptr()) || is_number_abc(o, "Integral")))
     throw_type_error(std::string(name) + ": expected an int, got " + type_name(o));
+  py::object as_int = py::reinterpret_steal<py::object>(PyNumber_Index(o.ptr()));
+  if (!as_int) {
+    PyErr_Clear();
+    throw_type_error(std::string(name) + ": expected an int, got " + type_name(o));
+  }
   int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(o.ptr(), &overflow);
+  const long long v = PyLong_AsLongLongAndOverflow(as_int.ptr(), &overflow);
   if (overflow) throw_value_error(std::string(name) + ": out of the int64 range");
   return v;
 }
@@ -43,7 +59,8 @@ dinfer_kernels::ScalarType scalar_type(DType t) {
 }
 
 double float_arg(py::handle o, const char* name) {
-  if (!(PyFloat_Check(o.ptr()) || PyLong_Check(o.ptr())) || PyBool_Check(o.ptr()))
+  if (PyBool_Check(o.ptr()) ||
+      !(PyFloat_Check(o.ptr()) || PyLong_Check(o.ptr()) || is_number_abc(o, "Real")))
     throw_type_error(std::string(name) + ": expected a number, got " + type_name(o));
   const double v = PyFloat_AsDouble(o.ptr());
   if (v == -1.0 && PyErr_Occurred()) {
@@ -239,6 +256,62 @@ void TensorArg::expect_same_device(const TensorArg& other) const {
   if (t_->device.device_type != other.t_->device.device_type ||
       t_->device.device_id != other.t_->device.device_id)
     throw_value_error(name_ + ": must be on the same device as " + other.name_);
+}
+
+int64_t TensorArg::elem_bytes() const { return (t_->dtype.bits * t_->dtype.lanes + 7) / 8; }
+
+uintptr_t TensorArg::byte_lo() const {
+  int64_t lo = 0;
+  if (numel() > 0)
+    for (int d = 0; d < ndim(); ++d) lo += std::min<int64_t>(0, (size(d) - 1) * stride(d));
+  return reinterpret_cast<uintptr_t>(data<char>()) + lo * elem_bytes();
+}
+
+uintptr_t TensorArg::byte_hi() const {
+  if (numel() == 0) return byte_lo();
+  int64_t hi = 0;
+  for (int d = 0; d < ndim(); ++d) hi += std::max<int64_t>(0, (size(d) - 1) * stride(d));
+  return reinterpret_cast<uintptr_t>(data<char>()) + (hi + 1) * elem_bytes();
+}
+
+bool TensorArg::same_view(const TensorArg& other) const {
+  if (data<char>() != other.data<char>() || ndim() != other.ndim() || t_->dtype.code != other.t_->dtype.code ||
+      t_->dtype.bits != other.t_->dtype.bits || t_->dtype.lanes != other.t_->dtype.lanes)
+    return false;
+  for (int d = 0; d < ndim(); ++d)
+    if (size(d) != other.size(d) || (size(d) > 1 && stride(d) != other.stride(d))) return false;
+  return true;
+}
+
+namespace {
+
+bool overlaps(const TensorArg& a, const TensorArg& b) {
+  if (a.on_cuda() != b.on_cuda() || a.device_id() != b.device_id()) return false;  // other memories
+  return a.byte_lo() < b.byte_hi() && b.byte_lo() < a.byte_hi();
+}
+
+void check_pair(const TensorArg& w, const TensorArg& r, std::initializer_list<InPlace> inplace) {
+  if (&w == &r || !overlaps(w, r)) return;
+  bool allowed = false;
+  for (const InPlace& ip : inplace)
+    allowed = allowed || (ip.written == &w && ip.read == &r) || (ip.written == &r && ip.read == &w);
+  if (allowed && w.same_view(r)) return;
+  throw_value_error(w.name() + ": overlaps " + r.name() + " in memory" +
+                    (allowed ? " without being exactly the same view (in place: pass " + r.name() + " itself)"
+                             : " (the op reads and writes them in parallel: use separate arrays)"));
+}
+
+}  // namespace
+
+void expect_disjoint(std::initializer_list<const TensorArg*> written, std::initializer_list<const TensorArg*> read,
+                     std::initializer_list<InPlace> inplace) {
+  for (auto w = written.begin(); w != written.end(); ++w) {
+    if (!*w) continue;
+    for (auto w2 = w + 1; w2 != written.end(); ++w2)
+      if (*w2) check_pair(**w, **w2, inplace);
+    for (const TensorArg* r : read)
+      if (r) check_pair(**w, *r, inplace);
+  }
 }
 
 }  // namespace dinfer_bindings

@@ -48,6 +48,14 @@ class TensorArg {
   void expect_writable() const;
   void expect_same_device(const TensorArg& other) const;
 
+  // The bytes the elements span, [lo, hi) from data + byte_offset over every stride sign; an empty
+  // array spans nothing (lo == hi).
+  int64_t elem_bytes() const;
+  uintptr_t byte_lo() const;
+  uintptr_t byte_hi() const;
+  // The same elements in the same order: one base, dtype, shape and strides (of dims of size > 1).
+  bool same_view(const TensorArg& other) const;
+
  private:
   static bool supported_device(int dev_type);
   [[noreturn]] void throw_device_error(int dev_type) const;
@@ -64,7 +72,19 @@ class TensorArg {
 [[noreturn]] void throw_value_error(const std::string& msg);
 [[noreturn]] void throw_type_error(const std::string& msg);
 
+// Refuses any byte shared by an array the op writes and another array of the call, on one device:
+// the kernels read their inputs while writing in parallel and in no set order, so an overlap gives
+// wrong values. `inplace` lists the (written, read) pairs the op documents as in-place, which may be
+// exactly the same view (and no other overlap). nullptr entries (absent optional arrays) are skipped.
+struct InPlace {
+  const TensorArg* written;
+  const TensorArg* read;
+};
+void expect_disjoint(std::initializer_list<const TensorArg*> written,
+                     std::initializer_list<const TensorArg*> read, std::initializer_list<InPlace> inplace = {});
+
 // Scalars arrive as Python objects so that a wrong type is reported with the argument's name.
+// numbers.Integral / numbers.Real (NumPy scalars too) are taken like int / float; bool is refused.
 int64_t int_arg(py::handle o, const char* name);
 double float_arg(py::handle o, const char* name);
 bool bool_arg(py::handle o, const char* name);

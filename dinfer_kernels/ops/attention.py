@@ -290,6 +290,12 @@ def attention(q, k, v, k_cache, v_cache, positions, seq_lens, *, write_back: boo
                              "key blocks; BlockMask.full(...) for dense attention)")
         counts = indices = None
         q_block, kv_block = max(W, 1), 64       # tiling hints only
+    # The caches are only written with write_back; without it they are read like q, k and v.
+    caches = {"k_cache": k_cache, "v_cache": v_cache}
+    reads = {"q": q, "k": k, "v": v, "positions": positions, "seq_lens": seq_lens, "attn_mask": attn_mask,
+             "block_mask.kv_num_blocks": block_mask and block_mask.kv_num_blocks,
+             "block_mask.kv_indices": block_mask and block_mask.kv_indices}
+    _checks.disjoint(caches if write_back else {}, reads)
     backend = _pick_backend(backend, dev, q.dtype, D, attn_mask)
 
     if _checks.data_checks_possible(q) if validate is None else validate:

@@ -41,6 +41,30 @@ class CreditState(NamedTuple):
             self.vals[rows] = 0.0
         return self
 
+    def check(self, vocab: int) -> "CreditState":
+        """Refuses slots no decode step leaves (a hand-built state), with a ValueError naming `credit`
+        and the row and slot: ids outside [-1, vocab), a value that is NaN, infinite or negative, an
+        empty slot (-1) holding a value, one id in two slots of a row. Such slots give NaN
+        confidences or confidences above 1. Reads the values (a sync on a GPU)."""
+        ids, vals = self
+        checks = (((ids < -1) | (ids >= vocab), lambda n, j: f"credit.ids: slot id {int(ids[n, j])} at row "
+                   f"{n}, slot {j} is outside [-1, {vocab})"),
+                  (~torch.isfinite(vals) | (vals < 0), lambda n, j: f"credit.vals: value "
+                   f"{float(vals[n, j])} at row {n}, slot {j} must be finite and >= 0"),
+                  ((ids == -1) & (vals != 0), lambda n, j: f"credit.vals: the empty slot at row {n}, slot "
+                   f"{j} holds {float(vals[n, j])} (must be 0)"))
+        for bad, message in checks:
+            if bool(bad.any()):
+                n, j = (int(i) for i in bad.nonzero()[0])
+                raise ValueError(message(n, j))
+        if ids.shape[1] > 1:
+            s = ids.sort(-1).values
+            dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+            if bool(dup.any()):
+                n, j = (int(i) for i in dup.nonzero()[0])
+                raise ValueError(f"credit.ids: token id {int(s[n, j])} is in two slots of row {n}")
+        return self
+
 
 @_dispatch.op("decode_step", mutates_args=("tokens", "credit_ids", "credit_vals"))
 def _decode_step_op(logits: torch.Tensor, tokens: torch.Tensor, seq_offsets: torch.Tensor,
@@ -122,9 +146,9 @@ def decode_step(
     tells that row n's raw logits hold a NaN or +-inf (a broken model; the step itself still
     commits, see the reference's step 5).
 
-    validate: check tensor *values* (token range, offsets, credit ids). Default: on host tensors only,
-    since on a GPU it would synchronise (and is impossible under capture); the kernels never read
-    out of bounds whatever the values are.
+    validate: check tensor *values* (token range, offsets, the credit state: CreditState.check).
+    Default: on host tensors only, since on a GPU it would synchronise (and is impossible under
+    capture); the kernels never read out of bounds whatever the values are.
     """
     N, V = _checks.logits_matrix("logits", logits)
     dev = logits.device
@@ -136,14 +160,14 @@ def decode_step(
         raise ValueError("seq_offsets: expected [B + 1] offsets with B >= 0")
     seq_offsets = seq_offsets.contiguous()
     B = seq_offsets.numel() - 1
-    _checks.integer("mask_id", mask_id, 0, V)
+    mask_id = _checks.integer("mask_id", mask_id, 0, V)
     if rule not in RULE_CODES:
         raise ValueError(f"rule: expected one of {sorted(RULE_CODES)}, got {rule!r}")
     code = RULE_CODES[rule]
     _checks.number("low_threshold", low_threshold)
     _checks.number("temperature", temperature, lo=0.0)
-    _checks.integer("seed", seed, 0, 2**32)
-    _checks.integer("offset", offset, 0, 2**32)
+    seed = _checks.integer("seed", seed, 0, 2**32)
+    offset = _checks.integer("offset", offset, 0, 2**32)
     _checks.number("credit_alpha", credit_alpha, lo=0.0)
     _checks.number("credit_beta", credit_beta, lo=0.0, hi=1.0)
     _checks.number("credit_gamma", credit_gamma, lo=0.0)
@@ -169,6 +193,8 @@ def decode_step(
         _checks.shape("row_keys", row_keys, [N])
         row_keys = row_keys.contiguous()
     backend = _backend.resolve(backend, dev, "decode_step")
+    _checks.disjoint({"tokens": tokens, "credit.ids": ids, "credit.vals": vals},
+                     {"logits": logits, "seq_offsets": seq_offsets, "threshold": thr, "num_commit": k})
 
     check_data = _checks.data_checks_possible(logits) if validate is None else validate
     if check_data and backend != "cpu":  # the compiled host kernel checks values itself, for free
@@ -180,8 +206,7 @@ def decode_step(
             raise ValueError("threshold: must not be NaN")
         if bool((k < 0).any()):
             raise ValueError("num_commit: must be >= 0")
-        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= V):
-            raise ValueError(f"credit.ids: slot ids must be in [-1, {V})")
+        CreditState(ids, vals).check(V)
 
     out = _decode_step_op(
         logits, tokens, seq_offsets, thr, k, ids, vals, mask_id, code, float(low_threshold),

@@ -80,12 +80,12 @@ def moe(hidden: torch.Tensor, router_weight: Optional[torch.Tensor], w13: torch.
         _checks.shape("router_logits", router_logits, [T, E])
     if scoring not in _SCORING_CODES:
         raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
-    _checks.integer("num_groups", num_groups, 1, E + 1)
+    num_groups = _checks.integer("num_groups", num_groups, 1, E + 1)
     if E % num_groups:
         raise ValueError(f"num_groups: must divide the number of experts E={E}, got {num_groups}")
-    _checks.integer("topk_groups", topk_groups, 1, num_groups + 1)
+    topk_groups = _checks.integer("topk_groups", topk_groups, 1, num_groups + 1)
     selectable = topk_groups * (E // num_groups)
-    _checks.integer("top_k", top_k, 1)
+    top_k = _checks.integer("top_k", top_k, 1)
     if top_k > selectable:
         raise ValueError(f"top_k: {top_k} is more than the {selectable} experts that can be chosen "
                          f"(E={E}, num_groups={num_groups}, topk_groups={topk_groups})")
@@ -99,8 +99,8 @@ def moe(hidden: torch.Tensor, router_weight: Optional[torch.Tensor], w13: torch.
         if not isinstance(expert_range, (tuple, list)) or len(expert_range) != 2:
             raise TypeError(f"expert_range: expected a pair (e0, e1) or None, got {expert_range!r}")
         e0, e1 = expert_range
-        _checks.integer("expert_range[0]", e0, 0, E + 1)
-        _checks.integer("expert_range[1]", e1, e0, E + 1)
+        e0 = _checks.integer("expert_range[0]", e0, 0, E + 1)
+        e1 = _checks.integer("expert_range[1]", e1, e0, E + 1)
     return _moe_op(hidden, router_weight, router_logits, w13, w2, top_k, bool(renormalize),
                    _SCORING_CODES[scoring], expert_bias, num_groups, topk_groups, routed_scaling, e0, e1,
                    _backend.resolve(backend, dev, "moe"))

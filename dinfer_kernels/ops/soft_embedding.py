@@ -50,7 +50,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, tokens: torch.
     embedding = embedding.contiguous()
     _checks.tensor("tokens", tokens, (torch.int64,), ndim=1, device=dev)
     _checks.shape("tokens", tokens, [M])
-    _checks.integer("mask_id", mask_id, 0, V)
+    mask_id = _checks.integer("mask_id", mask_id, 0, V)
     _checks.number("tau", tau, lo=0.0, lo_open=True)
     if isinstance(weight, torch.Tensor):
         _checks.tensor("weight", weight, device=dev)
