@@ -441,12 +441,15 @@ def emulated_combine(lib, part_lse, part_o):
 @pytest.mark.parametrize("D", [64, 128])
 def test_attention_split_combine(lib, ns, D):
     """The (O, lse) partials of the splits merge into softmax-weighted sums; splits without keys
-    (lse -inf) contribute nothing, a row without any key gets lse -inf and output 0."""
+    (lse -inf) contribute nothing, a row without any key gets lse -inf and output 0, and a split's
+    NaN (its softmax undefined) makes the whole row NaN."""
     rows = 7
     part_lse = torch.randn(ns, rows) * 8
     part_lse[0, 1] = float("-inf")
     part_lse[:, 2] = float("-inf")
     part_lse[-1, 3] = 130.0  # 2^130 overflows fp32: the max shift must keep it finite
+    part_lse[-1, 4] = float("nan")   # fmaxf would drop it
+    part_lse[:, 5] = float("nan")
     part_o = torch.randn(ns, rows, D)
     out, lse2 = emulated_combine(lib, part_lse, part_o)
     ln2 = torch.log(torch.tensor(2.0, dtype=torch.float64))
@@ -457,10 +460,13 @@ def test_attention_split_combine(lib, ns, D):
 
     same_out, same_lse = merged(part_lse, part_o)
     truth_out, truth_lse = merged(part_lse.double(), part_o.double())
-    live = part_lse.isfinite().any(0)
+    nan = part_lse.isnan().any(0)
+    live = part_lse.isfinite().any(0) & ~nan
     assert_precision(out[live], same_out[live], truth_out[live], "combined output")
     assert_precision(lse2[live], same_lse[live], truth_lse[live], "combined lse")
-    assert (out[~live] == 0).all() and (lse2[~live] == float("-inf")).all()
+    assert out[nan].isnan().all() and lse2[nan].isnan().all()
+    empty = ~live & ~nan
+    assert (out[empty] == 0).all() and (lse2[empty] == float("-inf")).all()
 
 
 # ---- hostile inputs under AddressSanitizer ---------------------------------------------------------

@@ -10,7 +10,7 @@ overlapping arrays); they must raise ValueError / TypeError / RuntimeError whose
 name of the broken argument (or of the argument whose check sees the break). No call may crash: the
 compiled host kernels run in a child process, so that a crash fails these tests with its signal
 instead of killing the run. Attention gets NaN / inf only where the contract says nothing is read
-(see test_attention_non_finite_attended_values_match_reference for the rest).
+(see test_attention_non_finite_attended_values_propagate for the rest).
 
 Host tensors only: the GPU backends (cuda, triton on a GPU) are not fuzzed here. Budget: about two
 minutes on a busy 2-core box (tiny shapes; the Triton interpreter gets fewer valid calls, the broken
@@ -438,7 +438,7 @@ def gen_attention(r, backend, floats, valid):
              positions=positions, seq_lens=seq_lens, write_back=r.random() < 0.6, scale=scale)
     if r.random() < 0.3:
         # NaN / inf where the contract says nothing is read: cache rows past seq_lens and the padding
-        # window rows (position >= seq_lens). (Attended non-finite values: see the xfail test below.)
+        # window rows (position >= seq_lens). (Attended non-finite values: see the propagation test below.)
         for b in range(B):
             poison_rows(r, [a["k_cache"][b], a["v_cache"][b]], torch.arange(S) >= seq_lens[b])
             poison_rows(r, [a["q"][b], a["k"][b], a["v"][b]], positions[b] >= seq_lens[b])
@@ -683,22 +683,35 @@ ATTENDED_NON_FINITE = [b for b in ("cpu", "triton") if b in _backend.available_b
 
 
 @pytest.mark.parametrize("backend", ATTENDED_NON_FINITE)
-@pytest.mark.xfail(strict=True, reason="contract gap found by the fuzzer: for a query row with a NaN or a key "
-                   "scored +inf, the reference gives out 0 and lse NaN (its nan_to_num meant for rows without "
-                   "keys), the cpu kernel out NaN and lse NaN, the triton kernel out 0 and lse -inf")
-def test_attention_non_finite_attended_values_match_reference(backend):
-    """NaN / inf in what a row attends (the fuzz suite puts them only where nothing is read)."""
-    B, W, H, D, S = 1, 2, 1, 64, 4
+def test_attention_non_finite_attended_values_propagate(backend):
+    """NaN / inf in what a row attends reach its outputs, as the reference's docstring says, and
+    nothing else (the fuzz suite puts them only where nothing is read)."""
+    B, W, H, D, S = 1, 5, 1, 64, 6
     q, k, v = (torch.randn(B, W, H, D) for _ in range(3))
     k_cache, v_cache = torch.randn(B, S, H, D), torch.randn(B, S, H, D)
+    attends = {0: [0, 1], 1: [0, 4], 2: [2, 3], 3: [2], 4: [3]}
+    mask = torch.zeros(B, H, W, S, dtype=torch.bool)   # one query block per row, one key block per key
+    for w, keys in attends.items():
+        mask[0, 0, w, keys] = True
     q[0, 0, 0, 1] = float("nan")                 # row 0: a NaN query
-    k_cache[0, 3, 0, :] = float("inf")           # row 1 attends key 3, scored +-inf
-    positions, seq_lens = torch.tensor([[0, 1]]), torch.tensor([S], dtype=torch.int32)
+    k_cache[0, 4, 0, :] = float("inf")           # row 1 attends key 4, scored +-inf
+    k_cache[0, S - 1], v_cache[0, S - 1] = float("nan"), float("nan")   # past seq_lens: never read
+    v[0, 3, 0, 3] = float("inf")                 # rows 2 and 4 read window row 3's value, column 3
+    q[0, 4, 0, :] = float("nan")                 # row 4 is padding: its NaN query is never read
+    positions = torch.tensor([[0, 1, 2, 3, S - 1]])
+    seq_lens = torch.tensor([S - 1], dtype=torch.int32)  # key S - 1 is padding, and so is row 4
+    bm = dk.BlockMask.from_dense(mask, q_block=1, kv_block=1)
     args = (q, k, v, k_cache, v_cache, positions, seq_lens)
-    got = dk.attention(*args, return_lse=True, backend=backend)
-    want = attention_reference(*args, return_lse=True)
-    truth = attention_reference(*args, compute_dtype=torch.float64, return_lse=True)
-    for name, g, w, t in zip(("out", "lse"), got, want, truth):
+    kw = dict(block_mask=bm, return_lse=True, return_block_mass=True)
+    want = attention_reference(*[a.clone() for a in args], **kw)
+    truth = attention_reference(*[a.clone() for a in args], compute_dtype=torch.float64, **kw)
+    got = dk.attention(*args, backend=backend, **kw)
+    out, lse, mass = want
+    assert out[0, :2].isnan().all() and lse[0, :2].isnan().all()           # the contract, in the reference
+    assert out[0, 2, 0, 3].isinf() and out[0, 2].isfinite().sum() == D - 1 and out[0, 3].isfinite().all()
+    assert torch.equal(out[0, 4], torch.zeros(H, D)) and lse[0, 4] == float("-inf")
+    assert mass[0, 0, [0, 1, 4]].isnan().all() and mass[0, 0, [2, 3, 5]].isfinite().all()
+    for name, g, w, t in zip(("out", "lse", "block_mass"), got, want, truth):
         assert disagreement(g, w, t) is None, f"{name}: {disagreement(g, w, t)}"
 
 

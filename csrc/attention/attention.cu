@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
           const int w = w0 + p / a.G, h = g * a.G + p % a.G;
           if (attention_math::row_valid(a.positions[static_cast<int64_t>(b) * a.W + w], L))
             a.lsekb[((static_cast<int64_t>(b) * a.Hq + h) * a.nkb + cur.kb) * a.W + w] =
-                v > 0.f ? mu[r] + log2f(v) : -INFINITY;
+                v != 0.f ? mu[r] + log2f(v) : -INFINITY;  // != keeps NaN
         }
         bm[r] = 0.f;
       }
@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
     const int w = w0 + p / a.G, h = g * a.G + p % a.G;
     const int64_t bw = static_cast<int64_t>(b) * a.W + w;
     const bool valid = attention_math::row_valid(a.positions[bw], L);
-    const bool any = valid && l[r] > 0.f;
+    const bool any = valid && l[r] != 0.f;  // a NaN sum (NaN / +inf score) propagates
     const float inv = any ? 1.f / l[r] : 0.f;
     const float lse2 = any ? m[r] + log2f(l[r]) : -INFINITY;
     const int64_t row = bw * a.Hq + h;  // (b, w, h)

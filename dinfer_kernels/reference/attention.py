@@ -29,6 +29,12 @@ scale       softmax scale, default 1 / sqrt(D).
 out[b, w, h] = sum_s softmax_s(scale * q . key_s) * value_s over attended keys s; rows with no
 attended key give 0. Math in fp32, result in q's dtype, shape [B, W, Hq, D].
 
+Non-finite inputs propagate, never turn into finite output: a valid row whose query or attended keys
+give a NaN or +inf score (softmax undefined) gets out all NaN, lse NaN, and NaN in the block_mass of
+each block it attends; an attended NaN or +-inf value makes that output column non-finite. Only
+what a row does not read (keys past seq_lens, unlisted blocks, masked keys, padding rows) is ignored,
+whatever it holds.
+
 Optional statistics (fp32, or compute_dtype):
 lse        [B, W, Hq]  log(sum over attended keys s of exp(scale * q . key_s)), natural log; -inf for
                        rows with no attended key and for padding rows.
@@ -98,8 +104,20 @@ def attention_reference(q, k, v, k_cache, v_cache, positions, seq_lens, write_ba
         per_key = dense[:, :, qb][:, :, :, kb]                                       # [B, Hkv, W, S]
         allowed = allowed & per_key.repeat_interleave(group, dim=1)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, -1).nan_to_num(0.0)                 # rows with no key: 0
-    out = torch.einsum("bhws,bshd->bwhd", probs, vf)
+    # 0 for keys not attended and rows with no key (softmax gives NaN there); a NaN or +inf score
+    # keeps the row's NaN (non-finite inputs propagate)
+    probs = torch.where(allowed, torch.softmax(scores, -1), 0.0)
+    # Non-finite values are added entry by entry, each only to the rows that attend its key: in the
+    # einsum a key a row does not attend would give 0 * inf = NaN.
+    bad = ~vf.isfinite()
+    out = torch.einsum("bhws,bshd->bwhd", probs, vf.masked_fill(bad, 0.0))
+    if bad.any():
+        b_, s_, h_, d_ = bad.nonzero(as_tuple=True)
+        rows = allowed.expand(B, Hq, W, S)[b_, h_, :, s_]                            # [K, W]
+        terms = torch.where(rows, probs[b_, h_, :, s_] * vf[b_, s_, h_, d_][:, None], 0.0)
+        w_ = torch.arange(W, device=q.device).expand_as(terms)
+        out.index_put_((b_[:, None].expand_as(terms), w_, h_[:, None].expand_as(terms),
+                        d_[:, None].expand_as(terms)), terms, accumulate=True)
     out = out * row_valid[:, :, None, None]
     out = out.to(q.dtype if compute_dtype == torch.float32 else compute_dtype).contiguous()
     if not (return_lse or return_block_mass):
@@ -107,7 +125,9 @@ def attention_reference(q, k, v, k_cache, v_cache, positions, seq_lens, write_ba
     stat_dtype = torch.float32 if compute_dtype in (torch.float16, torch.bfloat16) else compute_dtype
     result = (out,)
     if return_lse:
-        result += (torch.logsumexp(scores, -1).transpose(1, 2).to(stat_dtype).contiguous(),)
+        undefined = (scores.isnan() | (scores == float("inf"))).any(-1)   # logsumexp would say +inf
+        lse = torch.logsumexp(scores, -1).masked_fill(undefined, float("nan"))
+        result += (lse.transpose(1, 2).to(stat_dtype).contiguous(),)
     if return_block_mass:
         kv_block = block_mask[3]
         nkb = -(-S // kv_block)

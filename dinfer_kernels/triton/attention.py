@@ -164,14 +164,14 @@ def _attn_kernel(q, k_cache, v_cache, positions, seq_lens, kv_num_blocks, kv_ind
             # this block's sum of exp, relative to the running max; stored on its last tile as the
             # block's log-sum-exp (natural log)
             blk_sum = tl.where(sub == 0, 0.0, blk_sum * alpha) + p_sum
-            blk_lse = tl.where(blk_sum > 0, (m_safe + tl.log2(tl.where(blk_sum > 0, blk_sum, 1.0))) * LN2,
+            blk_lse = tl.where(blk_sum != 0, (m_safe + tl.log2(tl.where(blk_sum != 0, blk_sum, 1.0))) * LN2,
                                float("-inf"))
             blk_v = tl.zeros([BLOCK_M], tl.int32) + blk
             sub_v = tl.zeros([BLOCK_M], tl.int32) + sub
             last = row_valid & (blk_v >= 0) & (blk_v < NKB) & (sub_v == TPB - 1)
             tl.store(lm + lm_row + blk, blk_lse, mask=last)
 
-    has = row_valid & (l_i > 0)
+    has = row_valid & (l_i != 0)   # != keeps a NaN sum (NaN / +inf score): non-finite propagates
     m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse2 = tl.where(has, m_fin + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -201,10 +201,10 @@ def _combine_kernel(o_part, lse_part, out, lse, BWH, splits,
     wt = tl.exp2(ls - mx)
     total = tl.sum(wt, 0)
     o = tl.load(o_part + part[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
-    res = tl.sum(wt[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    res = tl.sum(wt[:, None] * o, 0) / tl.where(total != 0, total, 1.0)
     tl.store(out + row_id * D + d, res.to(out.dtype.element_ty))
     if WANT_LSE:
-        tl.store(lse + row_id, tl.where(total > 0, (mx + tl.log2(tl.where(total > 0, total, 1.0))) * LN2,
+        tl.store(lse + row_id, tl.where(total != 0, (mx + tl.log2(tl.where(total != 0, total, 1.0))) * LN2,
                                         float("-inf")))
 
 
@@ -223,7 +223,7 @@ def _block_mass_kernel(lm, lse, mass, W, Hq, NKB, BLOCK_W: tl.constexpr, BLOCK_K
         ok = w_ok[:, None] & kb_ok[None, :]
         blk = tl.load(lm + (bh.to(tl.int64) * W + w[:, None]) * NKB + kb[None, :], mask=ok,
                       other=float("-inf"))
-        live = ok & (blk > float("-inf")) & (row_lse[:, None] > float("-inf"))
+        live = ok & (blk != float("-inf")) & (row_lse[:, None] != float("-inf"))   # NaN stays live
         diff = tl.where(live, blk, 0.0) - tl.where(live, row_lse[:, None], 0.0)
         acc += tl.sum(tl.where(live, tl.exp(diff), 0.0), 0)
     tl.store(mass + bh.to(tl.int64) * NKB + kb, acc, mask=kb_ok)

@@ -113,11 +113,16 @@ inline int num_splits(int64_t units, int64_t slots, int64_t tiles_per_block, boo
 // ---- split combine ---------------------------------------------------------------------------------
 
 // The row's log2-domain lse from its splits' partial ones (ls[s * stride], s < ns), in split order;
-// -inf when no split has a key. The one formula of the combine and of the block statistics, so block
+// -inf when no split has a key, NaN when one is NaN. The one formula of the combine and of the block statistics, so block
 // masses are normalised by exactly the lse the output reports.
 DINFER_HD float splits_lse2(const float* ls, int ns, int64_t stride) {
   float mx = -INFINITY;
-  for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ls[s * stride]);
+  bool nan = false;  // fmaxf drops NaN: a split's undefined softmax must reach the row
+  for (int s = 0; s < ns; ++s) {
+    mx = fmaxf(mx, ls[s * stride]);
+    nan |= ls[s * stride] != ls[s * stride];
+  }
+  if (nan) return NAN;
   if (mx == -INFINITY) return -INFINITY;
   float sum = 0.f;
   for (int s = 0; s < ns; ++s) sum += exp2f(ls[s * stride] - mx);
