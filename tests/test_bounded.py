@@ -68,6 +68,17 @@ def test_nan_weights_stop_with_a_clear_error_via_cli(nan_checkpoint):
     assert len(lines) == 1 and "non-finite logits" in lines[0] and "forward 1 of prompt 0" in lines[0], proc.stderr
 
 
+@pytest.mark.gpu
+def test_nan_weights_stop_on_a_gpu_with_cuda_graphs(nan_checkpoint):
+    """The flags accumulate in place on the device and are read at the chunk's sync, under capture
+    and replay too (bf16, the GPU default)."""
+    llm = LLM(nan_checkpoint, device="cuda")
+    guarded(llm.model)
+    with pytest.raises(NonFiniteLogitsError, match=r"at forward 1 of prompt 0, block 0"):
+        llm.generate([PROMPT, PROMPT + "1"], cuda_graphs=True)
+    assert llm.model.calls <= UNROLL
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_logits_that_turn_non_finite_later_stop_the_run(value):
     """A model whose activations overflow only after a few forwards: the error names that forward,
