@@ -71,16 +71,20 @@ class Decoder:
     def _num_commit(self):
         steps = self.cfg.steps_per_block or self.bl
         m = self.masked_at_start
+        # Never 0 while the block holds a [MASK] (the loop's bound on forwards needs a commit per
+        # step): m >= steps gives m // steps >= 1; m < steps gives 1 for the first m steps, and each
+        # of those commits exactly one (decode_step's progress guarantee when none is eligible).
         return (m // steps + (self.step < m % steps).to(torch.int32)).to(torch.int32)
 
-    def __call__(self, logits, block_tokens, threshold, offset: int):
-        """One step on logits [B * bl, V]; block_tokens [B * bl] updated in place. threshold [B]."""
+    def __call__(self, logits, block_tokens, threshold, row_keys=None):
+        """One step on logits [B * bl, V]; block_tokens [B * bl] updated in place. threshold [B].
+        row_keys: [B * bl] int64 sampling-noise keys (decode_step's row_keys)."""
         c = self.cfg
         rule = {"hierarchy": "hierarchical", "fixed": "fixed"}.get(c.name, "threshold")
         out = dk.decode_step(
             logits, block_tokens, self.offsets, self.mask_id, rule=rule, threshold=threshold,
             low_threshold=c.low_threshold, num_commit=self._num_commit() if rule == "fixed" else None,
-            temperature=c.temperature, seed=c.seed, offset=offset % 2**32, credit=self.credit,
-            credit_alpha=c.credit_alpha, credit_beta=c.credit_beta, credit_gamma=c.credit_gamma)
+            temperature=c.temperature, seed=c.seed, credit=self.credit, credit_alpha=c.credit_alpha,
+            credit_beta=c.credit_beta, credit_gamma=c.credit_gamma, row_keys=row_keys)
         self.step += 1
         return out

@@ -17,6 +17,17 @@ first forward builds its cache rows along with everyone's, so nothing is prefill
 Every iteration is one model forward and one decode_step. Commits, thresholds, schedules and the
 stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU).
 All state an iteration writes is updated in place, which is what lets a captured chunk replay.
+
+Every generation ends: decode_step commits at least one [MASK] of every block that holds one, whatever
+the logits (its step 5), so a block takes at most block_length forwards -- checked at each chunk's
+host sync as an internal invariant. The same sync reads the forward at which a request's logits first
+held a NaN or +-inf (decode_step flags them; the flags accumulate on the device) and stops the run
+with NonFiniteLogitsError, at most `unroll` forwards after it happened.
+
+Sampling (temperature > 0) keys each row's noise on its request (a hash of the prompt), its absolute
+position and that request's own iteration count, never on its slot in the batch: a seeded prompt
+samples the same tokens alone, anywhere in a batch, with any batch_size (identical prompts in one
+run therefore sample identical tokens, as they would run alone).
 """
 import copy
 import time
@@ -27,6 +38,7 @@ from typing import Callable, List, Optional
 import torch
 
 import dinfer_kernels as dk
+from dinfer_kernels.reference import rng
 
 from .batch import CACHE_MODES, Batch, make_batch, window
 from .decoders import Decoder, DecoderConfig
@@ -36,6 +48,11 @@ from .stats import Stats
 
 
 SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)   # dInfer's w_n = min(w0 + dw * n, w_max)
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or +-inf logits: broken weights, or activations that overflow their
+    dtype. Nothing decoded from them means anything, so generation stops."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +99,7 @@ class GenerationConfig:
 class BlockState:
     """What the iterations of one block read and write. Tensors keep their addresses all block long."""
 
-    def __init__(self, batch: Batch, k: torch.Tensor, cfg: GenerationConfig, model, cache, iters, rng_offset):
+    def __init__(self, batch: Batch, k: torch.Tensor, cfg: GenerationConfig, model, cache, iters, request_keys):
         c = model.config
         self.batch = batch
         B, bl, S = batch.size, batch.block_length, batch.max_len
@@ -97,7 +114,10 @@ class BlockState:
         self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
         self.window_lo, self.window_len = window(batch, k, cfg.cache, cfg.prefix_look, cfg.after_look)
         self.iters = iters                       # [B] iterations each sequence was active (schedules)
-        self.rng_offset = rng_offset
+        self.request_keys = request_keys         # [B] sampling keys of the requests (rng.sequence_key)
+        # [B] the request's forward (its own count, from 1) whose logits first held a NaN or +-inf
+        # in a valid row of this block; -1: none yet.
+        self.nonfinite_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
         self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev)
         self.decoder.start_block(self.block_tokens().view(B, bl))
         self.soft = model.embed(self.block_tokens())   # hard embeddings until the block has logits
@@ -109,9 +129,12 @@ class BlockState:
         cur = self.batch.x.gather(1, self.block_pos)
         self.batch.x.scatter_(1, self.block_pos, torch.where(self.valid, tokens.view(cur.shape), cur))
 
-    def masked(self, mask_id) -> torch.Tensor:
-        """[B] [MASK] tokens left in each sequence's block, on the host (a sync: once per chunk)."""
-        return (self.block_tokens().view(self.batch.size, -1) == mask_id).sum(1).cpu()
+    def poll(self, mask_id):
+        """([B] [MASK] tokens left in each sequence's block, [B] nonfinite_at) on the host: one
+        sync, once per chunk."""
+        left = (self.block_tokens().view(self.batch.size, -1) == mask_id).sum(1)
+        both = torch.stack([left, self.nonfinite_at]).cpu()
+        return both[0], both[1]
 
     def select(self, keep: torch.Tensor) -> "BlockState":
         """The state of sequences `keep` (indices) only. Their cache rows are copied: nothing a block's
@@ -122,6 +145,7 @@ class BlockState:
         new.cache = type(self.cache)([t[keep] for t in self.cache.keys], [t[keep] for t in self.cache.values])
         new.valid, new.block_pos, new.pad_token = self.valid[keep], self.block_pos[keep], self.pad_token[keep]
         new.window_lo, new.iters = self.window_lo[keep], self.iters[keep]
+        new.request_keys, new.nonfinite_at = self.request_keys[keep], self.nonfinite_at[keep]
         new.decoder = self.decoder.select(keep)
         new.soft = self.soft.view(self.batch.size, bl, -1)[keep].flatten(0, 1)
         return new
@@ -166,8 +190,12 @@ class Generator:
             tau = torch.full_like(n, cfg.decoder.threshold)
             if cfg.smoothing:
                 tau = torch.maximum(cfg.smoothing_threshold_start - cfg.smoothing_threshold_decay * n, tau)
-            st.decoder(logits, tokens, tau, offset=st.rng_offset)
-            st.rng_offset += 1                      # host-side: sampling runs eagerly (no graphs)
+            keys = None
+            if cfg.decoder.temperature > 0:
+                keys = rng.request_row_keys(st.request_keys, st.block_pos, st.iters).flatten()
+            out = st.decoder(logits, tokens, tau, keys)
+            bad = (out.nonfinite.view(B, bl) & st.valid).any(1)
+            st.nonfinite_at.copy_(torch.where(bad & (st.nonfinite_at < 0), st.iters + 1, st.nonfinite_at))
             st.store_block_tokens(tokens)
             st.iters += active.to(st.iters.dtype)
         if cfg.smoothing:
@@ -188,7 +216,8 @@ class Generator:
     def run(self, prompts: List[List[int]], batch_size: Optional[int] = None,
             on_finish: Optional[Callable[[int, torch.Tensor], None]] = None) -> List[torch.Tensor]:
         """batch_size: the most sequences in flight (default: all); on_finish(i, tokens) is called
-        for prompt i as soon as it is finished (at a block boundary), with its generated tokens."""
+        for prompt i as soon as it is finished (at a block boundary), with its generated tokens.
+        Raises NonFiniteLogitsError when the model's logits hold a NaN or +-inf."""
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
         full = make_batch(prompts, cfg.gen_length, cfg.block_length, self.mask_id, self.eos_id,
@@ -204,7 +233,10 @@ class Generator:
         iters = torch.zeros(full.size, dtype=torch.int64, device=model.device)
         check_memory(model, slots, full.max_len, cfg.block_length)  # a clear refusal, not an OOM
         cache = model.new_cache(slots, full.max_len)
-        rng_offset, queue, flight = 0, deque(range(full.size)), []
+        sampling = cfg.decoder.temperature > 0
+        request_keys = torch.tensor([rng.sequence_key(p) if sampling else 0 for p in prompts],
+                                    dtype=torch.int64, device=model.device)
+        queue, flight = deque(range(full.size)), []
         out: List[torch.Tensor] = [None] * full.size   # filled as sequences finish; all do
         while True:
             flight = [r for r in flight if not done[r]]
@@ -216,8 +248,8 @@ class Generator:
             k = next_block[round_rows]
             rows = round_rows.to(model.device)
             part = full.select(rows, trim=True)
-            st = BlockState(part, k.to(model.device), cfg, model, cache, iters[rows], rng_offset)
-            step, left, host_rows = 0, st.masked(self.mask_id), round_rows
+            st = BlockState(part, k.to(model.device), cfg, model, cache, iters[rows], request_keys[rows])
+            (left, _), step, host_rows = st.poll(self.mask_id), 0, round_rows
             while left.any():
                 if cfg.compact and not left.all():
                     full.x[rows, :part.max_len], iters[rows] = st.batch.x, st.iters
@@ -234,9 +266,9 @@ class Generator:
                 self.stats.refreshes += sum(kinds)
                 ran[host_rows] += chunk
                 step += chunk
-                left = st.masked(self.mask_id)
+                left, nonfinite_at = st.poll(self.mask_id)
+                self._check_chunk(left, nonfinite_at, host_rows, next_block, step, part.block_length)
             full.x[rows, :part.max_len], iters[rows] = st.batch.x, st.iters
-            rng_offset = st.rng_offset
             if cfg.early_stop:
                 self._early_stop(full, k, round_rows, done)
             next_block[round_rows] += 1
@@ -249,6 +281,24 @@ class Generator:
         self.stats.seconds = time.perf_counter() - t0
         self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in out)
         return out
+
+    @staticmethod
+    def _check_chunk(left, nonfinite_at, prompts, blocks, step: int, block_length: int):
+        """After a chunk (host values): no logits held a NaN or +-inf, and no block outlived its
+        length in forwards. prompts [B]: the prompt index of each sequence; blocks: each prompt's block."""
+        bad = (nonfinite_at >= 0).nonzero().flatten().tolist()
+        if bad:
+            i, f = int(prompts[bad[0]]), int(nonfinite_at[bad[0]])
+            more = f" (and {len(bad) - 1} more prompts)" if len(bad) > 1 else ""
+            raise NonFiniteLogitsError(
+                f"non-finite logits (NaN or inf) from the model at forward {f} of prompt {i}, block "
+                f"{int(blocks[i])}{more}: its weights are broken or its activations overflow their dtype")
+        if step >= block_length and left.any():
+            b = int(left.nonzero()[0])
+            raise RuntimeError(
+                f"internal error: block {int(blocks[int(prompts[b])])} of prompt {int(prompts[b])} still holds "
+                f"{int(left[b])} [MASK] tokens after {step} forwards, more than its length {block_length} "
+                "(decode_step commits at least one per forward)")
 
     def _early_stop(self, full: Batch, k: torch.Tensor, rows: torch.Tensor, done: torch.Tensor):
         """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS.

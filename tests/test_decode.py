@@ -374,7 +374,8 @@ def test_unchecked_credit_ids_are_empty_slots(backend, device):
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("mask_id", [0, 5])
-def test_sequences_without_any_fallback_commit_the_default_token(backend, device, rule, mask_id):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sequences_without_any_fallback_commit_the_default_token(backend, device, rule, mask_id, dtype):
     """Step 5's last resort: when no masked row of a sequence has a fallback (NaN weights make every
     row dead), the lowest masked row commits the lowest non-mask id with confidence 0, so a block
     still ends; a sequence with a real fallback somewhere keeps it."""
@@ -394,7 +395,7 @@ def test_sequences_without_any_fallback_commit_the_default_token(backend, device
     logits[10, 3] = 1.0
     offsets = torch.tensor([0, 3, 6, 9, 12], dtype=torch.int32)
     cand, conf, commit, _, _, nonfinite = check_backend(
-        backend, device, logits, tokens, offsets, mask_id, rule,
+        backend, device, logits.to(dtype), tokens, offsets, mask_id, rule,
         num_commit=torch.tensor([1, 2, 0, 3], dtype=torch.int32))
     assert commit.nonzero().flatten().tolist() == [0, 3, 7, 10]
     assert cand[[0, 3, 7]].tolist() == [default] * 3 and conf[[0, 3, 7]].tolist() == [0.0] * 3

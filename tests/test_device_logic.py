@@ -117,8 +117,9 @@ def test_decode_nonfinite_flags(emulated, dtype):
 
 @pytest.mark.parametrize("rule", list(test_decode.RULES))
 @pytest.mark.parametrize("mask_id", [0, 5])
-def test_decode_default_token(emulated, rule, mask_id):
-    test_decode.test_sequences_without_any_fallback_commit_the_default_token(EMULATED, "cpu", rule, mask_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_default_token(emulated, rule, mask_id, dtype):
+    test_decode.test_sequences_without_any_fallback_commit_the_default_token(EMULATED, "cpu", rule, mask_id, dtype)
 
 
 @pytest.mark.parametrize("rule", list(test_decode.RULES))

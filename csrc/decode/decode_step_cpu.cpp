@@ -175,8 +175,10 @@ void decode_step_cpu(const DecodeStepParams& p, int num_threads) {
     Partial acc = parts[n * chunks];
     for (int64_t c = 1; c < chunks; ++c) acc = decode_math::merge(acc, parts[n * chunks + c]);
     const void* row = static_cast<const char*>(p.logits) + n * p.row_stride * elem;
+    const uint32_t key = decode_math::row_key(p.seed, p.offset, decode_math::row_counter(p.row_keys, n));
     const decode_math::RowResult r =
-        decode_math::finalize_row(acc, row, p, n, p.tokens[n] == p.mask_id);
+        decode_math::finalize_row(acc, row, p, n, p.tokens[n] == p.mask_id, key);
+    if (p.nonfinite != nullptr) p.nonfinite[n] = acc.nonfinite != 0;
     p.candidate[n] = r.candidate;
     p.confidence[n] = r.confidence;
     p.row_max[n] = r.max;

@@ -134,9 +134,11 @@ struct RowResult {
 };
 
 // Steps 1-3 of the reference for one row, given the row's combined partial. Reads the logits of the
-// credited tokens (O(K)), updates the row's credit slots in place.
+// credited tokens (O(K)), updates the row's credit slots in place. key: row_key() of the row's
+// counter, formed by the caller (formed in here, ptxas spills in the finalize kernel on sm_80 or
+// sm_90a). The caller also writes the row's nonfinite flag (p.nonfinite), for the same reason.
 DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const DecodeStepParams& prm,
-                                 int64_t n, bool masked) {
+                                 int64_t n, bool masked, uint32_t key) {
   RowResult r;
   const int64_t V = prm.vocab;
   const int K = prm.num_slots;
@@ -145,7 +147,6 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
   // A live row always has a valid score_arg: scores are never NaN (sanitised logits, finite noise)
   // and beats() lets even a -inf score take the index, so the logits reads below stay in bounds.
   const bool dead = p.max == -INFINITY;
-  if (prm.nonfinite != nullptr) prm.nonfinite[n] = p.nonfinite != 0;
 
   // Step 2: sparse credit. Invalid ids (outside [0, V)) are treated as empty slots, never read.
   for (int j = 0; j < K; ++j) {
@@ -179,7 +180,6 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
 
   // Step 3: fused logits differ from raw ones only at credited tokens, and only upwards, so the
   // best score is either the pass's best (its raw score is a lower bound) or a credited token.
-  const uint32_t key = row_key(prm.seed, prm.offset, row_counter(prm.row_keys, n));
   float best = p.score, nm_best = p.nm_score, fmax = p.max;
   int64_t best_i = p.score_arg, nm_i = p.nm_arg;
   for (int j = 0; j < K; ++j) {
@@ -240,19 +240,20 @@ DINFER_HD SeqStats sequence_stats(int64_t L, const int64_t* tokens, const int64_
                                   const float* conf, const float* fb_conf, int64_t mask_id,
                                   bool can_default) {
   SeqStats s{-INFINITY, -1, -1};
-  bool any_masked = false;
+  int64_t first_masked = -1;
   float best_fb = -INFINITY;
   for (int64_t i = 0; i < L; ++i) {
     if (!is_masked(tokens, i, mask_id)) continue;
-    any_masked = true;
+    if (first_masked < 0) first_masked = i;
     if (is_eligible(tokens, cand, i, mask_id) && (s.argmax_c < 0 || conf[i] > s.max_c)) {
       s.max_c = conf[i];
       s.argmax_c = i;
     }
-    const bool usable = can_default || fb_conf[i] > -INFINITY;
-    if (usable && (s.fallback_row < 0 || fb_conf[i] > best_fb)) { best_fb = fb_conf[i]; s.fallback_row = i; }
+    if (fb_conf[i] > best_fb) { best_fb = fb_conf[i]; s.fallback_row = i; }
   }
-  if (!any_masked || s.argmax_c >= 0) s.fallback_row = -1;
+  // Decided after the loop, not in it: the finalize kernel's thread 0 has no register to spare.
+  if (first_masked < 0 || s.argmax_c >= 0) s.fallback_row = -1;
+  else if (s.fallback_row < 0 && can_default) s.fallback_row = first_masked;
   return s;
 }
 

@@ -432,7 +432,9 @@ DINFER_HD void finalize_rows(const FinalizeArgs& a, const FinalizeSeq& q, Finali
     for (int s = 1; s < S; ++s) part = decode_math::merge(part, pp[s]);
     const void* row = static_cast<const char*>(p.logits) + n * p.row_stride * esize;
     const int64_t token = p.tokens[n];
-    const decode_math::RowResult r = decode_math::finalize_row(part, row, p, n, token == p.mask_id);
+    const uint32_t key = decode_math::row_key(p.seed, p.offset, decode_math::row_counter(p.row_keys, n));
+    const decode_math::RowResult r = decode_math::finalize_row(part, row, p, n, token == p.mask_id, key);
+    if (p.nonfinite != nullptr) p.nonfinite[n] = part.nonfinite != 0;
     p.candidate[n] = r.candidate;
     p.confidence[n] = r.confidence;
     p.row_max[n] = r.max;
