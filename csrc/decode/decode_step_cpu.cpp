@@ -6,6 +6,7 @@
 // auto-vectoriser (which gives up on their selects without AVX-512's masks).
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -41,45 +42,101 @@ inline vreg sanitize_v(vreg z) {
   return z > FLT_MAX ? host::splat<vreg>(FLT_MAX) : z;
 }
 
-// Converts and sanitises [lo, lo + len) of a row into buf; returns the chunk's max.
+// The lane indices 0, 1, ..., kRegLanes - 1 as an integer vector of the select's mask type.
+using vidx = decltype(vreg{} < vreg{});
+inline vidx lane_iota() {
+  vidx v = {};
+  for (int j = 0; j < kRegLanes; ++j) v[j] = j;
+  return v;
+}
+
+// A chunk's row statistics: the max and first index of the sanitised logits (-inf and -1 when they
+// are all -inf) and the sum of exp(z - max).
+struct ChunkStats {
+  float max, sum;
+  int64_t arg;
+};
+
+// The statistics of [lo, lo + len) of a row of T, in two passes over the chunk (the second from L1):
+// 1. max and argmax of the raw logits, each of kChains vector chains keeping per lane its running max
+//    and where it first reached it (a strict > keeps the first). NaN never wins a compare (as
+//    sanitised, -inf); only +inf needs a fix-up (sanitised it is FLT_MAX, tied with a real FLT_MAX),
+//    by a scalar rescan when the max is +inf.
+// 2. the exp-sum by exp_clamped of the raw logit minus the max (the sanitising folded into the exp).
+// Nothing is stored: the passes are loads and arithmetic only (a sanitised copy plus a scalar argmax
+// rescan of it cost twice the exp-sum).
 template <ScalarType T>
-float load_chunk_max(const void* row, int64_t lo, int64_t len, float* buf) {
-  vreg m0 = host::splat<vreg>(-INFINITY), m1 = m0;   // two chains: the max latency is not the limit
+ChunkStats chunk_stats(const void* row, int64_t lo, int64_t len) {
+  constexpr int kChains = 4;   // independent compare-select chains: their latency is not the limit
+  constexpr int64_t kStep = kChains * kRegLanes;
+  vreg m[kChains];
+  vidx first[kChains];
+  vidx at = lane_iota();
+  for (int c = 0; c < kChains; ++c) {
+    m[c] = host::splat<vreg>(-INFINITY);
+    first[c] = vidx{} + INT32_MAX;
+  }
   int64_t i = 0;
-  for (; i + 2 * kRegLanes <= len; i += 2 * kRegLanes) {
-    const vreg z0 = sanitize_v(host::load_vreg<T>(row, lo + i));
-    const vreg z1 = sanitize_v(host::load_vreg<T>(row, lo + i + kRegLanes));
-    host::storev(buf + i, z0);
-    host::storev(buf + i + kRegLanes, z1);
-    m0 = z0 > m0 ? z0 : m0;
-    m1 = z1 > m1 ? z1 : m1;
+  for (; i + kStep <= len; i += kStep, at += kStep) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kChains; ++c) {
+      const vreg z = host::load_vreg<T>(row, lo + i + c * kRegLanes);
+      const vidx up = z > m[c];
+      m[c] = up ? z : m[c];
+      first[c] = up ? at + c * kRegLanes : first[c];
+    }
   }
-  float m = host::hmax(m0 > m1 ? m0 : m1);
-  for (; i < len; ++i) {
-    buf[i] = decode_math::load_logit(row, T, lo + i);
-    m = buf[i] > m ? buf[i] : m;
+  ChunkStats r{-INFINITY, 0.f, -1};
+  for (int c = 0; c < kChains; ++c) r.max = std::max(r.max, host::hmax(m[c]));
+  int32_t arg = INT32_MAX;
+  for (int c = 0; c < kChains; ++c)
+    for (int j = 0; j < kRegLanes; ++j)
+      if (m[c][j] == r.max && first[c][j] < arg) arg = first[c][j];
+  if (r.max > -INFINITY) r.arg = arg;
+  for (; i < len; ++i) {   // the tail comes after every vector index: only a strict > moves the argmax
+    const float z = decode_math::load_logit(row, T, lo + i);
+    if (z > r.max) r = {z, 0.f, i};
   }
-  return m;
-}
-
-float load_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* buf) {
-  switch (t) {
-    case ScalarType::kFloat32: return load_chunk_max<ScalarType::kFloat32>(row, lo, len, buf);
-    case ScalarType::kBFloat16: return load_chunk_max<ScalarType::kBFloat16>(row, lo, len, buf);
-    default: return load_chunk_max<ScalarType::kFloat16>(row, lo, len, buf);
+  if (r.max == INFINITY) {   // sanitised: FLT_MAX, first held by a +inf or a FLT_MAX
+    r.max = FLT_MAX;
+    for (r.arg = 0; decode_math::load_logit(row, T, lo + r.arg) != FLT_MAX; ++r.arg) {}
   }
-}
-
-float chunk_sum_exp(const float* buf, int64_t len, float m) {
+  if (r.max == -INFINITY) return r;
   vreg s0 = {}, s1 = {};
-  int64_t i = 0;
+  i = 0;
   for (; i + 2 * kRegLanes <= len; i += 2 * kRegLanes) {
-    s0 += exp_nonpositive(host::loadv<vreg>(buf + i) - m);
-    s1 += exp_nonpositive(host::loadv<vreg>(buf + i + kRegLanes) - m);
+    s0 += host::exp_clamped(host::load_vreg<T>(row, lo + i) - r.max);
+    s1 += host::exp_clamped(host::load_vreg<T>(row, lo + i + kRegLanes) - r.max);
   }
-  float s = host::hsum(s0 + s1);
-  for (; i < len; ++i) s += exp_nonpositive(buf[i] - m);
-  return s;
+  r.sum = host::hsum(s0 + s1);
+  for (; i < len; ++i) r.sum += exp_nonpositive(decode_math::load_logit(row, T, lo + i) - r.max);
+  return r;
+}
+
+// [lo, lo + len) of a row of T, sanitised, into buf (for the rarer passes that revisit the chunk).
+template <ScalarType T>
+void fill_chunk(const void* row, int64_t lo, int64_t len, float* buf) {
+  int64_t i = 0;
+  for (; i + kRegLanes <= len; i += kRegLanes) host::storev(buf + i, sanitize_v(host::load_vreg<T>(row, lo + i)));
+  for (; i < len; ++i) buf[i] = decode_math::load_logit(row, T, lo + i);
+}
+
+// f(std::integral_constant<ScalarType, t>) for the logits dtype t.
+template <typename F>
+auto with_dtype(ScalarType t, F&& f) {
+  switch (t) {
+    case ScalarType::kFloat32: return f(std::integral_constant<ScalarType, ScalarType::kFloat32>{});
+    case ScalarType::kBFloat16: return f(std::integral_constant<ScalarType, ScalarType::kBFloat16>{});
+    default: return f(std::integral_constant<ScalarType, ScalarType::kFloat16>{});
+  }
+}
+
+ChunkStats chunk_stats(const void* row, ScalarType t, int64_t lo, int64_t len) {
+  return with_dtype(t, [&](auto T) { return chunk_stats<decltype(T)::value>(row, lo, len); });
+}
+
+void fill_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* buf) {
+  with_dtype(t, [&](auto T) { fill_chunk<decltype(T)::value>(row, lo, len, buf); });
 }
 
 // Lowest index in buf holding exactly m, skipping `skip` (-1: none).
@@ -93,12 +150,14 @@ Partial scan_chunk(const DecodeStepParams& p, int64_t n, int64_t lo, int64_t len
   const void* row = static_cast<const char*>(p.logits) +
                     n * p.row_stride * (p.logits_dtype == ScalarType::kFloat32 ? 4 : 2);
   Partial r = decode_math::empty_partial();
-  r.max = load_chunk(row, p.logits_dtype, lo, len, buf);
-  if (r.max == -INFINITY) return r;  // nothing but -inf: merges as empty
-  r.sum = chunk_sum_exp(buf, len, r.max);
-  r.arg = static_cast<int32_t>(lo + first_index_of(buf, len, r.max, -1));
+  const ChunkStats st = chunk_stats(row, p.logits_dtype, lo, len);
+  if (st.max == -INFINITY) return r;  // nothing but -inf: merges as empty
+  r.max = st.max;
+  r.sum = st.sum;
+  r.arg = static_cast<int32_t>(lo + st.arg);
   const int64_t mask_local = p.mask_id >= lo && p.mask_id < lo + len ? p.mask_id - lo : -1;
   if (p.temperature > 0.f) {
+    fill_chunk(row, p.logits_dtype, lo, len, buf);
     // Sampling is rare and its noise costs two logs per element anyway: a plain scalar loop.
     const uint32_t key = decode_math::row_key(p.seed, p.offset, static_cast<uint32_t>(n));
     for (int64_t i = 0; i < len; ++i) {
@@ -114,6 +173,7 @@ Partial scan_chunk(const DecodeStepParams& p, int64_t n, int64_t lo, int64_t len
   r.nm_score = r.max;
   r.nm_arg = r.arg;
   if (r.arg - lo == mask_local) {  // the raw best is the mask token: find the best other token
+    fill_chunk(row, p.logits_dtype, lo, len, buf);
     int64_t other = first_index_of(buf, len, r.max, mask_local);
     if (other < 0) {
       const float keep = buf[mask_local];

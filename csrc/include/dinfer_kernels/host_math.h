@@ -51,14 +51,11 @@ inline void storev(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 template <typename V>
 inline V splat(float x) { return V{} + x; }
 
-// exp(x) for x <= 0, lane-wise: scalar::exp_nonpositive's formula (the exp the device kernels share)
+// exp(xc) for xc in [-87.3, 0], lane-wise: scalar::exp_nonpositive's range reduction and polynomial
 // step for step on a vector, so the host's SIMD softmaxes and the device's scalar code agree.
 template <typename V>
-inline V exp_nonpositive(V x) {
-  using Mask = decltype(x < x);   // the signed integer vector of the same shape
-  const V lo = splat<V>(-87.3f);
-  const Mask under = x < lo;
-  const V xc = under ? lo : x;
+inline V exp_in_range(V xc) {
+  using Mask = decltype(xc < xc);   // the signed integer vector of the same shape
   const float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to nearest
   const V n = (xc * 1.44269504088896341f + kRound) - kRound;
   const V r = xc - n * 0.693359375f - n * -2.12194440e-4f;   // ln2 in two parts
@@ -71,7 +68,28 @@ inline V exp_nonpositive(V x) {
   p = p * r + 1.f;
   p = p * r + 1.f;
   const Mask bits = (__builtin_convertvector(n, Mask) + 127) << 23;
-  return under ? V{} : p * (V)bits;
+  return p * (V)bits;
+}
+
+constexpr float kExpFloor = -87.3f;   // below it exp_nonpositive is 0 (2^-126 and under)
+
+// exp(x) for x <= 0, lane-wise (NaN stays NaN).
+template <typename V>
+inline V exp_nonpositive(V x) {
+  const V lo = splat<V>(kExpFloor);
+  const auto under = x < lo;
+  return under ? V{} : exp_in_range(under ? lo : x);
+}
+
+// exp(min(x, 0)) for any x, with NaN -> 0: exp_nonpositive of a sanitised logit minus the row max
+// (NaN counts as -inf; +inf, sanitised to FLT_MAX = the max, as 0) straight from the raw logit, in one
+// compare and a min instead of a sanitising pass. Equal to exp_nonpositive wherever x <= 0.
+template <typename V>
+inline V exp_clamped(V x) {
+  const V lo = splat<V>(kExpFloor);
+  const auto in = x >= lo;          // false for NaN
+  const V xc = x < V{} ? x : V{};
+  return in ? exp_in_range(in ? xc : lo) : V{};
 }
 
 // The scalar form (loop tails, one-off values): lane 0 of the 4-lane one, so both agree exactly.
