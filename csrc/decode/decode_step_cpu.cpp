@@ -50,6 +50,10 @@ inline vidx lane_iota() {
   return v;
 }
 
+// The storage type of one logit of dtype T.
+template <ScalarType T>
+using Elem = std::conditional_t<T == ScalarType::kFloat32, float, uint16_t>;
+
 // A chunk's row statistics: the max and first index of the sanitised logits (-inf and -1 when they
 // are all -inf) and the sum of exp(z - max).
 struct ChunkStats {
@@ -60,9 +64,11 @@ struct ChunkStats {
 // The statistics of [lo, lo + len) of a row of T, in two passes over the chunk (the second from L1):
 // 1. max and argmax of the raw logits, each of kChains vector chains keeping per lane its running max
 //    and where it first reached it (a strict > keeps the first). NaN never wins a compare (as
-//    sanitised, -inf); only +inf needs a fix-up (sanitised it is FLT_MAX, tied with a real FLT_MAX),
-//    by a scalar rescan when the max is +inf.
-// 2. the exp-sum by exp_clamped of the raw logit minus the max (the sanitising folded into the exp).
+//    sanitised, -inf); only +inf needs a fix-up (sanitised it is FLT_MAX, tied with a real FLT_MAX):
+//    a scalar rescan, and a sanitised exp-sum, when the max is +inf.
+// 2. the exp-sum of the raw logits minus the max by exp_term (the sanitising folded into its clamp),
+//    prefetching the next chunk in memory (the next task of this thread) meanwhile: the exp work
+//    hides the next chunk's memory latency, so pass 1 reads from cache.
 // Nothing is stored: the passes are loads and arithmetic only (a sanitised copy plus a scalar argmax
 // rescan of it cost twice the exp-sum).
 template <ScalarType T>
@@ -97,18 +103,22 @@ ChunkStats chunk_stats(const void* row, int64_t lo, int64_t len) {
     const float z = decode_math::load_logit(row, T, lo + i);
     if (z > r.max) r = {z, 0.f, i};
   }
+  if (r.max == -INFINITY) return r;
+  i = 0;
   if (r.max == INFINITY) {   // sanitised: FLT_MAX, first held by a +inf or a FLT_MAX
     r.max = FLT_MAX;
     for (r.arg = 0; decode_math::load_logit(row, T, lo + r.arg) != FLT_MAX; ++r.arg) {}
+  } else {
+    const char* next = static_cast<const char*>(row) + (lo + len) * static_cast<int64_t>(sizeof(Elem<T>));
+    vreg s0 = {}, s1 = {};
+    for (; i + 2 * kRegLanes <= len; i += 2 * kRegLanes) {
+      __builtin_prefetch(next + i * static_cast<int64_t>(sizeof(Elem<T>)));
+      __builtin_prefetch(next + (i + kRegLanes) * static_cast<int64_t>(sizeof(Elem<T>)));
+      s0 += host::exp_term(host::load_vreg<T>(row, lo + i) - r.max);
+      s1 += host::exp_term(host::load_vreg<T>(row, lo + i + kRegLanes) - r.max);
+    }
+    r.sum = host::hsum(s0 + s1);
   }
-  if (r.max == -INFINITY) return r;
-  vreg s0 = {}, s1 = {};
-  i = 0;
-  for (; i + 2 * kRegLanes <= len; i += 2 * kRegLanes) {
-    s0 += host::exp_clamped(host::load_vreg<T>(row, lo + i) - r.max);
-    s1 += host::exp_clamped(host::load_vreg<T>(row, lo + i + kRegLanes) - r.max);
-  }
-  r.sum = host::hsum(s0 + s1);
   for (; i < len; ++i) r.sum += exp_nonpositive(decode_math::load_logit(row, T, lo + i) - r.max);
   return r;
 }

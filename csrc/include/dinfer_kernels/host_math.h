@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "dinfer_kernels/isa_namespace.h"
 #include "dinfer_kernels/scalar.h"
 
@@ -67,6 +71,12 @@ inline V exp_in_range(V xc) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
+#if defined(__AVX512F__)
+  // p * 2^n in one instruction instead of building 2^n's bits (convert, add, shift) and multiplying:
+  // the same exact product, rounded once.
+  if constexpr (sizeof(V) == sizeof(__m512))   // maskz: GCC 12 flags the plain form's undefined merge source
+    return (V)_mm512_maskz_scalef_ps(static_cast<__mmask16>(0xFFFF), (__m512)p, (__m512)n);
+#endif
   const Mask bits = (__builtin_convertvector(n, Mask) + 127) << 23;
   return p * (V)bits;
 }
@@ -81,15 +91,14 @@ inline V exp_nonpositive(V x) {
   return under ? V{} : exp_in_range(under ? lo : x);
 }
 
-// exp(min(x, 0)) for any x, with NaN -> 0: exp_nonpositive of a sanitised logit minus the row max
-// (NaN counts as -inf; +inf, sanitised to FLT_MAX = the max, as 0) straight from the raw logit, in one
-// compare and a min instead of a sanitising pass. Equal to exp_nonpositive wherever x <= 0.
+// The terms of a sum of exp(x) over x <= 0, NaN counting as 0 (a sanitised logit minus the row max,
+// straight from the raw logit: NaN as -inf): exp_nonpositive's value for x >= -87.3, and below it
+// (and for NaN, which compares false) exp(-87.3) <= 2^-125 instead of 0 — nothing in a
+// sum that holds exp(0) = 1, the max itself. One max instead of exp_nonpositive's compare and two selects.
 template <typename V>
-inline V exp_clamped(V x) {
+inline V exp_term(V x) {
   const V lo = splat<V>(kExpFloor);
-  const auto in = x >= lo;          // false for NaN
-  const V xc = x < V{} ? x : V{};
-  return in ? exp_in_range(in ? xc : lo) : V{};
+  return exp_in_range(x > lo ? x : lo);
 }
 
 // The scalar form (loop tails, one-off values): lane 0 of the 4-lane one, so both agree exactly.
