@@ -3,7 +3,8 @@
 Backends: "cuda" (compiled CUDA kernels), "triton", "cpu" (compiled C++ kernels), "torch" (the pure-torch
 reference; runs anywhere, not CUDA-graph capturable). "auto" picks the fastest available for the
 tensor's device: cuda > triton > torch on a GPU; on the host cpu > torch for the ops whose host kernel
-beats the reference with the ISA in use (cpu_fast_ops()), torch for the others.
+beats the reference with the ISA in use (cpu_fast_ops()), torch for the others; for moe also only in the
+dtypes and shapes where it was measured faster (MOE_HOST_WINS, moe_host_wins()).
 
 The host kernels exist once per x86-64 ISA in the extension; cpu_isa() names the copy in use (the best
 the CPU runs, or the DINFER_CPU_ISA environment variable's), set_cpu_isa() switches it for the whole
@@ -94,6 +95,45 @@ def cpu_fast_ops():
     return sorted(_host_fast_ops)
 
 
+# Where the host MoE kernel beats the torch reference, per ISA copy and dtype, as the largest mean
+# number of rows per expert (T * top_k / E) at which it was measured faster: (with small experts,
+# with large ones: weights of LARGE_MOE_BYTES or more in all, streamed from memory on every call).
+# None: never. The kernel streams each expert's weights once for all of its rows (dot products under
+# 8 rows), so it wins with few rows per expert; torch's GEMMs win with many, and in 16-bit over large
+# experts torch's GEMMs stream the weights faster than the kernel's convert-and-FMA loop.
+# Measured with bench_kernels/bench_moe.py, 1 thread, AMD EPYC (Zen 4), reference time / ours
+# (RESULTS.md, "auto per dtype and shape"); small = E 8, H 256, I 128; large = LLaDA-MoE's
+# E 64, H 2048, I 1024; rows per expert 4, 32, 128 (small) and 0.5, 4 (large):
+#   generic fp32 1.8, 0.51, 0.39 | 1.18, 1.12    bf16 2.75, 0.93, 0.40 | 0.72, 0.58
+#           fp16 0.48, 1.30, -   | 0.05, -
+#   avx2    fp32 2.4, 1.20, 1.09 | 1.86, 1.36    bf16 4.5, 2.44, 0.92  | 1.61, 0.86
+#           fp16 3.31, 2.87, -   | 0.77, -
+#   avx512  fp32 2.2, 1.60, 1.08 | 1.45, 1.26    bf16 5.2, 2.42, 0.98  | 1.46, 0.85
+#           fp16 2.75, 4.38, -   | 0.52, -
+#   avx512bf16 fp32 1.64, 1.82, 0.98 | 1.52, 1.42  bf16 5.55, 5.24, 1.90 | 2.08, 0.90
+#           fp16 3.53, 4.51, -   | 0.52, -
+# Ratios near 1 (the box is shared; ±10%) count as losses. Re-measure when the kernel changes.
+LARGE_MOE_BYTES = 64 << 20
+MOE_HOST_WINS = {
+    "generic": {"float32": (4, 4), "bfloat16": (4, None), "float16": (None, None)},
+    "avx2": {"float32": (32, 4), "bfloat16": (32, 0.5), "float16": (32, None)},
+    "avx512": {"float32": (32, 4), "bfloat16": (32, 0.5), "float16": (32, None)},
+    "avx512bf16": {"float32": (32, 4), "bfloat16": (128, 0.5), "float16": (32, None)},
+}
+
+
+def moe_host_wins(dtype, rows_per_expert: float, weight_bytes: int, isa=None) -> bool:
+    """Whether the host MoE kernel of `isa` (default: the one in use) beats the torch reference for
+    hidden states of `dtype` with `rows_per_expert` = T * top_k / E routed rows per expert on average
+    and expert weights (w13 + w2) of `weight_bytes` in all, per MOE_HOST_WINS."""
+    isa = isa or cpu_isa()
+    limits = MOE_HOST_WINS.get(isa, {}).get(str(dtype).replace("torch.", ""))
+    if limits is None:
+        return False
+    limit = limits[1] if weight_bytes >= LARGE_MOE_BYTES else limits[0]
+    return limit is not None and rows_per_expert <= limit
+
+
 # Which backends implement each op, fastest first.
 IMPLEMENTED = {
     "decode_step": ("cuda", "triton", "cpu", "torch"),
@@ -138,23 +178,35 @@ def prefer_backend(backend: str):
         _preferred = before
 
 
-def auto_backends(device, op: str) -> list:
+def _host_wins(op, work) -> bool:
+    """Whether the host kernel of `op` (in cpu_fast_ops()) also wins for this call's dtype and shape,
+    `work` (the op's keyword arguments to resolve; none: the op-level answer)."""
+    if op == "moe" and work:
+        return moe_host_wins(work["dtype"], work["rows_per_expert"], work["weight_bytes"])
+    return True
+
+
+def auto_backends(device, op: str, **work) -> list:
     """The backends "auto" may pick for `op` on `device`, fastest first: the available ones less the
-    Triton interpreter (a correctness tool on the host) and a host kernel slower than the reference."""
+    Triton interpreter (a correctness tool on the host) and a host kernel slower than the reference
+    (for this call's dtype and shape where `work` gives them: moe's dtype, rows_per_expert and
+    weight_bytes, see moe_host_wins)."""
     host = str(device).startswith("cpu")
+    slow_host = op not in _host_fast_ops or not _host_wins(op, work)
     return [b for b in available_backends(device, op)
-            if not (host and (b == "triton" or (b == "cpu" and op not in _host_fast_ops)))]
+            if not (host and (b == "triton" or (b == "cpu" and slow_host)))]
 
 
-def resolve(backend: str, device, op: str) -> str:
-    """Validates `backend` and turns "auto" into a concrete backend for `device`."""
+def resolve(backend: str, device, op: str, **work) -> str:
+    """Validates `backend` and turns "auto" into a concrete backend for `device` (and, on the host,
+    for the call's dtype and shape in `work`, see auto_backends)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     avail = available_backends(device, op)
     if backend == "auto" and _preferred in avail:
         return _preferred
     if backend == "auto":
-        return auto_backends(device, op)[0]
+        return auto_backends(device, op, **work)[0]
     if backend not in avail:
         raise ValueError(f"backend: {backend!r} cannot run {op} on {device} in this install "
                          f"(available: {avail})")
