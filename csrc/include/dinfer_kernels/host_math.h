@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__SSE__)
 #include <immintrin.h>
 #endif
 
@@ -95,10 +95,25 @@ inline V exp_nonpositive(V x) {
 // straight from the raw logit: NaN as -inf): exp_nonpositive's value for x >= -87.3, and below it
 // (and for NaN, which compares false) exp(-87.3) <= 2^-125 instead of 0 — nothing in a
 // sum that holds exp(0) = 1, the max itself. One max instead of exp_nonpositive's compare and two selects.
+// x > y ? x : y lane-wise (so y where x is NaN): exactly the x86 max instruction, which GCC does not
+// always see through the select (SSE2 got compare, and, andnot, or).
+template <typename V>
+inline V max_or_second(V x, V y) {
+#if defined(__AVX512F__)   // maskz: GCC 12 flags the plain form's undefined merge source
+  if constexpr (sizeof(V) == 64) return (V)_mm512_maskz_max_ps(static_cast<__mmask16>(0xFFFF), (__m512)x, (__m512)y);
+#endif
+#if defined(__AVX__)
+  if constexpr (sizeof(V) == 32) return (V)_mm256_max_ps((__m256)x, (__m256)y);
+#endif
+#if defined(__SSE__)
+  if constexpr (sizeof(V) == 16) return (V)_mm_max_ps((__m128)x, (__m128)y);
+#endif
+  return x > y ? x : y;
+}
+
 template <typename V>
 inline V exp_term(V x) {
-  const V lo = splat<V>(kExpFloor);
-  return exp_in_range(x > lo ? x : lo);
+  return exp_in_range(max_or_second(x, splat<V>(kExpFloor)));
 }
 
 // The scalar form (loop tails, one-off values): lane 0 of the 4-lane one, so both agree exactly.
