@@ -101,18 +101,18 @@ def cpu_fast_ops():
 # None: never. The kernel streams each expert's weights once for all of its rows (dot products under
 # 8 rows), so it wins with few rows per expert; torch's GEMMs win with many, and in 16-bit over large
 # experts torch's GEMMs stream the weights faster than the kernel's convert-and-FMA loop.
-# Measured with bench_kernels/bench_moe.py, 1 thread, AMD EPYC (Zen 4), reference time / ours
-# (RESULTS.md, "auto per dtype and shape"); small = E 8, H 256, I 128; large = LLaDA-MoE's
-# E 64, H 2048, I 1024; rows per expert 4, 32, 128 (small) and 0.5, 4 (large):
-#   generic fp32 1.8, 0.51, 0.39 | 1.18, 1.12    bf16 2.75, 0.93, 0.40 | 0.72, 0.58
-#           fp16 0.48, 1.30, -   | 0.05, -
-#   avx2    fp32 2.4, 1.20, 1.09 | 1.86, 1.36    bf16 4.5, 2.44, 0.92  | 1.61, 0.86
-#           fp16 3.31, 2.87, -   | 0.77, -
-#   avx512  fp32 2.2, 1.60, 1.08 | 1.45, 1.26    bf16 5.2, 2.42, 0.98  | 1.46, 0.85
-#           fp16 2.75, 4.38, -   | 0.52, -
-#   avx512bf16 fp32 1.64, 1.82, 0.98 | 1.52, 1.42  bf16 5.55, 5.24, 1.90 | 2.08, 0.90
-#           fp16 3.53, 4.51, -   | 0.52, -
-# Ratios near 1 (the box is shared; ±10%) count as losses. Re-measure when the kernel changes.
+# Measured with bench_kernels/bench_host_best.py moe (1 thread, best of 5 interleaved rounds) on an
+# AMD EPYC (Zen 4) at commit c3778d8, reference time / ours (RESULTS.md, "auto per dtype and shape"):
+# small = E 8, H 256, I 128 at 4, 32, 128 rows per expert | large = LLaDA-MoE's E 64, H 2048, I 1024
+# at 0.5, 4 rows per expert (T 4, 32):
+#   generic    fp32 2.86, 0.65, 0.52 | 1.19, 1.20    bf16 3.32, 0.85, 0.37 | 0.75, 0.47
+#   avx2       fp32 3.59, 1.30, 1.30 | 1.44, 1.56    bf16 6.56, 1.20, 0.87 | 1.78, 0.86
+#   avx512     fp32 3.58, 1.48, 1.59 | 1.36, 1.55    bf16 7.23, 1.60, 1.19 | 1.64, 0.93
+#   avx512bf16 fp32 3.59, 1.62, 1.49 | 1.36, 1.49    bf16 6.91, 3.96, 2.08 | 1.66, 1.05
+# fp16 (an earlier run): generic 0.48, 1.30 (small 4, 32), 0.05 (large 0.5); avx2 / AVX-512 2.8-4.5
+# (small 4, 32), 0.52-0.77 (large 0.5). Ratios under ~1.1 count as losses (the box is shared), and
+# where runs disagreed (small fp32 at 128 rows: 0.98-1.09 in an earlier run) the lower one stands.
+# Re-measure when the kernel changes.
 LARGE_MOE_BYTES = 64 << 20
 MOE_HOST_WINS = {
     "generic": {"float32": (4, 4), "bfloat16": (4, None), "float16": (None, None)},
