@@ -13,7 +13,8 @@ with their own inputs and baselines, limited to one shape each:
   rope         bench_norm_rope  70 rows of 8 heads x 32
 Columns: µs per call of the host kernel; × ref = the torch reference's time / ours, timed in the same
 benchmark run (> 1: the host kernel is faster; "auto" should pick it only then, see
-csrc/cpu_isa/dispatch.cpp); for decode also ÷ max = ours / one logits.max(-1) pass and × dInfer =
+csrc/cpu_isa/dispatch.cpp and, for moe's dtype and shape, dinfer_kernels/_backend.py MOE_HOST_WINS),
+next to what "auto" picks for that call ("auto cpu" / "auto torch"); for decode also ÷ max = ours / one logits.max(-1) pass and × dInfer =
 dInfer's eager threshold decode / ours.
 """
 import argparse
@@ -66,6 +67,18 @@ def finder(results):
     return by
 
 
+def auto_choice(op, dtype, ours):
+    """The backend "auto" picks on the host, with the ISA in use, for the call `ours` timed."""
+    from dinfer_kernels import _backend
+
+    if op != "moe":
+        return _backend.resolve("auto", "cpu", op)
+    dt = common.torch_dtype(dtype)
+    weight_bytes = 3 * ours["E"] * ours["H"] * ours["I"] * torch.empty((), dtype=dt).element_size()
+    return _backend.resolve("auto", "cpu", "moe", dtype=dt, rows_per_expert=ours["T"] * ours["top_k"] / ours["E"],
+                            weight_bytes=weight_bytes)
+
+
 def run(args):
     from dinfer_kernels import _backend
 
@@ -85,12 +98,14 @@ def run(args):
                     _backend.set_cpu_isa(isa)
                     ours, ref, extra = pick(finder(run_bench(name, argv, dtype, args.quick)))
                     r = dict(op=op, dtype=dtype, isa=isa, us=ours["median_s"] * 1e6, median_s=ours["median_s"],
-                             ref_us=ref["median_s"] * 1e6, x_ref=ref["median_s"] / ours["median_s"])
+                             ref_us=ref["median_s"] * 1e6, x_ref=ref["median_s"] / ours["median_s"],
+                             auto=auto_choice(op, dtype, ours))
                     if "max" in extra:
                         r["per_max"] = ours["median_s"] / extra["max"]["median_s"]
                         r["x_dinfer"] = extra["dinfer"]["median_s"] / ours["median_s"]
                     results.append(r)
-                    print(f"  {op:11s} {dtype:4s} {isa:10s} {r['us']:10.1f} us  x ref {r['x_ref']:6.2f}")
+                    print(f"  {op:11s} {dtype:4s} {isa:10s} {r['us']:10.1f} us  x ref {r['x_ref']:6.2f}"
+                          f"  auto {r['auto']}")
     finally:
         _backend.set_cpu_isa(before)
     cols = [("op", "op", None), ("dtype", "dtype", None)]
@@ -100,14 +115,16 @@ def run(args):
             row = {"op": op, "dtype": dtype}
             for r in results:
                 if r["op"] == op and r["dtype"] == dtype:
-                    row[f"{r['isa']}_us"], row[f"{r['isa']}_x"] = r["us"], r["x_ref"]
+                    row[f"{r['isa']}_us"] = r["us"]
+                    row[f"{r['isa']}_x"] = f"{r['x_ref']:.2f} auto {r['auto']}"
                     if "per_max" in r:
-                        row[f"{r['isa']}_x"] = f"{r['x_ref']:.2f} (÷max {r['per_max']:.2f}, ×dInfer {r['x_dinfer']:.2f})"
+                        row[f"{r['isa']}_x"] = (f"{r['x_ref']:.2f} auto {r['auto']} (÷max {r['per_max']:.2f}, "
+                                                f"×dInfer {r['x_dinfer']:.2f})")
             rows.append(row)
     for isa in isas:
         cols += [(f"{isa} µs", f"{isa}_us", ".1f"), (f"{isa} × ref", f"{isa}_x", ".2f")]
     title = (f"host kernels per ISA, {env['cpu']}, {torch.get_num_threads()} threads "
-             f"(× ref: reference time / ours; decode also ÷ one max(-1) pass and × dInfer's eager threshold decode)")
+             f"(× ref: reference time / ours, then what auto picks there; decode also ÷ one max(-1) pass and × dInfer's eager threshold decode)")
     table = f"**{title}**\n\n" + common.markdown_table(rows, cols)
     print("\n" + table + "\n")
     return common.finish("host_isa", env, args, None, results, [table], notes)

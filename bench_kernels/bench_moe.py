@@ -18,7 +18,8 @@ Measured in the same run: the device copy bandwidth (common.copy_bandwidth) and 
 rate of the dtype (a square torch matmul). Columns: median time, GB/s over the expert weights
 actually read (touched experts x 3*H*I*itemsize), % of the copy bandwidth, TFLOP/s over the routed
 rows (6*T*k*H*I), % of the matmul rate, speedup vs the torch loop, max |diff| vs the torch loop
-relative to its max |value|, and (ours) whether two runs are bit-identical.
+relative to its max |value|, (ours) whether two runs are bit-identical, and on the CPU what
+backend="auto" picks for the shape (dinfer_kernels/_backend.py MOE_HOST_WINS, per ISA and dtype).
 """
 import sys
 from pathlib import Path
@@ -194,6 +195,8 @@ def run(args):
         wbytes = touched * 3 * H * inter * w13.element_size()
         flops = 6.0 * T * k * H * inter
         base_out = moe_reference(hidden, router, w13, w2, k, static_shapes=False).float()
+        auto = _backend.resolve("auto", device, "moe", dtype=dtype, rows_per_expert=T * k / E,
+                                weight_bytes=(w13.numel() + w2.numel()) * w13.element_size())
         scale = float(base_out.abs().max()) or 1.0
         cases = [("torch_loop", "torch loop", "eager",
                   lambda i: moe_reference(hidden, router, w13, w2, k, static_shapes=False), False)]
@@ -227,7 +230,7 @@ def run(args):
             r = dict(T=T, E=E, top_k=k, H=H, I=inter, touched=touched, key=key, method=label, backend=be,
                      timer=m["timer"], median_s=m["median_s"], p20_s=m["p20_s"], p80_s=m["p80_s"],
                      us=m["median_s"] * 1e6, GBps=wbytes / m["median_s"] / 1e9,
-                     TFLOPs=flops / m["median_s"] / 1e12, rel_err=err, bitwise_repeat=repeat)
+                     TFLOPs=flops / m["median_s"] / 1e12, rel_err=err, bitwise_repeat=repeat, auto=auto)
             r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
             r["pct_matmul"] = 100.0 * r["TFLOPs"] / mm["TFLOPs"]
             r["matmul_TFLOPs"] = mm["TFLOPs"]
@@ -238,14 +241,15 @@ def run(args):
         for r in rows_out:
             r["speedup"] = base["median_s"] / r["median_s"] if base else None
         results += rows_out
-        title = (f"T = {T} tokens, E = {E}, top-{k}, H = {H}, I = {inter}, {args.dtype}, {touched} experts "
+        title = (f"T = {T} tokens ({T * k / E:g} rows per expert; auto picks {auto}"
+                 f"{' with the ' + _backend.cpu_isa() + ' copy' if device == 'cpu' and _backend.cpu_isa() else ''}), E = {E}, top-{k}, H = {H}, I = {inter}, {args.dtype}, {touched} experts "
                  f"touched ({wbytes / 1e6:.0f} MB of weights), {device} ({env.get('gpu') or env['cpu']}); "
                  f"copy {bw['GBps']:.0f} GB/s, matmul {mm['TFLOPs']:.3g} TFLOP/s")
         cols = [("method", "method", None), ("backend", "backend", None), ("median µs", "us", ".1f"),
                 ("GB/s", "GBps", ".1f"), ("% copy BW", "pct_copy", ".1f"), ("TFLOP/s", "TFLOPs", ".2f"),
                 ("% matmul", "pct_matmul", ".1f"), ("× torch loop", "speedup", ".2f"),
                 ("rel. max diff", "rel_err", ".1e"), ("bitwise repeat", "bitwise_repeat", None),
-                ("timer", "timer", None)]
+                ("auto picks", "auto", None), ("timer", "timer", None)]
         table = f"**{title}**\n\n" + common.markdown_table(rows_out, cols)
         print("\n" + table + "\n")
         tables.append(table)

@@ -89,15 +89,17 @@ bool avx512bf16() { return avx512() && __builtin_cpu_supports("avx512bf16"); }
 
 // fast_ops: bench_kernels/bench_host_isa.py --quick --threads 1 on an AMD EPYC (Zen 4) forcing each
 // copy, fp32 and bf16 (reference time / ours): decode_step 3.6-24x and rope 4.1-4.8x on every copy;
-// rms_norm 1.3-2.1x (generic), 1.0-1.7x (avx2), 1.5-1.8x (AVX-512); attention 0.2-0.8x and moe
-// 0.02-0.12x without AVX-512, 1.4-11x and 1.6-3.5x with it. After the register-wide AVX2 paths
-// (RESULTS.md, "Host kernels on AVX2 and SSE2 builds"): attention 1.9-4.2x on avx2; moe 1.2-1.9x in fp32 but 0.78x in
-// bf16 at LLaDA-MoE's shape, so it stays off there. Re-measure when a copy changes.
+// rms_norm 1.3-2.1x (generic), 1.0-1.7x (avx2), 1.5-1.8x (AVX-512); attention 0.2-0.8x without AVX2's
+// register-wide paths, 1.9-4.2x after them (RESULTS.md, "Host kernels on AVX2 and SSE2 builds"),
+// 1.4-11x with AVX-512. moe is listed on every copy because it wins somewhere on each (few rows per
+// expert), but not everywhere: "auto" takes the dtype and shape into account through
+// dinfer_kernels/_backend.py's MOE_HOST_WINS table (RESULTS.md, "auto per dtype and shape").
+// Re-measure when a copy changes.
 const std::vector<HostIsa>& isas() {
   static const std::vector<HostIsa> table = {
-      {"generic", always, DINFER_HOST_KERNELS(isa_generic), {"decode_step", "rms_norm", "rope"}},
+      {"generic", always, DINFER_HOST_KERNELS(isa_generic), {"decode_step", "moe", "rms_norm", "rope"}},
 #if defined(DINFER_HOST_ISAS_X86)
-      {"avx2", avx2, DINFER_HOST_KERNELS(isa_avx2), {"decode_step", "attention", "rms_norm", "rope"}},
+      {"avx2", avx2, DINFER_HOST_KERNELS(isa_avx2), {"decode_step", "attention", "moe", "rms_norm", "rope"}},
       {"avx512", avx512, DINFER_HOST_KERNELS(isa_avx512),
        {"decode_step", "attention", "moe", "rms_norm", "rope"}},
       {"avx512bf16", avx512bf16, DINFER_HOST_KERNELS(isa_avx512bf16),

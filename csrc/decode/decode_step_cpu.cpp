@@ -6,6 +6,7 @@
 // auto-vectoriser (which gives up on their selects without AVX-512's masks).
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -41,57 +42,20 @@ inline vreg sanitize_v(vreg z) {
   return z > FLT_MAX ? host::splat<vreg>(FLT_MAX) : z;
 }
 
-// Converts and sanitises [lo, lo + len) of a row into buf; returns the chunk's max.
+// The lane indices 0, 1, ..., kRegLanes - 1 as an integer vector of the select's mask type.
+using vidx = decltype(vreg{} < vreg{});
+inline vidx lane_iota() {
+  vidx v = {};
+  for (int j = 0; j < kRegLanes; ++j) v[j] = j;
+  return v;
+}
+
+// The storage type of one logit of dtype T.
 template <ScalarType T>
-float load_chunk_max(const void* row, int64_t lo, int64_t len, float* buf) {
-  vreg m0 = host::splat<vreg>(-INFINITY), m1 = m0;   // two chains: the max latency is not the limit
-  int64_t i = 0;
-  for (; i + 2 * kRegLanes <= len; i += 2 * kRegLanes) {
-    const vreg z0 = sanitize_v(host::load_vreg<T>(row, lo + i));
-    const vreg z1 = sanitize_v(host::load_vreg<T>(row, lo + i + kRegLanes));
-    host::storev(buf + i, z0);
-    host::storev(buf + i + kRegLanes, z1);
-    m0 = z0 > m0 ? z0 : m0;
-    m1 = z1 > m1 ? z1 : m1;
-  }
-  float m = host::hmax(m0 > m1 ? m0 : m1);
-  for (; i < len; ++i) {
-    buf[i] = decode_math::load_logit(row, T, lo + i);
-    m = buf[i] > m ? buf[i] : m;
-  }
-  return m;
-}
+using Elem = std::conditional_t<T == ScalarType::kFloat32, float, uint16_t>;
 
-float load_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* buf) {
-  switch (t) {
-    case ScalarType::kFloat32: return load_chunk_max<ScalarType::kFloat32>(row, lo, len, buf);
-    case ScalarType::kBFloat16: return load_chunk_max<ScalarType::kBFloat16>(row, lo, len, buf);
-    default: return load_chunk_max<ScalarType::kFloat16>(row, lo, len, buf);
-  }
-}
-
-float chunk_sum_exp(const float* buf, int64_t len, float m) {
-  vreg s0 = {}, s1 = {};
-  int64_t i = 0;
-  for (; i + 2 * kRegLanes <= len; i += 2 * kRegLanes) {
-    s0 += exp_nonpositive(host::loadv<vreg>(buf + i) - m);
-    s1 += exp_nonpositive(host::loadv<vreg>(buf + i + kRegLanes) - m);
-  }
-  float s = host::hsum(s0 + s1);
-  for (; i < len; ++i) s += exp_nonpositive(buf[i] - m);
-  return s;
-}
-
-// Lowest index in buf holding exactly m, skipping `skip` (-1: none).
-int64_t first_index_of(const float* buf, int64_t len, float m, int64_t skip) {
-  for (int64_t i = 0; i < len; ++i)
-    if (buf[i] == m && i != skip) return i;
-  return -1;
-}
-
-// Whether raw elements [lo, lo + len) hold a NaN or +-inf: an all-ones exponent field. Read from
-// the raw row, which the sanitised copy cannot tell (NaN and -inf both become -inf there); a branch-
-// free OR over integer bits that the compiler vectorises, on a chunk just loaded into L1.
+// Whether raw elements [lo, lo + len) hold a NaN or +-inf: an all-ones exponent field (for the
+// scalar tail of a chunk, whose sanitised values cannot tell NaN from -inf).
 template <class Bits, Bits kExp>
 bool bits_nonfinite(const void* row, int64_t lo, int64_t len) {
   const Bits* b = static_cast<const Bits*>(row) + lo;
@@ -108,17 +72,132 @@ bool chunk_nonfinite(const void* row, ScalarType t, int64_t lo, int64_t len) {
   }
 }
 
+// A chunk's row statistics: the max and first index of the sanitised logits (-inf and -1 when they
+// are all -inf) and the sum of exp(z - max).
+struct ChunkStats {
+  float max, sum;
+  int64_t arg;
+  bool nonfinite;  // the raw chunk held a NaN or +-inf (sanitising hides it from max and sum)
+};
+
+// The statistics of [lo, lo + len) of a row of T, in two passes over the chunk (the second from L1):
+// 1. max and argmax of the raw logits, each of kChains vector chains keeping per lane its running max
+//    and where it first reached it (a strict > keeps the first). NaN never wins a compare (as
+//    sanitised, -inf); only +inf needs a fix-up (sanitised it is FLT_MAX, tied with a real FLT_MAX):
+//    a scalar rescan, and a sanitised exp-sum, when the max is +inf.
+// 2. the exp-sum of the raw logits minus the max by exp_term (the sanitising folded into its clamp),
+//    prefetching the next chunk in memory (the next task of this thread) meanwhile: the exp work
+//    hides the next chunk's memory latency, so pass 1 reads from cache.
+// Nothing is stored: the passes are loads and arithmetic only (a sanitised copy plus a scalar argmax
+// rescan of it cost twice the exp-sum).
+template <ScalarType T>
+ChunkStats chunk_stats(const void* row, int64_t lo, int64_t len) {
+  constexpr int kChains = 4;   // independent compare-select chains: their latency is not the limit
+  constexpr int64_t kStep = kChains * kRegLanes;
+  vreg m[kChains], nf[kChains];   // nf: z * 0 summed, NaN once any z was NaN or +-inf
+  vidx first[kChains];
+  vidx at = lane_iota();
+  for (int c = 0; c < kChains; ++c) {
+    m[c] = host::splat<vreg>(-INFINITY);
+    nf[c] = vreg{};
+    first[c] = vidx{} + INT32_MAX;
+  }
+  int64_t i = 0;
+  for (; i + kStep <= len; i += kStep, at += kStep) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kChains; ++c) {
+      const vreg z = host::load_vreg<T>(row, lo + i + c * kRegLanes);
+      const vidx up = z > m[c];
+      m[c] = up ? z : m[c];
+      first[c] = up ? at + c * kRegLanes : first[c];
+      nf[c] += z * 0.f;
+    }
+  }
+  ChunkStats r{-INFINITY, 0.f, -1, chunk_nonfinite(row, T, lo + i, len - i)};   // the tail by its bits
+  for (int c = 0; c < kChains; ++c)
+    for (int j = 0; j < kRegLanes; ++j) r.nonfinite |= nf[c][j] != nf[c][j];
+  for (int c = 0; c < kChains; ++c) r.max = std::max(r.max, host::hmax(m[c]));
+  int32_t arg = INT32_MAX;
+  for (int c = 0; c < kChains; ++c)
+    for (int j = 0; j < kRegLanes; ++j)
+      if (m[c][j] == r.max && first[c][j] < arg) arg = first[c][j];
+  if (r.max > -INFINITY) r.arg = arg;
+  for (; i < len; ++i) {   // the tail comes after every vector index: only a strict > moves the argmax
+    const float z = decode_math::load_logit(row, T, lo + i);
+    if (z > r.max) r.max = z, r.arg = i;
+  }
+  if (r.max == -INFINITY) return r;
+  i = 0;
+  if (r.max == INFINITY) {   // sanitised: FLT_MAX, first held by a +inf or a FLT_MAX
+    r.max = FLT_MAX;
+    for (r.arg = 0; decode_math::load_logit(row, T, lo + r.arg) != FLT_MAX; ++r.arg) {}
+  } else {
+    const char* next = static_cast<const char*>(row) + (lo + len) * static_cast<int64_t>(sizeof(Elem<T>));
+    // Independent exps per iteration: 32 floats on AVX-512, 16 on AVX2 and SSE2 (whose mul + add
+    // polynomial chain is twice as long without FMA).
+    constexpr int kSums = kRegLanes >= 16 ? 2 : 16 / kRegLanes;
+    constexpr int64_t kSumStep = kSums * kRegLanes;
+    constexpr int64_t kLine = 64 / sizeof(Elem<T>);   // elements per cache line
+    vreg sums[kSums] = {};
+    for (; i + kSumStep <= len; i += kSumStep) {
+      for (int64_t l = 0; l < kSumStep; l += kLine) __builtin_prefetch(next + (i + l) * sizeof(Elem<T>));
+#pragma GCC unroll 4
+      for (int c = 0; c < kSums; ++c)
+        sums[c] += host::exp_term(host::load_vreg<T>(row, lo + i + c * kRegLanes) - r.max);
+    }
+    for (int c = 1; c < kSums; ++c) sums[0] += sums[c];
+    r.sum = host::hsum(sums[0]);
+  }
+  for (; i < len; ++i) r.sum += exp_nonpositive(decode_math::load_logit(row, T, lo + i) - r.max);
+  return r;
+}
+
+// [lo, lo + len) of a row of T, sanitised, into buf (for the rarer passes that revisit the chunk).
+template <ScalarType T>
+void fill_chunk(const void* row, int64_t lo, int64_t len, float* buf) {
+  int64_t i = 0;
+  for (; i + kRegLanes <= len; i += kRegLanes) host::storev(buf + i, sanitize_v(host::load_vreg<T>(row, lo + i)));
+  for (; i < len; ++i) buf[i] = decode_math::load_logit(row, T, lo + i);
+}
+
+// f(std::integral_constant<ScalarType, t>) for the logits dtype t.
+template <typename F>
+auto with_dtype(ScalarType t, F&& f) {
+  switch (t) {
+    case ScalarType::kFloat32: return f(std::integral_constant<ScalarType, ScalarType::kFloat32>{});
+    case ScalarType::kBFloat16: return f(std::integral_constant<ScalarType, ScalarType::kBFloat16>{});
+    default: return f(std::integral_constant<ScalarType, ScalarType::kFloat16>{});
+  }
+}
+
+ChunkStats chunk_stats(const void* row, ScalarType t, int64_t lo, int64_t len) {
+  return with_dtype(t, [&](auto T) { return chunk_stats<decltype(T)::value>(row, lo, len); });
+}
+
+void fill_chunk(const void* row, ScalarType t, int64_t lo, int64_t len, float* buf) {
+  with_dtype(t, [&](auto T) { fill_chunk<decltype(T)::value>(row, lo, len, buf); });
+}
+
+// Lowest index in buf holding exactly m, skipping `skip` (-1: none).
+int64_t first_index_of(const float* buf, int64_t len, float m, int64_t skip) {
+  for (int64_t i = 0; i < len; ++i)
+    if (buf[i] == m && i != skip) return i;
+  return -1;
+}
+
 Partial scan_chunk(const DecodeStepParams& p, int64_t n, int64_t lo, int64_t len, float* buf) {
   const void* row = static_cast<const char*>(p.logits) +
                     n * p.row_stride * (p.logits_dtype == ScalarType::kFloat32 ? 4 : 2);
   Partial r = decode_math::empty_partial();
-  r.max = load_chunk(row, p.logits_dtype, lo, len, buf);
-  r.nonfinite = chunk_nonfinite(row, p.logits_dtype, lo, len) ? 1 : 0;
-  if (r.max == -INFINITY) return r;  // nothing but -inf: merges as empty
-  r.sum = chunk_sum_exp(buf, len, r.max);
-  r.arg = static_cast<int32_t>(lo + first_index_of(buf, len, r.max, -1));
+  const ChunkStats st = chunk_stats(row, p.logits_dtype, lo, len);
+  r.nonfinite = st.nonfinite ? 1 : 0;
+  if (st.max == -INFINITY) return r;  // nothing but -inf: merges as empty
+  r.max = st.max;
+  r.sum = st.sum;
+  r.arg = static_cast<int32_t>(lo + st.arg);
   const int64_t mask_local = p.mask_id >= lo && p.mask_id < lo + len ? p.mask_id - lo : -1;
   if (p.temperature > 0.f) {
+    fill_chunk(row, p.logits_dtype, lo, len, buf);
     // Sampling is rare and its noise costs two logs per element anyway: a plain scalar loop.
     const uint32_t key = decode_math::row_key(p.seed, p.offset, decode_math::row_counter(p.row_keys, n));
     for (int64_t i = 0; i < len; ++i) {
@@ -134,6 +213,7 @@ Partial scan_chunk(const DecodeStepParams& p, int64_t n, int64_t lo, int64_t len
   r.nm_score = r.max;
   r.nm_arg = r.arg;
   if (r.arg - lo == mask_local) {  // the raw best is the mask token: find the best other token
+    fill_chunk(row, p.logits_dtype, lo, len, buf);
     int64_t other = first_index_of(buf, len, r.max, mask_local);
     if (other < 0) {
       const float keep = buf[mask_local];

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include <omp.h>
-#if defined(__AVX__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -100,37 +100,52 @@ void block2_fp32(const float* X, int64_t K, const float* Wg, const float* Wu, vc
   }
 }
 
-// out[i] = X[i] . W[at, at + K) for the N rows of X (ld K): each weight vector is loaded (and a
-// 16-bit one converted) once for the N rows, one register-wide chain per row.
+// out0[i] = X[i] . W[at0, at0 + K) and out1[i] = X[i] . W[at1, at1 + K) for the N rows of X (ld K):
+// each weight vector is loaded (and a 16-bit one converted) once for the N rows, and each x vector
+// once for both weight rows, 2 N register-wide FMA chains. Two weight rows per pass halve the traffic
+// of X (fp32, N x K: with bf16 weights it was 8x the weight stream at LLaDA-MoE's ~4 rows per expert)
+// and keep the FMA latency off the critical path.
 template <ScalarType T, int N>
-void dots(const float* X, const void* W, int64_t at, int64_t K, float* out) {
-  vcols acc[N] = {};
+void dots2(const float* X, const void* W, int64_t at0, int64_t at1, int64_t K, float* out0, float* out1) {
+  vcols a0[N] = {}, a1[N] = {};
   int64_t k = 0;
   for (; k + kCols <= K; k += kCols) {
-    const vcols w = host::load_vreg<T>(W, at + k);
-    for (int i = 0; i < N; ++i) acc[i] += host::loadv<vcols>(X + i * K + k) * w;
+    const vcols w0 = host::load_vreg<T>(W, at0 + k), w1 = host::load_vreg<T>(W, at1 + k);
+    for (int i = 0; i < N; ++i) {
+      const vcols x = host::loadv<vcols>(X + i * K + k);
+      a0[i] += x * w0;
+      a1[i] += x * w1;
+    }
   }
-  for (int i = 0; i < N; ++i) out[i] = host::hsum(acc[i]);
+  for (int i = 0; i < N; ++i) {
+    out0[i] = host::hsum(a0[i]);
+    out1[i] = host::hsum(a1[i]);
+  }
   for (; k < K; ++k) {
-    float w;
-    host::load_row(W, at + k, 1, T, &w);
-    for (int i = 0; i < N; ++i) out[i] += X[i * K + k] * w;
+    float w0, w1;
+    host::load_row(W, at0 + k, 1, T, &w0);
+    host::load_row(W, at1 + k, 1, T, &w1);
+    for (int i = 0; i < N; ++i) {
+      out0[i] += X[i * K + k] * w0;
+      out1[i] += X[i * K + k] * w1;
+    }
   }
 }
 
 template <ScalarType T, int... Ns>
-void dots_n(const float* X, int64_t n, const void* W, int64_t at, int64_t K, float* out,
-            std::integer_sequence<int, Ns...>) {
-  ((n == Ns + 1 ? dots<T, Ns + 1>(X, W, at, K, out) : void()), ...);
+void dots2_n(const float* X, int64_t n, const void* W, int64_t at0, int64_t at1, int64_t K, float* out0,
+             float* out1, std::integer_sequence<int, Ns...>) {
+  ((n == Ns + 1 ? dots2<T, Ns + 1>(X, W, at0, at1, K, out0, out1) : void()), ...);
 }
 
 // The same for n in [1, kMinGemmRows) rows and any weight dtype.
-void dots(const float* X, int64_t n, const void* W, ScalarType wt, int64_t at, int64_t K, float* out) {
+void dots2(const float* X, int64_t n, const void* W, ScalarType wt, int64_t at0, int64_t at1, int64_t K,
+           float* out0, float* out1) {
   const auto ns = std::make_integer_sequence<int, kMinGemmRows - 1>{};
   switch (wt) {
-    case ScalarType::kFloat32: return dots_n<ScalarType::kFloat32>(X, n, W, at, K, out, ns);
-    case ScalarType::kBFloat16: return dots_n<ScalarType::kBFloat16>(X, n, W, at, K, out, ns);
-    default: return dots_n<ScalarType::kFloat16>(X, n, W, at, K, out, ns);
+    case ScalarType::kFloat32: return dots2_n<ScalarType::kFloat32>(X, n, W, at0, at1, K, out0, out1, ns);
+    case ScalarType::kBFloat16: return dots2_n<ScalarType::kBFloat16>(X, n, W, at0, at1, K, out0, out1, ns);
+    default: return dots2_n<ScalarType::kFloat16>(X, n, W, at0, at1, K, out0, out1, ns);
   }
 }
 
@@ -211,6 +226,21 @@ void transpose8(const void* W, ScalarType wt, int64_t at, int64_t ld, float* out
     _mm256_storeu_ps(out + (c + 4) * 8, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
   }
 }
+#elif defined(__SSE2__) && !defined(__AVX__)
+// out[j * 4 + i] = W[at + i * ld + j] in fp32, for 4 rows of 4 elements: _MM_TRANSPOSE4_PS's unpacks
+// and moves instead of 16 scalar moves (and the conversion of 16-bit weights on the way).
+void transpose4(const void* W, ScalarType wt, int64_t at, int64_t ld, float* out) {
+  __m128 r[4];
+  for (int i = 0; i < 4; ++i) {
+    switch (wt) {
+      case ScalarType::kFloat32: r[i] = (__m128)host::load_vreg<ScalarType::kFloat32>(W, at + i * ld); break;
+      case ScalarType::kBFloat16: r[i] = (__m128)host::load_vreg<ScalarType::kBFloat16>(W, at + i * ld); break;
+      default: r[i] = (__m128)host::load_vreg<ScalarType::kFloat16>(W, at + i * ld); break;
+    }
+  }
+  _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+  for (int j = 0; j < 4; ++j) _mm_storeu_ps(out + j * 4, r[j]);
+}
 #endif
 
 // Wt[k * kCols + c] = W[n0 + c][k] in fp32, zero for c >= nc.
@@ -226,6 +256,12 @@ void transpose_chunk(const void* W, ScalarType wt, int64_t n0, int nc, int64_t K
 #elif defined(__AVX2__) && defined(__F16C__)
   if (nc == kCols) {   // whole 8 x 8 blocks
     for (; k0 + 8 <= K; k0 += 8) transpose8(W, wt, n0 * K + k0, K, Wt + k0 * kCols);
+    if (k0 == K) return;
+  }
+#elif defined(__SSE2__) && !defined(__AVX__)
+  static_assert(kCols == 4, "the SSE2 chunks are one 4-float register wide");
+  if (nc == kCols) {   // whole 4 x 4 blocks
+    for (; k0 + 4 <= K; k0 += 4) transpose4(W, wt, n0 * K + k0, K, Wt + k0 * kCols);
     if (k0 == K) return;
   }
 #endif
@@ -450,10 +486,9 @@ void gate_up_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, Rows
   if (!s.gemm) {
     float G[kMinGemmRows][kCols] = {}, U[kMinGemmRows][kCols] = {};
     const float* X = R.x.data() + s.row0 * H;
-    for (int c = 0; c < nc; ++c) {
+    for (int c = 0; c < nc; ++c) {   // the gate and up rows of output c in one pass over X
       float g[kMinGemmRows] = {}, u[kMinGemmRows] = {};
-      dots(X, s.n, w13, p.dtype, (n0 + c) * H, H, g);
-      dots(X, s.n, w13, p.dtype, (I + n0 + c) * H, H, u);
+      dots2(X, s.n, w13, p.dtype, (n0 + c) * H, (I + n0 + c) * H, H, g, u);
       for (int64_t i = 0; i < s.n; ++i) {
         G[i][c] = g[i];
         U[i][c] = u[i];
@@ -508,10 +543,14 @@ void down_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, const i
   };
   if (!s.gemm) {
     float Y[kMinGemmRows][kCols] = {};
-    for (int c = 0; c < nc; ++c) {
-      float y[kMinGemmRows] = {};
-      dots(R.a.data() + s.row0 * I, s.n, w2, p.dtype, (n0 + c) * I, I, y);
-      for (int64_t i = 0; i < s.n; ++i) Y[i][c] = y[i];
+    for (int c = 0; c < nc; c += 2) {   // outputs c and c + 1 in one pass (c alone, twice, at an odd end)
+      const int c1 = std::min(c + 1, nc - 1);
+      float y0[kMinGemmRows] = {}, y1[kMinGemmRows] = {};
+      dots2(R.a.data() + s.row0 * I, s.n, w2, p.dtype, (n0 + c) * I, (n0 + c1) * I, I, y0, y1);
+      for (int64_t i = 0; i < s.n; ++i) {
+        Y[i][c] = y0[i];
+        Y[i][c1] = y1[i];
+      }
     }
     for (int64_t i = 0; i < s.n; ++i) finish(i, Y[i]);
     return;

@@ -103,4 +103,5 @@ def moe(hidden: torch.Tensor, router_weight: Optional[torch.Tensor], w13: torch.
         e1 = _checks.integer("expert_range[1]", e1, e0, E + 1)
     return _moe_op(hidden, router_weight, router_logits, w13, w2, top_k, bool(renormalize),
                    _SCORING_CODES[scoring], expert_bias, num_groups, topk_groups, routed_scaling, e0, e1,
-                   _backend.resolve(backend, dev, "moe"))
+                   _backend.resolve(backend, dev, "moe", dtype=hidden.dtype, rows_per_expert=T * top_k / E,
+                                    weight_bytes=(w13.numel() + w2.numel()) * w13.element_size()))

@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
 #include "dinfer_kernels/isa_namespace.h"
 #include "dinfer_kernels/scalar.h"
 
@@ -51,14 +55,11 @@ inline void storev(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 template <typename V>
 inline V splat(float x) { return V{} + x; }
 
-// exp(x) for x <= 0, lane-wise: scalar::exp_nonpositive's formula (the exp the device kernels share)
+// exp(xc) for xc in [-87.3, 0], lane-wise: scalar::exp_nonpositive's range reduction and polynomial
 // step for step on a vector, so the host's SIMD softmaxes and the device's scalar code agree.
 template <typename V>
-inline V exp_nonpositive(V x) {
-  using Mask = decltype(x < x);   // the signed integer vector of the same shape
-  const V lo = splat<V>(-87.3f);
-  const Mask under = x < lo;
-  const V xc = under ? lo : x;
+inline V exp_in_range(V xc) {
+  using Mask = decltype(xc < xc);   // the signed integer vector of the same shape
   const float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to nearest
   const V n = (xc * 1.44269504088896341f + kRound) - kRound;
   const V r = xc - n * 0.693359375f - n * -2.12194440e-4f;   // ln2 in two parts
@@ -70,8 +71,49 @@ inline V exp_nonpositive(V x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
+#if defined(__AVX512F__)
+  // p * 2^n in one instruction instead of building 2^n's bits (convert, add, shift) and multiplying:
+  // the same exact product, rounded once.
+  if constexpr (sizeof(V) == sizeof(__m512))   // maskz: GCC 12 flags the plain form's undefined merge source
+    return (V)_mm512_maskz_scalef_ps(static_cast<__mmask16>(0xFFFF), (__m512)p, (__m512)n);
+#endif
   const Mask bits = (__builtin_convertvector(n, Mask) + 127) << 23;
-  return under ? V{} : p * (V)bits;
+  return p * (V)bits;
+}
+
+constexpr float kExpFloor = -87.3f;   // below it exp_nonpositive is 0 (2^-126 and under)
+
+// exp(x) for x <= 0, lane-wise (NaN stays NaN).
+template <typename V>
+inline V exp_nonpositive(V x) {
+  const V lo = splat<V>(kExpFloor);
+  const auto under = x < lo;
+  return under ? V{} : exp_in_range(under ? lo : x);
+}
+
+// The terms of a sum of exp(x) over x <= 0, NaN counting as 0 (a sanitised logit minus the row max,
+// straight from the raw logit: NaN as -inf): exp_nonpositive's value for x >= -87.3, and below it
+// (and for NaN, which compares false) exp(-87.3) <= 2^-125 instead of 0 — nothing in a
+// sum that holds exp(0) = 1, the max itself. One max instead of exp_nonpositive's compare and two selects.
+// x > y ? x : y lane-wise (so y where x is NaN): exactly the x86 max instruction, which GCC does not
+// always see through the select (SSE2 got compare, and, andnot, or).
+template <typename V>
+inline V max_or_second(V x, V y) {
+#if defined(__AVX512F__)   // maskz: GCC 12 flags the plain form's undefined merge source
+  if constexpr (sizeof(V) == 64) return (V)_mm512_maskz_max_ps(static_cast<__mmask16>(0xFFFF), (__m512)x, (__m512)y);
+#endif
+#if defined(__AVX__)
+  if constexpr (sizeof(V) == 32) return (V)_mm256_max_ps((__m256)x, (__m256)y);
+#endif
+#if defined(__SSE__)
+  if constexpr (sizeof(V) == 16) return (V)_mm_max_ps((__m128)x, (__m128)y);
+#endif
+  return x > y ? x : y;
+}
+
+template <typename V>
+inline V exp_term(V x) {
+  return exp_in_range(max_or_second(x, splat<V>(kExpFloor)));
 }
 
 // The scalar form (loop tails, one-off values): lane 0 of the 4-lane one, so both agree exactly.
