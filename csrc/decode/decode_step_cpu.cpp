@@ -128,7 +128,9 @@ ChunkStats chunk_stats(const void* row, int64_t lo, int64_t len) {
   }
   if (r.max == -INFINITY) return r;
   i = 0;
-  if (r.max == INFINITY) {   // sanitised: FLT_MAX, first held by a +inf or a FLT_MAX
+  // sanitised: FLT_MAX, first held by a +inf or a FLT_MAX (the scalar tail reads sanitised values, so
+  // a +inf there shows as FLT_MAX: the raw vector sum would then meet inf - FLT_MAX)
+  if (r.max >= FLT_MAX) {
     r.max = FLT_MAX;
     for (r.arg = 0; decode_math::load_logit(row, T, lo + r.arg) != FLT_MAX; ++r.arg) {}
   } else {
