@@ -26,8 +26,9 @@ with NonFiniteLogitsError, at most `unroll` forwards after it happened.
 
 Sampling (temperature > 0) keys each row's noise on its request (a hash of the prompt), its absolute
 position and that request's own iteration count, never on its slot in the batch: a seeded prompt
-samples the same tokens alone, anywhere in a batch, with any batch_size (identical prompts in one
-run therefore sample identical tokens, as they would run alone).
+samples the same tokens alone, anywhere in a batch, with any batch_size. Copies of one prompt in a run
+are told apart by their rank among the copies (the first samples as it would alone), so n copies
+give n samples.
 """
 import copy
 import time
@@ -151,6 +152,18 @@ class BlockState:
         return new
 
 
+def request_keys_of(prompts: List[List[int]]) -> List[int]:
+    """The sampling key of each prompt: its content (rng.sequence_key) and its rank among the earlier
+    copies of the same prompt in the run."""
+    seen: dict = {}
+    keys = []
+    for p in prompts:
+        ids = tuple(int(t) for t in p)
+        keys.append(rng.sequence_key(ids, seen.get(ids, 0)))
+        seen[ids] = seen.get(ids, 0) + 1
+    return keys
+
+
 def _head(buffer: torch.Tensor, B: int, S: int) -> torch.Tensor:
     return buffer.view(-1)[:B * S * buffer[0, 0].numel()].view(B, S, *buffer.shape[2:])
 
@@ -234,7 +247,7 @@ class Generator:
         check_memory(model, slots, full.max_len, cfg.block_length)  # a clear refusal, not an OOM
         cache = model.new_cache(slots, full.max_len)
         sampling = cfg.decoder.temperature > 0
-        request_keys = torch.tensor([rng.sequence_key(p) if sampling else 0 for p in prompts],
+        request_keys = torch.tensor(request_keys_of(prompts) if sampling else [0] * len(prompts),
                                     dtype=torch.int64, device=model.device)
         queue, flight = deque(range(full.size)), []
         out: List[torch.Tensor] = [None] * full.size   # filled as sequences finish; all do

@@ -161,3 +161,14 @@ def test_seeded_sampling_is_keyed_on_the_request():
     other_seed = dict(cfg.decoder.__dict__, seed=12)
     reseeded = generate(model, prompts, GenerationConfig(**{**cfg.__dict__, "decoder": DecoderConfig(**other_seed)}))[0]
     assert [o.tolist() for o in reseeded] != alone     # the seed still matters
+
+
+def test_copies_of_a_prompt_sample_apart():
+    """n copies of one prompt in a run give n samples; the first samples as the prompt would alone."""
+    model = model_of(MOE, seed=4, scale=20)
+    cfg = GenerationConfig(gen_length=16, block_length=8, cache="vicinity",
+                           decoder=DecoderConfig(threshold=0.5, temperature=3.0, seed=11))
+    prompt = [5, 9, 17, 3]
+    copies = [o.tolist() for o in generate(model, [prompt] * 4, cfg)[0]]
+    assert copies[0] == generate(model, [prompt], cfg)[0][0].tolist()
+    assert len({tuple(c) for c in copies}) == 4

@@ -53,12 +53,14 @@ def gumbel(seed: int, offset: int, num_rows: int, vocab: int, device=None, rows=
     return -torch.log(-torch.log(u))
 
 
-def sequence_key(tokens) -> int:
+def sequence_key(tokens, repeat: int = 0) -> int:
     """A uint32 key of a token sequence (its ids and length), for keying sampling on a request's
-    content: every token mixed with its position, summed mod 2**32, mixed with the length."""
+    content: every token mixed with its position, summed mod 2**32, mixed with the length, then
+    with `repeat` (the how-manieth copy of this prompt in the run, so that copies sample apart)."""
     t = torch.as_tensor(tokens, dtype=torch.int64).flatten() & _U32
     spread = mix32(t ^ mix32(torch.arange(t.numel(), dtype=torch.int64) ^ GOLDEN))
-    return int(mix32(torch.tensor((int(spread.sum()) & _U32) ^ t.numel(), dtype=torch.int64)))
+    key = mix32(torch.tensor((int(spread.sum()) & _U32) ^ t.numel(), dtype=torch.int64))
+    return int(mix32(key ^ mix32(torch.tensor(repeat, dtype=torch.int64) & _U32)))
 
 
 def request_row_keys(request_keys: torch.Tensor, positions: torch.Tensor, iterations: torch.Tensor) -> torch.Tensor:
