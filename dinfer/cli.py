@@ -108,7 +108,8 @@ def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", help="a file of prompts, one per non-empty line ('-': stdin)")
     g.add_argument("--stop", action="append",
                    help="cut each answer before the first occurrence of this string (repeatable)")
-    g.add_argument("--json", action="store_true", help='print {"texts", "token_ids", "stats"} as JSON at the end')
+    g.add_argument("--json", action="store_true", help='print {"texts", "token_ids", "stats"} as JSON at the end '
+                   '(interrupted: {"texts": the finished ones, null for the rest, "interrupted": true})')
     g.add_argument("--output", help='also write one JSON line {"index", "prompt", "text"} per prompt as it finishes')
     g.add_argument("--no-chat", dest="chat", action="store_false",
                    help="do not apply the checkpoint's chat template (default: applied)")
@@ -177,9 +178,11 @@ class _Printer:
     def __init__(self, prompts: List[str], show: bool, output, bar: Progress):
         self.prompts, self.show, self.output, self.bar = prompts, show, output, bar
         self.ready: Dict[int, str] = {}
+        self.finished: Dict[int, str] = {}   # every answer so far (what --json prints if interrupted)
         self.printed = 0
 
     def __call__(self, i: int, text: str) -> None:
+        self.finished[i] = text
         if self.output is not None:
             self.output.write(json.dumps({"index": i, "prompt": self.prompts[i], "text": text},
                                          ensure_ascii=False) + "\n")
@@ -256,9 +259,12 @@ def _interrupted(args: argparse.Namespace, state: dict) -> str:
         kept = f"{state['saved']} finished task(s) are in {args.output}" if state.get("saved") else "nothing kept"
     else:
         printer = state.get("printer")
-        done = len(printer.ready) + printer.printed if printer else 0
-        kept = (f"{printer.printed if printer and printer.show else 0} answer(s) printed" +
-                (f", {done} in {args.output}" if args.output else ""))
+        done = len(printer.finished) if printer else 0
+        if args.json and printer:   # the finished answers, null for the others
+            print(json.dumps({"texts": [printer.finished.get(i) for i in range(len(printer.prompts))],
+                              "interrupted": True}, ensure_ascii=False))
+        shown = done if args.json else printer.printed if printer else 0
+        kept = (f"{shown} answer(s) printed" + (f", {done} in {args.output}" if args.output else ""))
     return f"dinfer: interrupted; {kept}"
 
 

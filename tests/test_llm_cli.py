@@ -415,3 +415,15 @@ def test_cli_ctrl_c_keeps_finished_answers(ckpt, llm):
     assert err.strip().splitlines() == [err.strip()] and err.startswith("dinfer: interrupted;")
     assert "answer(s) printed" in err and "Traceback" not in err
     assert len(rest.splitlines()) < len(prompts) - 1
+
+
+def test_cli_ctrl_c_with_json_prints_the_finished_answers(capsys):
+    """--json prints at the end; interrupted, it prints the answers finished so far (null the rest)."""
+    from dinfer.cli import _interrupted, _parser, _Printer
+    from dinfer.evaluate import Progress
+    args = _parser(None).parse_args(["generate", "--json", "--prompt", "a", "--prompt", "b", "--prompt", "c"])
+    printer = _Printer(["a", "b", "c"], False, None, Progress(3, False))
+    printer(1, "second")
+    line = _interrupted(args, {"printer": printer})
+    assert json.loads(capsys.readouterr().out) == {"texts": [None, "second", None], "interrupted": True}
+    assert line == "dinfer: interrupted; 1 answer(s) printed"

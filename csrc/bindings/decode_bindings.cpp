@@ -190,6 +190,12 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
     nonfinite->expect_same_device(logits);
     p.nonfinite = nonfinite->data<uint8_t>();
   }
+  const TensorArg* keys = row_keys ? &*row_keys : nullptr;
+  const TensorArg* flags = nonfinite ? &*nonfinite : nullptr;
+  expect_disjoint({flags}, {&logits, &tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals,
+                            &candidate, &confidence, &commit, &row_max, &row_lse, keys});
+  expect_disjoint({&tokens, &credit_ids, &credit_vals, &candidate, &confidence, &commit, &row_max, &row_lse},
+                  {keys});
   p.logits = logits.data<void>();
   p.logits_dtype = scalar_type(logits.dtype());
   p.num_rows = N;
@@ -232,7 +238,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   workspace.expect_writable();
   workspace.expect_same_device(logits);
   expect_disjoint({&workspace}, {&logits, &tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals,
-                                 &candidate, &confidence, &commit, &row_max, &row_lse});
+                                 &candidate, &confidence, &commit, &row_max, &row_lse, keys, flags});
   const size_t need = dinfer_kernels::decode_step_cuda_workspace_bytes(N, V);
   if (static_cast<size_t>(workspace.numel()) < need)
     throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +

@@ -194,7 +194,8 @@ def decode_step(
         row_keys = row_keys.contiguous()
     backend = _backend.resolve(backend, dev, "decode_step")
     _checks.disjoint({"tokens": tokens, "credit.ids": ids, "credit.vals": vals},
-                     {"logits": logits, "seq_offsets": seq_offsets, "threshold": thr, "num_commit": k})
+                     {"logits": logits, "seq_offsets": seq_offsets, "threshold": thr, "num_commit": k,
+                      "row_keys": row_keys})
 
     check_data = _checks.data_checks_possible(logits) if validate is None else validate
     if check_data and backend != "cpu":  # the compiled host kernel checks values itself, for free
