@@ -49,8 +49,9 @@ _EXTENSION_HAS_MOE = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "moe")
 # The host kernels' ISA: asking now makes a bad DINFER_CPU_ISA fail the import, naming the variable
 # (a build from before the per-ISA layer has one copy, fast for every op it has).
 _EXTENSION_HAS_ISAS = _EXTENSION is not None and hasattr(_EXTENSION, "cpu_isa")
-if _EXTENSION_HAS_ISAS:
-    _EXTENSION.cpu_isa()
+# Kept here, as the fast-op set is, so that resolving a backend calls nothing compiled (torch.compile
+# traces the ops' resolve; set_cpu_isa updates both).
+_isa = _EXTENSION.cpu_isa() if _EXTENSION_HAS_ISAS else None
 _host_fast_ops = frozenset(_EXTENSION.cpu_isa_fast_ops() if _EXTENSION_HAS_ISAS else _EXTENSION_HOST_OPS)
 
 
@@ -71,7 +72,7 @@ def triton_interpreted() -> bool:
 def cpu_isa():
     """The ISA whose copy of the host kernels runs ("generic", "avx2", "avx512", "avx512bf16"), or None
     without the extension."""
-    return _EXTENSION.cpu_isa() if _EXTENSION_HAS_ISAS else None
+    return _isa
 
 
 def cpu_isas():
@@ -82,10 +83,11 @@ def cpu_isas():
 def set_cpu_isa(isa: str):
     """Runs every later host-kernel call with `isa`'s copy, in the whole process (not while another
     thread runs a host kernel). ValueError for an unknown ISA or one this CPU does not run."""
-    global _host_fast_ops
+    global _host_fast_ops, _isa
     if not _EXTENSION_HAS_ISAS:
         raise ValueError("isa: this install has no per-ISA host kernels")
     _EXTENSION.set_cpu_isa(isa)
+    _isa = _EXTENSION.cpu_isa()
     _host_fast_ops = frozenset(_EXTENSION.cpu_isa_fast_ops())
 
 
@@ -101,7 +103,7 @@ def cpu_fast_ops():
 # None: never. The kernel streams each expert's weights once for all of its rows (dot products under
 # 8 rows), so it wins with few rows per expert; torch's GEMMs win with many, and in 16-bit over large
 # experts torch's GEMMs stream the weights faster than the kernel's convert-and-FMA loop.
-# Measured with bench_kernels/bench_host_best.py moe (1 thread, best of 5 interleaved rounds) on an
+# Measured with bench_kernels/host_best.py moe (1 thread, best of 5 interleaved rounds) on an
 # AMD EPYC (Zen 4) at commit c3778d8, reference time / ours (RESULTS.md, "auto per dtype and shape"):
 # small = E 8, H 256, I 128 at 4, 32, 128 rows per expert | large = LLaDA-MoE's E 64, H 2048, I 1024
 # at 0.5, 4 rows per expert (T 4, 32):

@@ -377,7 +377,7 @@ def gen_decode_step(r, backend, floats, valid):
                 res.append(tuple(out) + (tok,) + ((ids, vals) if ids is not None else ()))
             return res[0], tuple(t.double() if t.is_floating_point() else None for t in res[1])
         return Case(f"decode_step {a['logits'].dtype} N={N} V={V} K={K} {rule}", run, reference=ref,
-                    exact=(0, 2, 3, 5, 6))
+                    exact=(0, 2, 3, 5, 6, 7))   # candidate, commit, row_max, nonfinite, tokens, credit ids
     cs = a["credit"]
     corruptions = [
         (("logits",), lambda a: a.update(logits=a["logits"].double())),

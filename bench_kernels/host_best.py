@@ -1,7 +1,10 @@
 """Best-of-N host timings on a shared machine: every ISA copy and its baselines in interleaved rounds.
 
-    python bench_kernels/bench_host_best.py decode [--rounds 15] [--isas avx512,avx2,generic] [--dtypes fp32,bf16]
-    python bench_kernels/bench_host_best.py moe [--rounds 6] [--shapes small4,small32,big4,big32] [--dtypes ...]
+(Not a bench_*.py: it takes minutes at full size and is for tuning the host kernels on a loaded box;
+the GPU check's host numbers come from bench_host_isa.py.)
+
+    python bench_kernels/host_best.py decode [--rounds 15] [--isas avx512,avx2,generic] [--dtypes fp32,bf16]
+    python bench_kernels/host_best.py moe [--rounds 6] [--shapes small4,small32,big4,big32] [--dtypes ...]
 
 One thread (torch and the host kernels). Each round times every variant once, in turn; a variant's
 time is its best round, in CPU time of the thread (time.thread_time: what the other jobs of a shared
