@@ -23,8 +23,12 @@ def _typename(v) -> str:
     return f"{type(v).__name__} {v!r}" if isinstance(v, str) else type(v).__name__
 
 
-def _bounds(lo, hi) -> str:
-    return f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+def _in_range(name: str, v, lo, hi):
+    """v, or a ValueError naming `name` when it lies outside [lo, hi] (either end open when None)."""
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name}: must be in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], "
+                         f"got {v}")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +40,7 @@ class Int:
     def __call__(self, name: str, v) -> int:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {_typename(v)}")
-        v = int(v)
-        if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
-            raise ValueError(f"{name}: must be in {_bounds(self.lo, self.hi)}, got {v}")
-        return v
+        return _in_range(name, int(v), self.lo, self.hi)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +55,7 @@ class Real:
         v = float(v)
         if not math.isfinite(v):
             raise ValueError(f"{name}: must be finite, got {v}")
-        if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
-            raise ValueError(f"{name}: must be in {_bounds(self.lo, self.hi)}, got {v}")
-        return v
+        return _in_range(name, v, self.lo, self.hi)
 
 
 class Bool:

@@ -604,7 +604,7 @@ def test_fuzz_op(op, backend, request):
 # The arrays each binding writes (attention's caches only with write_back).
 WRITTEN = {"rms_norm": ("out",), "rope": ("out",), "moe": ("out",), "attention": ("out", "lse", "block_mass"),
            "decode_step": ("tokens", "credit_ids", "credit_vals", "candidate", "confidence", "commit", "row_max",
-                           "row_lse")}
+                           "row_lse", "nonfinite")}
 
 
 class Recorder:
@@ -620,7 +620,10 @@ class Recorder:
         names = [n.split(":")[0] for n in names]
 
         def call(*args, **kwargs):
-            args = [torch.utils.dlpack.from_dlpack(a) if type(a).__name__ == "PyCapsule" else a for a in args]
+            def tensor(a):
+                return torch.utils.dlpack.from_dlpack(a) if type(a).__name__ == "PyCapsule" else a
+            args = [tensor(a) for a in args]
+            kwargs = {n: tensor(a) for n, a in kwargs.items()}   # optional arrays come by keyword
             self.calls.append((binding, {**dict(zip(names, args)), **kwargs}))
             return real(*args, **kwargs)
         return call

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <optional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -151,8 +151,27 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   for (TensorArg* t : {&tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals, &candidate,
                        &confidence, &commit, &row_max, &row_lse})
     t->expect_same_device(logits);
-  expect_disjoint({&tokens, &credit_ids, &credit_vals, &candidate, &confidence, &commit, &row_max, &row_lse},
-                  {&logits, &offsets, &threshold, &num_commit});
+  // Optional: per-row noise keys (any values: they only feed the hash) and the non-finite flags.
+  // Held until the launch: a TensorArg owns its DLPack reference.
+  std::unique_ptr<TensorArg> row_keys, nonfinite;
+  if (!row_keys_o.is_none()) {
+    row_keys.reset(new TensorArg(row_keys_o, "row_keys"));
+    row_keys->expect_dtype({DType::kInt64});
+    row_keys->expect_shape({N});
+    row_keys->expect_contiguous();
+    row_keys->expect_same_device(logits);
+  }
+  if (!nonfinite_o.is_none()) {
+    nonfinite.reset(new TensorArg(nonfinite_o, "nonfinite"));
+    nonfinite->expect_dtype({DType::kBool, DType::kUInt8});
+    nonfinite->expect_shape({N});
+    nonfinite->expect_contiguous();
+    nonfinite->expect_writable();
+    nonfinite->expect_same_device(logits);
+  }
+  expect_disjoint({&tokens, &credit_ids, &credit_vals, &candidate, &confidence, &commit, &row_max, &row_lse,
+                   nonfinite.get()},
+                  {&logits, &offsets, &threshold, &num_commit, row_keys.get()});
 
   if (mask_id < 0 || mask_id >= V)
     throw_value_error("mask_id: " + std::to_string(mask_id) + " is outside [0, " + std::to_string(V) + ")");
@@ -170,32 +189,8 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   if (gamma < 0) throw_value_error("credit_gamma: must be >= 0");
 
   DecodeStepParams p;
-  // Optional: per-row noise keys (any values: they only feed the hash) and the non-finite flags.
-  // Held until the launch: a TensorArg owns its DLPack reference.
-  std::optional<TensorArg> row_keys, nonfinite;
-  if (!row_keys_o.is_none()) {
-    row_keys.emplace(row_keys_o, "row_keys");
-    row_keys->expect_dtype({DType::kInt64});
-    row_keys->expect_shape({N});
-    row_keys->expect_contiguous();
-    row_keys->expect_same_device(logits);
-    p.row_keys = row_keys->data<int64_t>();
-  }
-  if (!nonfinite_o.is_none()) {
-    nonfinite.emplace(nonfinite_o, "nonfinite");
-    nonfinite->expect_dtype({DType::kBool, DType::kUInt8});
-    nonfinite->expect_shape({N});
-    nonfinite->expect_contiguous();
-    nonfinite->expect_writable();
-    nonfinite->expect_same_device(logits);
-    p.nonfinite = nonfinite->data<uint8_t>();
-  }
-  const TensorArg* keys = row_keys ? &*row_keys : nullptr;
-  const TensorArg* flags = nonfinite ? &*nonfinite : nullptr;
-  expect_disjoint({flags}, {&logits, &tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals,
-                            &candidate, &confidence, &commit, &row_max, &row_lse, keys});
-  expect_disjoint({&tokens, &credit_ids, &credit_vals, &candidate, &confidence, &commit, &row_max, &row_lse},
-                  {keys});
+  p.row_keys = row_keys ? row_keys->data<int64_t>() : nullptr;
+  p.nonfinite = nonfinite ? nonfinite->data<uint8_t>() : nullptr;
   p.logits = logits.data<void>();
   p.logits_dtype = scalar_type(logits.dtype());
   p.num_rows = N;
@@ -238,7 +233,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   workspace.expect_writable();
   workspace.expect_same_device(logits);
   expect_disjoint({&workspace}, {&logits, &tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals,
-                                 &candidate, &confidence, &commit, &row_max, &row_lse, keys, flags});
+                                 &candidate, &confidence, &commit, &row_max, &row_lse, row_keys.get(), nonfinite.get()});
   const size_t need = dinfer_kernels::decode_step_cuda_workspace_bytes(N, V);
   if (static_cast<size_t>(workspace.numel()) < need)
     throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
