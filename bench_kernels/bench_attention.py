@@ -22,15 +22,15 @@ dtype. Columns: median time, TFLOP/s over the attended (row, key) pairs (4 * Hq 
 GB/s over the K/V bytes of the attended key blocks, % of the copy bandwidth, % of the matmul rate,
 speedup vs sdpa+merge, and max |out - sdpa| / max |sdpa|.
 """
+
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import common
+import torch
+import torch.nn.functional as F
 
 Q_BLOCK = KV_BLOCK = 128
 
@@ -38,6 +38,7 @@ Q_BLOCK = KV_BLOCK = 128
 def flex_available():
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+
         return True
     except ImportError:
         return False
@@ -47,7 +48,7 @@ def make_inputs(W, S, Hq, Hkv, D, density, dtype, device, q_block, kv_block, see
     import dinfer_kernels as dk
 
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
     start = 0 if W >= S else (S - W) // 2 // 32 * 32
     pos = (start + torch.arange(W))[None].to(device)
     lens = torch.tensor([S], dtype=torch.int32, device=device)
@@ -56,22 +57,32 @@ def make_inputs(W, S, Hq, Hkv, D, density, dtype, device, q_block, kv_block, see
         dense = torch.ones(1, Hkv, nqb, nkb, dtype=torch.bool)
     else:
         dense = torch.rand(1, Hkv, nqb, nkb, generator=g) < density
-        dense[..., 0] = True                    # every list non-empty
+        dense[..., 0] = True  # every list non-empty
     bm = dk.BlockMask.from_dense(dense.to(device), q_block, kv_block)
-    return dict(q=r(1, W, Hq, D), k=r(1, W, Hkv, D), v=r(1, W, Hkv, D), kc=r(1, S, Hkv, D),
-                vc=r(1, S, Hkv, D), pos=pos, lens=lens, start=start, bm=bm, dense=dense.to(device))
+    return dict(
+        q=r(1, W, Hq, D),
+        k=r(1, W, Hkv, D),
+        v=r(1, W, Hkv, D),
+        kc=r(1, S, Hkv, D),
+        vc=r(1, S, Hkv, D),
+        pos=pos,
+        lens=lens,
+        start=start,
+        bm=bm,
+        dense=dense.to(device),
+    )
 
 
 def attended_pairs(dense, W, S, Hq, Hkv, q_block, kv_block):
     """sum over query heads and rows of the number of attended keys (exact, with ragged last blocks)."""
-    d = dense[0].cpu().double()                                     # [Hkv, NQB, NKB]
+    d = dense[0].cpu().double()  # [Hkv, NQB, NKB]
     rows = torch.tensor([min(q_block, W - j * q_block) for j in range(d.shape[1])], dtype=torch.float64)
     keys = torch.tensor([min(kv_block, S - i * kv_block) for i in range(d.shape[2])], dtype=torch.float64)
     return float((d * rows[None, :, None] * keys[None, None, :]).sum()) * (Hq // Hkv)
 
 
 def kv_bytes(dense, S, Hkv, D, itemsize, kv_block):
-    d = dense[0].cpu().any(1).double()                              # [Hkv, NKB]: read at least once
+    d = dense[0].cpu().any(1).double()  # [Hkv, NKB]: read at least once
     keys = torch.tensor([min(kv_block, S - i * kv_block) for i in range(d.shape[1])], dtype=torch.float64)
     return float((d * keys[None, :]).sum()) * 2 * D * itemsize
 
@@ -102,11 +113,13 @@ def build_cases(W, S, density, args, device, notes, flex_state):
     def sdpa(i):
         k_all = kct[i].slice_scatter(kt, dim=2, start=st, end=st + W)
         v_all = vct[i].slice_scatter(vt, dim=2, start=st, end=st + W)
-        return F.scaled_dot_product_attention(qt, k_all, v_all, attn_mask=mask,
-                                              enable_gqa=group > 1).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            qt, k_all, v_all, attn_mask=mask, enable_gqa=group > 1
+        ).transpose(1, 2)
 
-    cases = [("sdpa", "sdpa+merge", "torch",
-              common.Case(f"sdpa+merge W={W} S={S} d={density}", sdpa, copies))]
+    cases = [
+        ("sdpa", "sdpa+merge", "torch", common.Case(f"sdpa+merge W={W} S={S} d={density}", sdpa, copies))
+    ]
 
     if flex_state["on"]:
         try:
@@ -119,8 +132,9 @@ def build_cases(W, S, density, args, device, notes, flex_state):
             bm = x["bm"]
             counts = bm.kv_num_blocks.repeat_interleave(group, 1)
             idx = bm.kv_indices.repeat_interleave(group, 1)
-            fbm = FlexBlockMask.from_kv_blocks(counts, idx, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
-                                               seq_lengths=(W, S))
+            fbm = FlexBlockMask.from_kv_blocks(
+                counts, idx, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), seq_lengths=(W, S)
+            )
 
             def flex_call(i):
                 k_all = kct[i].slice_scatter(kt, dim=2, start=st, end=st + W)
@@ -131,33 +145,64 @@ def build_cases(W, S, density, args, device, notes, flex_state):
             flex_call(0)
             common.sync(device)
             flex_state["compile_s"] += time.perf_counter() - t0
-            cases.append(("flex", "flex+merge", "inductor",
-                          common.Case(f"flex+merge W={W} S={S} d={density}", flex_call, copies)))
+            cases.append(
+                (
+                    "flex",
+                    "flex+merge",
+                    "inductor",
+                    common.Case(f"flex+merge W={W} S={S} d={density}", flex_call, copies),
+                )
+            )
             if flex_state["compile_s"] > flex_state["budget_s"]:
                 flex_state["on"] = False
-                notes.append(f"flex: compile time {flex_state['compile_s']:.0f}s passed the budget "
-                             f"({flex_state['budget_s']:.0f}s); later shapes skip FlexAttention")
-        except Exception as e:  # noqa: BLE001
+                notes.append(
+                    f"flex: compile time {flex_state['compile_s']:.0f}s passed the budget "
+                    f"({flex_state['budget_s']:.0f}s); later shapes skip FlexAttention"
+                )
+        except Exception as e:
             first = str(e).splitlines()[0][:140] if str(e) else ""
             notes.append(f"W={W} S={S} flex skipped: {type(e).__name__}: {first}")
 
-    backends = [b for b in dk.available_backends(device, "attention")
-                if (not args.backends or b in args.backends.split(","))]
+    backends = [
+        b
+        for b in dk.available_backends(device, "attention")
+        if (not args.backends or b in args.backends.split(","))
+    ]
     if device == "cuda" and not args.backends and "torch" in backends:
-        backends.remove("torch")           # the reference itself, not a kernel
+        backends.remove("torch")  # the reference itself, not a kernel
     if device == "cpu" and not args.backends:
-        backends = [b for b in backends if b != "triton"]     # the interpreter is not a timing target
+        backends = [b for b in backends if b != "triton"]  # the interpreter is not a timing target
     bm = x["bm"]
     modes = [("wb", True)] + ([("ro", False)] if W < S else [])
     for be in backends:
         for tag, wb in modes:
+
             def ours(i, be=be, wb=wb):
-                return dk.attention(x["q"], x["k"], x["v"], kcs[i], vcs[i], x["pos"], x["lens"],
-                                    write_back=wb, block_mask=bm, backend=be)
-            cases.append((f"ours_{tag}_{be}", f"ours {tag}", be,
-                          common.Case(f"ours {tag}[{be}] W={W} S={S} d={density}", ours, copies)))
-    meta = dict(pairs=attended_pairs(x["dense"], W, S, Hq, Hkv, Q_BLOCK, KV_BLOCK),
-                kv_bytes=kv_bytes(x["dense"], S, Hkv, D, x["kc"].element_size(), KV_BLOCK))
+                return dk.attention(
+                    x["q"],
+                    x["k"],
+                    x["v"],
+                    kcs[i],
+                    vcs[i],
+                    x["pos"],
+                    x["lens"],
+                    write_back=wb,
+                    block_mask=bm,
+                    backend=be,
+                )
+
+            cases.append(
+                (
+                    f"ours_{tag}_{be}",
+                    f"ours {tag}",
+                    be,
+                    common.Case(f"ours {tag}[{be}] W={W} S={S} d={density}", ours, copies),
+                )
+            )
+    meta = dict(
+        pairs=attended_pairs(x["dense"], W, S, Hq, Hkv, Q_BLOCK, KV_BLOCK),
+        kv_bytes=kv_bytes(x["dense"], S, Hkv, D, x["kc"].element_size(), KV_BLOCK),
+    )
     return cases, meta
 
 
@@ -174,8 +219,11 @@ def run(args):
     if args.windows:
         windows = common.parse_ints(args.windows)
     else:
-        windows = ([256, 1024] if cpu else [1024, 4096, 8192]) if args.quick else \
-                  ([256, 1024, 2048] if cpu else [1024, 2048, 4096, 8192])
+        windows = (
+            ([256, 1024] if cpu else [1024, 4096, 8192])
+            if args.quick
+            else ([256, 1024, 2048] if cpu else [1024, 2048, 4096, 8192])
+        )
     if args.refresh:
         refresh = common.parse_ints(args.refresh)
     else:
@@ -183,8 +231,10 @@ def run(args):
     densities = [float(d) for d in args.densities.split(",")]
     notes = []
     env = common.environment(device)
-    print(f"# bench_attention  device={device} ({env.get('gpu') or env['cpu']})  dtype={args.dtype}  "
-          f"heads={args.heads}/{args.kv_heads}x{args.head_dim}  commit={env['commit']}")
+    print(
+        f"# bench_attention  device={device} ({env.get('gpu') or env['cpu']})  dtype={args.dtype}  "
+        f"heads={args.heads}/{args.kv_heads}x{args.head_dim}  commit={env['commit']}"
+    )
     bw = common.copy_bandwidth(device, quick=args.quick)
     mm = common.matmul_rate(device, common.torch_dtype(args.dtype), args.quick)
     print(f"copy bandwidth: {bw['GBps']:.1f} GB/s; {args.dtype} matmul: {mm['TFLOPs']:.1f} TFLOP/s")
@@ -201,9 +251,10 @@ def run(args):
         for density in densities:
             try:
                 cases, meta = build_cases(W, S, density, args, device, notes, flex_state)
-            except Exception as e:  # noqa: BLE001
-                notes.append(f"W={W} S={S} density={density}: setup failed: {type(e).__name__}: "
-                             f"{str(e)[:160]}")
+            except Exception as e:
+                notes.append(
+                    f"W={W} S={S} density={density}: setup failed: {type(e).__name__}: {str(e)[:160]}"
+                )
                 continue
             ref = None
             rows = []
@@ -213,39 +264,70 @@ def run(args):
                     common.sync(device)
                     if key == "sdpa":
                         ref = y
-                    err = (None if ref is None else
-                           float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+                    err = (
+                        None
+                        if ref is None
+                        else float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                    )
                     m = common.measure(case, device, quick=args.quick, reps=args.reps)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     print(f"  {label}[{be}]: FAILED ({type(e).__name__}: {e})")
-                    notes.append(f"W={W} S={S} d={density} {label}[{be}] failed: {type(e).__name__}: "
-                                 f"{str(e)[:160]}")
+                    notes.append(
+                        f"W={W} S={S} d={density} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}"
+                    )
                     continue
                 if m["note"]:
                     notes.append(f"W={W} S={S} d={density} {label}[{be}]: {m['note']}")
                 t = m["median_s"]
-                r = dict(W=W, S=S, density=density, heads=args.heads, kv_heads=args.kv_heads,
-                         head_dim=args.head_dim, dtype=args.dtype, key=key, method=label, backend=be,
-                         timer=m["timer"], median_s=t, p20_s=m["p20_s"], p80_s=m["p80_s"], us=t * 1e6,
-                         TFLOPs=4.0 * meta["pairs"] * args.head_dim / t / 1e12,
-                         GBps=meta["kv_bytes"] / t / 1e9, rel_err=err)
+                r = dict(
+                    W=W,
+                    S=S,
+                    density=density,
+                    heads=args.heads,
+                    kv_heads=args.kv_heads,
+                    head_dim=args.head_dim,
+                    dtype=args.dtype,
+                    key=key,
+                    method=label,
+                    backend=be,
+                    timer=m["timer"],
+                    median_s=t,
+                    p20_s=m["p20_s"],
+                    p80_s=m["p80_s"],
+                    us=t * 1e6,
+                    TFLOPs=4.0 * meta["pairs"] * args.head_dim / t / 1e12,
+                    GBps=meta["kv_bytes"] / t / 1e9,
+                    rel_err=err,
+                )
                 r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
                 r["pct_mm"] = 100.0 * r["TFLOPs"] / mm["TFLOPs"]
                 rows.append(r)
-                print(f"  W={W:5d} S={S:5d} d={density:.2f} {label:11s} {be:8s} {r['us']:10.1f} us "
-                      f"{r['TFLOPs']:7.2f} TFLOP/s {r['GBps']:8.1f} GB/s  ({m['timer']})")
+                print(
+                    f"  W={W:5d} S={S:5d} d={density:.2f} {label:11s} {be:8s} {r['us']:10.1f} us "
+                    f"{r['TFLOPs']:7.2f} TFLOP/s {r['GBps']:8.1f} GB/s  ({m['timer']})"
+                )
             base = next((r for r in rows if r["key"] == "sdpa"), None)
             for r in rows:
                 r["x_sdpa"] = base["median_s"] / r["median_s"] if base else None
             results += rows
             kind = "window step" if W < S else "full refresh"
-            title = (f"{kind}: W = {W}, S = {S}, density {density:g}, {args.heads}/{args.kv_heads} heads x "
-                     f"{args.head_dim}, {args.dtype}, {device} ({env.get('gpu') or env['cpu']}); copy "
-                     f"{bw['GBps']:.0f} GB/s, matmul {mm['TFLOPs']:.0f} TFLOP/s")
-            cols = [("method", "method", None), ("backend", "backend", None), ("median µs", "us", ".1f"),
-                    ("TFLOP/s", "TFLOPs", ".2f"), ("% matmul", "pct_mm", ".1f"), ("KV GB/s", "GBps", ".1f"),
-                    ("% copy BW", "pct_copy", ".1f"), ("× sdpa+merge", "x_sdpa", ".2f"),
-                    ("rel err vs sdpa", "rel_err", ".2g"), ("timer", "timer", None)]
+            title = (
+                f"{kind}: W = {W}, S = {S}, density {density:g}, {args.heads}/{args.kv_heads} heads x "
+                f"{args.head_dim}, {args.dtype}, {device} ({env.get('gpu') or env['cpu']}); copy "
+                f"{bw['GBps']:.0f} GB/s, matmul {mm['TFLOPs']:.0f} TFLOP/s"
+            )
+            cols = [
+                ("method", "method", None),
+                ("backend", "backend", None),
+                ("median µs", "us", ".1f"),
+                ("TFLOP/s", "TFLOPs", ".2f"),
+                ("% matmul", "pct_mm", ".1f"),
+                ("KV GB/s", "GBps", ".1f"),
+                ("% copy BW", "pct_copy", ".1f"),
+                ("× sdpa+merge", "x_sdpa", ".2f"),
+                ("rel err vs sdpa", "rel_err", ".2g"),
+                ("timer", "timer", None),
+            ]
             table = f"**{title}**\n\n" + common.markdown_table(rows, cols)
             print("\n" + table + "\n")
             tables.append(table)
@@ -255,15 +337,30 @@ def run(args):
     # 50% density speedup over dense, per method and shape
     for r in results:
         if r["density"] < 1.0:
-            dense = next((o for o in results if o["density"] == 1.0 and o["W"] == r["W"] and o["S"] == r["S"]
-                          and o["key"] == r["key"]), None)
+            dense = next(
+                (
+                    o
+                    for o in results
+                    if o["density"] == 1.0 and o["W"] == r["W"] and o["S"] == r["S"] and o["key"] == r["key"]
+                ),
+                None,
+            )
             r["x_dense"] = dense["median_s"] / r["median_s"] if dense else None
     sparse = [r for r in results if r.get("x_dense") is not None]
     if sparse:
-        cols = [("W", "W", None), ("S", "S", None), ("density", "density", ".2f"), ("method", "method", None),
-                ("backend", "backend", None), ("median µs", "us", ".1f"), ("× dense", "x_dense", ".2f")]
-        table = "**block-sparse speedup over the dense (density 1) run of the same method**\n\n" + \
-                common.markdown_table(sparse, cols)
+        cols = [
+            ("W", "W", None),
+            ("S", "S", None),
+            ("density", "density", ".2f"),
+            ("method", "method", None),
+            ("backend", "backend", None),
+            ("median µs", "us", ".1f"),
+            ("× dense", "x_dense", ".2f"),
+        ]
+        table = (
+            "**block-sparse speedup over the dense (density 1) run of the same method**\n\n"
+            + common.markdown_table(sparse, cols)
+        )
         print(table + "\n")
         tables.append(table)
     if flex_state["compile_s"]:

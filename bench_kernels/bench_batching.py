@@ -14,20 +14,21 @@ Each row is timed --repeats times, in passes over the three; its TPS is the medi
 run's is in the JSON).
 Tasks differ in answer length, so sequences finish on different blocks: that is what refills use.
 """
+
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-from bench_e2e import RECIPES  # noqa: E402
+import common
+from bench_e2e import RECIPES
 
-from dinfer.tasks import TASKS, check_tasks, eval_problems  # noqa: E402
+from dinfer.tasks import TASKS, check_tasks, eval_problems
 
 
 def measure_once(llm, problems, batch, runs, options):
     prompts = [p for p, _ in problems]
-    parts = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if runs else [prompts]
+    parts = [prompts[i : i + batch] for i in range(0, len(prompts), batch)] if runs else [prompts]
     texts, forwards, seq_forwards, tokens = [], 0, 0, 0
     t0 = time.perf_counter()
     for part in parts:
@@ -38,10 +39,16 @@ def measure_once(llm, problems, batch, runs, options):
         tokens += out.stats["tokens"]
     seconds = time.perf_counter() - t0
     correct = sum(t == a for t, (_, a) in zip(texts, problems))
-    return {"mode": "batch 1" if batch == 1 else ("runs" if runs else "continuous"), "batch": batch,
-            "accuracy": round(correct / len(problems), 4), "forwards": forwards,
-            "sequence_forwards": seq_forwards, "tokens": tokens, "seconds": round(seconds, 4),
-            "tokens_per_second": round(tokens / seconds, 1)}
+    return {
+        "mode": "batch 1" if batch == 1 else ("runs" if runs else "continuous"),
+        "batch": batch,
+        "accuracy": round(correct / len(problems), 4),
+        "forwards": forwards,
+        "sequence_forwards": seq_forwards,
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_second": round(tokens / seconds, 1),
+    }
 
 
 def main(argv=None):
@@ -52,21 +59,30 @@ def main(argv=None):
         args.num_problems = min(args.num_problems, 8)
     llm = common.engine_llm(args)
     per_task = [eval_problems(t, args.num_problems) for t in check_tasks(args.tasks)]
-    problems = [prob for group in zip(*per_task) for prob in group]   # add, sort, ..., add, sort, ...
+    problems = [prob for group in zip(*per_task) for prob in group]  # add, sort, ..., add, sort, ...
     options = dict(RECIPES["dinfer-full"], align_blocks=False)
-    llm.generate([q for q, _ in problems[:args.batch]], batch_size=args.batch, **options)   # warm-up
+    llm.generate([q for q, _ in problems[: args.batch]], batch_size=args.batch, **options)  # warm-up
     modes = [(1, False), (args.batch, True), (args.batch, False)]
     results = common.interleaved_medians(
-        modes, lambda mode, i: measure_once(llm, problems, *mode, options), common.repeats(args))
+        modes, lambda mode, i: measure_once(llm, problems, *mode, options), common.repeats(args)
+    )
     one, runs, cont = results
     for r in results:
         r["speedup_vs_batch1"] = round(r["tokens_per_second"] / one["tokens_per_second"], 2)
-    columns = [("mode", "mode", None), ("batch", "batch", None), ("accuracy", "accuracy", ".3f"),
-               ("forwards", "forwards", None), ("sequence forwards", "sequence_forwards", None),
-               ("TPS", "tokens_per_second", ".1f"), ("x batch 1", "speedup_vs_batch1", ".2f")]
-    notes = [f"continuous / runs, tokens/s: {cont['tokens_per_second'] / runs['tokens_per_second']:.2f}",
-             f"continuous / runs, forwards: {cont['forwards'] / runs['forwards']:.2f}",
-             f"batch {args.batch} continuous / batch 1, tokens/s: {cont['speedup_vs_batch1']}"]
+    columns = [
+        ("mode", "mode", None),
+        ("batch", "batch", None),
+        ("accuracy", "accuracy", ".3f"),
+        ("forwards", "forwards", None),
+        ("sequence forwards", "sequence_forwards", None),
+        ("TPS", "tokens_per_second", ".1f"),
+        ("x batch 1", "speedup_vs_batch1", ".2f"),
+    ]
+    notes = [
+        f"continuous / runs, tokens/s: {cont['tokens_per_second'] / runs['tokens_per_second']:.2f}",
+        f"continuous / runs, forwards: {cont['forwards'] / runs['forwards']:.2f}",
+        f"batch {args.batch} continuous / batch 1, tokens/s: {cont['speedup_vs_batch1']}",
+    ]
     common.finish_engine("batching", args, results, common.markdown_table(results, columns), notes)
 
 

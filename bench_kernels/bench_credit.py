@@ -12,14 +12,15 @@ short blocks) and many when it does not. Recipes: bench_e2e's dinfer (threshold)
 dinfer-full (credit + smoothing), batch 1, with `unroll` 1 so that the loop's chunking (dInfer's
 expected_tpf sizing) never sets a floor of its own.
 """
+
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-from bench_e2e import RECIPES  # noqa: E402
+import common
+from bench_e2e import RECIPES
 
-from dinfer.tasks import TASKS, check_tasks, eval_problems  # noqa: E402
+from dinfer.tasks import TASKS, check_tasks, eval_problems
 
 COMPARED = {"threshold": "dinfer", "credit": "dinfer-credit", "credit+smoothing": "dinfer-full"}
 
@@ -27,9 +28,13 @@ COMPARED = {"threshold": "dinfer", "credit": "dinfer-credit", "credit+smoothing"
 def measure(llm, problems, options):
     out = llm.generate([p for p, _ in problems], batch_size=1, **options)
     s = out.stats
-    return {"forwards": s["forwards"], "blocks": s["refreshes"], "tokens": s["tokens"],
-            "tokens_per_forward": round(s["tokens"] / s["forwards"], 3),
-            "accuracy": round(sum(t == a for t, (_, a) in zip(out.texts, problems)) / len(problems), 4)}
+    return {
+        "forwards": s["forwards"],
+        "blocks": s["refreshes"],
+        "tokens": s["tokens"],
+        "tokens_per_forward": round(s["tokens"] / s["forwards"], 3),
+        "accuracy": round(sum(t == a for t, (_, a) in zip(out.texts, problems)) / len(problems), 4),
+    }
 
 
 def main(argv=None):
@@ -42,8 +47,11 @@ def main(argv=None):
         args.num_problems, thresholds = min(args.num_problems, 4), [thresholds[0], thresholds[-1]]
     llm = common.engine_llm(args)
     gen_length = llm.defaults["gen_length"]
-    block_lengths = (common.parse_ints(args.block_lengths) if args.block_lengths
-                     else sorted({llm.defaults["block_length"], gen_length}))
+    block_lengths = (
+        common.parse_ints(args.block_lengths)
+        if args.block_lengths
+        else sorted({llm.defaults["block_length"], gen_length})
+    )
     if args.quick:
         block_lengths = block_lengths[:1]
     problems = [prob for t in check_tasks(args.tasks) for prob in eval_problems(t, args.num_problems)]
@@ -53,24 +61,50 @@ def main(argv=None):
             base = None
             for label, recipe in COMPARED.items():
                 # Refreshes only at block starts (the recipes' defaults): refreshes count blocks.
-                options = dict(RECIPES[recipe], align_blocks=False, block_length=bl, threshold=tau, unroll=1,
-                               warmup_steps=0, refresh_every=0)
-                r = {"block_length": bl, "threshold": tau, "decoder": label, **measure(llm, problems, options)}
+                options = dict(
+                    RECIPES[recipe],
+                    align_blocks=False,
+                    block_length=bl,
+                    threshold=tau,
+                    unroll=1,
+                    warmup_steps=0,
+                    refresh_every=0,
+                )
+                r = {
+                    "block_length": bl,
+                    "threshold": tau,
+                    "decoder": label,
+                    **measure(llm, problems, options),
+                }
                 base = base or r
                 r["tpf_vs_threshold"] = round(r["tokens_per_forward"] / base["tokens_per_forward"], 3)
                 r["ceiling"] = round(base["forwards"] / base["blocks"], 3)
                 results.append(r)
                 common.record(f"bl {bl} tau {tau} {label}", r)
-                print(f"bl {bl:3d} tau {tau:<6} {label:<17} forwards {r['forwards']:5d} blocks {r['blocks']:4d} "
-                      f"TPF {r['tokens_per_forward']:5.2f} x{r['tpf_vs_threshold']:.2f} (ceiling "
-                      f"x{r['ceiling']:.2f}) acc {100 * r['accuracy']:.1f}%", flush=True)
-    columns = [("block", "block_length", None), ("tau", "threshold", None), ("decoder", "decoder", None),
-               ("accuracy", "accuracy", ".3f"), ("forwards", "forwards", None), ("blocks", "blocks", None),
-               ("TPF", "tokens_per_forward", ".2f"), ("x threshold", "tpf_vs_threshold", ".2f"),
-               ("ceiling", "ceiling", ".2f")]
-    best = max((r for r in results if r["decoder"] == "credit+smoothing"), key=lambda r: r["tpf_vs_threshold"])
-    notes = [f"credit+smoothing TPF / threshold-only, best: x{best['tpf_vs_threshold']} at block "
-             f"{best['block_length']}, tau {best['threshold']}"]
+                print(
+                    f"bl {bl:3d} tau {tau:<6} {label:<17} forwards {r['forwards']:5d} blocks {r['blocks']:4d} "
+                    f"TPF {r['tokens_per_forward']:5.2f} x{r['tpf_vs_threshold']:.2f} (ceiling "
+                    f"x{r['ceiling']:.2f}) acc {100 * r['accuracy']:.1f}%",
+                    flush=True,
+                )
+    columns = [
+        ("block", "block_length", None),
+        ("tau", "threshold", None),
+        ("decoder", "decoder", None),
+        ("accuracy", "accuracy", ".3f"),
+        ("forwards", "forwards", None),
+        ("blocks", "blocks", None),
+        ("TPF", "tokens_per_forward", ".2f"),
+        ("x threshold", "tpf_vs_threshold", ".2f"),
+        ("ceiling", "ceiling", ".2f"),
+    ]
+    best = max(
+        (r for r in results if r["decoder"] == "credit+smoothing"), key=lambda r: r["tpf_vs_threshold"]
+    )
+    notes = [
+        f"credit+smoothing TPF / threshold-only, best: x{best['tpf_vs_threshold']} at block "
+        f"{best['block_length']}, tau {best['threshold']}"
+    ]
     common.finish_engine("credit", args, results, common.markdown_table(results, columns), notes)
 
 

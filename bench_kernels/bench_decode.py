@@ -16,13 +16,13 @@ Columns: median time, GB/s of logits read (N*V*itemsize / time), % of the measur
 speedup vs each dInfer baseline, time / max(-1) time, and whether the step committed the same
 tokens as dInfer (first step from the same state).
 """
+
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-import torch  # noqa: E402
+import common
+import torch
 
 LLADA_MOE_VOCAB, LLADA_MOE_MASK = 157184, 156895
 UNMASK_EVERY = 16
@@ -35,7 +35,7 @@ def make_inputs(N, V, dtype, device, seed=0):
     z = torch.randn(N, V, generator=g) * 2.0
     peak_rows = torch.rand(N, generator=g) < 0.5
     peak_tok = torch.randint(0, V, (N,), generator=g)
-    peak_h = 10.0 + 15.0 * torch.rand(N, generator=g)      # p(top-1) from ~0.02 to ~1
+    peak_h = 10.0 + 15.0 * torch.rand(N, generator=g)  # p(top-1) from ~0.02 to ~1
     z[peak_rows, peak_tok[peak_rows]] += peak_h[peak_rows]
     mask_id = LLADA_MOE_MASK if V > LLADA_MOE_MASK else V - 1
     tokens = torch.full((N,), mask_id, dtype=torch.int64)
@@ -47,35 +47,53 @@ def make_inputs(N, V, dtype, device, seed=0):
 
 
 def build_cases(N, V, args, device, notes):
+    import dinfer_baseline as db
+
     import dinfer_kernels
-    from dinfer_kernels.reference import dinfer_baseline as db
 
     dtype = common.torch_dtype(args.dtype)
     logits0, tok0, mask_id = make_inputs(N, V, dtype, device)
     copies = common.num_copies(logits0.numel() * logits0.element_size(), device)
     logits = [logits0] + [logits0.clone() for _ in range(copies - 1)]
     tok_init = tok0.unsqueeze(0).expand(copies, N).contiguous()
-    tok = tok_init.clone()                          # one row of tokens per rotating copy
+    tok = tok_init.clone()  # one row of tokens per rotating copy
     offsets = torch.tensor([0, N], dtype=torch.int32, device=device)
     tau = args.threshold
 
     def restore():
         tok.copy_(tok_init)
 
-    cases = []   # (key, label, backend, Case, kind) ; kind in threshold|credit|yardstick
+    cases = []  # (key, label, backend, Case, kind) ; kind in threshold|credit|yardstick
 
     def add(key, label, backend, fn, kind, setup=None, graph=True):
-        cases.append((key, label, backend, common.Case(f"{label}[{backend}] N={N}", fn, copies, restore,
-                                                       setup, graph), kind))
+        cases.append(
+            (
+                key,
+                label,
+                backend,
+                common.Case(f"{label}[{backend}] N={N}", fn, copies, restore, setup, graph),
+                kind,
+            )
+        )
 
-    add("dinfer_thr", "dinfer-threshold", "eager",
+    add(
+        "dinfer_thr",
+        "dinfer-threshold",
+        "eager",
         lambda i: db.dinfer_threshold_decode(logits[i].view(1, N, V), tok[i].view(1, N), mask_id, tau),
-        "threshold")
+        "threshold",
+    )
 
     dec = db.DinferCreditDecoder(mask_id, tau)
-    add("dinfer_credit", "dinfer-credit", "eager",
+    add(
+        "dinfer_credit",
+        "dinfer-credit",
+        "eager",
         lambda i: dec.decode(logits[i].view(1, N, V), tok[i].view(1, N), block=(0, N)),
-        "credit", setup=dec.reset, graph=False)     # host sync per call (dInfer's `if not has_mask`)
+        "credit",
+        setup=dec.reset,
+        graph=False,
+    )  # host sync per call (dInfer's `if not has_mask`)
 
     if not args.no_compile:
         try:
@@ -83,38 +101,61 @@ def build_cases(N, V, args, device, notes):
             x = tok[0].clone().view(1, N)
             db.dinfer_threshold_decode_compiled(logits[0].view(1, N, V), x, mask_id, tau)
             common.sync(device)
-            notes.append(f"N={N}: torch.compile of dInfer's threshold rule took "
-                         f"{common.time.perf_counter() - t0:.1f}s (first call)")
-            add("dinfer_compiled", "dinfer-compiled", "inductor",
-                lambda i: db.dinfer_threshold_decode_compiled(logits[i].view(1, N, V), tok[i].view(1, N),
-                                                              mask_id, tau), "threshold")
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"dinfer-compiled skipped: torch.compile failed ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:120] if str(e) else ''})")
+            notes.append(
+                f"N={N}: torch.compile of dInfer's threshold rule took "
+                f"{common.time.perf_counter() - t0:.1f}s (first call)"
+            )
+            add(
+                "dinfer_compiled",
+                "dinfer-compiled",
+                "inductor",
+                lambda i: db.dinfer_threshold_decode_compiled(
+                    logits[i].view(1, N, V), tok[i].view(1, N), mask_id, tau
+                ),
+                "threshold",
+            )
+        except Exception as e:
+            notes.append(
+                f"dinfer-compiled skipped: torch.compile failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:120] if str(e) else ''})"
+            )
             torch._dynamo.reset()
 
-    backends = [b for b in dinfer_kernels.available_backends(device)
-                if not args.backends or b in args.backends.split(",")]
+    backends = [
+        b
+        for b in dinfer_kernels.available_backends(device)
+        if not args.backends or b in args.backends.split(",")
+    ]
     if "torch" in backends and device == "cuda" and not args.backends:
-        backends.remove("torch")        # the reference itself: per-row Python loops, not a kernel
+        backends.remove("torch")  # the reference itself: per-row Python loops, not a kernel
         notes.append("backend torch (the pure-torch reference) not timed on cuda; --backends torch to add")
     for be in backends:
         thr = torch.full((1,), tau, dtype=torch.float32, device=device)
-        add(f"ours_thr_{be}", "ours-threshold", be,
-            lambda i, be=be, thr=thr: dinfer_kernels.decode_step(logits[i], tok[i], offsets, mask_id,
-                                                                 rule="threshold", threshold=thr,
-                                                                 backend=be),
-            "threshold")
+        add(
+            f"ours_thr_{be}",
+            "ours-threshold",
+            be,
+            lambda i, be=be, thr=thr: dinfer_kernels.decode_step(
+                logits[i], tok[i], offsets, mask_id, rule="threshold", threshold=thr, backend=be
+            ),
+            "threshold",
+        )
         cs = dinfer_kernels.CreditState.empty(N, slots=args.slots, device=device)
-        add(f"ours_credit_{be}", "ours-credit", be,
+        add(
+            f"ours_credit_{be}",
+            "ours-credit",
+            be,
             lambda i, be=be, thr=thr, cs=cs: dinfer_kernels.decode_step(
-                logits[i], tok[i], offsets, mask_id, rule="threshold", threshold=thr, credit=cs,
-                backend=be),
-            "credit", setup=cs.reset_)
+                logits[i], tok[i], offsets, mask_id, rule="threshold", threshold=thr, credit=cs, backend=be
+            ),
+            "credit",
+            setup=cs.reset_,
+        )
 
     add("max", "max(-1)", "torch", lambda i: logits[i].max(-1), "yardstick")
-    return cases, dict(logits=logits, tok=tok, tok_init=tok_init, offsets=offsets, mask_id=mask_id,
-                       restore=restore, dec=dec)
+    return cases, dict(
+        logits=logits, tok=tok, tok_init=tok_init, offsets=offsets, mask_id=mask_id, restore=restore, dec=dec
+    )
 
 
 def agreement(cases, state, N):
@@ -146,11 +187,15 @@ def run(args):
     V = args.vocab
     notes = []
     env = common.environment(device)
-    print(f"# bench_decode  device={device} ({env.get('gpu') or env['cpu']})  V={V}  dtype={args.dtype}  "
-          f"rows={rows}  commit={env['commit']}")
+    print(
+        f"# bench_decode  device={device} ({env.get('gpu') or env['cpu']})  V={V}  dtype={args.dtype}  "
+        f"rows={rows}  commit={env['commit']}"
+    )
     if device == "cpu" and env["loadavg_1min"] > 0.5 * (common.os.cpu_count() or 1):
-        notes.append(f"busy host: 1-min load average {env['loadavg_1min']} on {common.os.cpu_count()} CPUs; "
-                     "CPU times are noisy (OMP_NUM_THREADS=1 steadies them)")
+        notes.append(
+            f"busy host: 1-min load average {env['loadavg_1min']} on {common.os.cpu_count()} CPUs; "
+            "CPU times are noisy (OMP_NUM_THREADS=1 steadies them)"
+        )
     bw = common.copy_bandwidth(device, quick=args.quick)
     print(f"copy bandwidth: {bw['GBps']:.1f} GB/s (read + write, {bw['bytes'] >> 20} MiB, {bw['timer']})")
 
@@ -164,17 +209,30 @@ def run(args):
         for key, label, be, case, kind in cases:
             try:
                 m = common.measure(case, device, quick=args.quick, reps=args.reps)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"  {label}[{be}]: FAILED ({type(e).__name__}: {e})")
                 notes.append(f"N={N} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}")
                 rows_out.append(dict(N=N, key=key, method=label, backend=be, kind=kind, error=str(e)[:300]))
                 continue
             if m["note"]:
                 notes.append(f"N={N} {label}[{be}]: {m['note']}")
-            r = dict(N=N, V=V, dtype=args.dtype, key=key, method=label, backend=be, kind=kind,
-                     timer=m["timer"], median_s=m["median_s"], p20_s=m["p20_s"], p80_s=m["p80_s"],
-                     us=m["median_s"] * 1e6, GBps=nbytes / m["median_s"] / 1e9,
-                     agree=agree.get(key), commits=agree.get(key + "_commits"))
+            r = dict(
+                N=N,
+                V=V,
+                dtype=args.dtype,
+                key=key,
+                method=label,
+                backend=be,
+                kind=kind,
+                timer=m["timer"],
+                median_s=m["median_s"],
+                p20_s=m["p20_s"],
+                p80_s=m["p80_s"],
+                us=m["median_s"] * 1e6,
+                GBps=nbytes / m["median_s"] / 1e9,
+                agree=agree.get(key),
+                commits=agree.get(key + "_commits"),
+            )
             r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
             rows_out.append(r)
             print(f"  {label:17s} {be:9s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s  ({m['timer']})")
@@ -182,18 +240,32 @@ def run(args):
         for r in rows_out:
             if "median_s" not in r:
                 continue
-            for base, col in (("dinfer_thr", "x_thr"), ("dinfer_credit", "x_credit"),
-                              ("dinfer_compiled", "x_compiled")):
+            for base, col in (
+                ("dinfer_thr", "x_thr"),
+                ("dinfer_credit", "x_credit"),
+                ("dinfer_compiled", "x_compiled"),
+            ):
                 r[col] = by[base]["median_s"] / r["median_s"] if base in by else None
             r["per_max"] = r["median_s"] / by["max"]["median_s"] if "max" in by else None
         results += rows_out
-        title = (f"N = {N} rows, V = {V}, {args.dtype} logits ({nbytes / 1e6:.1f} MB), {device}"
-                 f" ({env.get('gpu') or env['cpu']}), copy bandwidth {bw['GBps']:.0f} GB/s")
-        cols = [("method", "method", None), ("backend", "backend", None), ("median µs", "us", ".1f"),
-                ("GB/s", "GBps", ".1f"), ("% copy BW", "pct_copy", ".1f"),
-                ("× dInfer thr", "x_thr", ".2f"), ("× dInfer credit", "x_credit", ".2f"),
-                ("× compiled", "x_compiled", ".2f"), ("÷ max(-1)", "per_max", ".2f"),
-                ("same tokens", "agree", None), ("commits", "commits", None), ("timer", "timer", None)]
+        title = (
+            f"N = {N} rows, V = {V}, {args.dtype} logits ({nbytes / 1e6:.1f} MB), {device}"
+            f" ({env.get('gpu') or env['cpu']}), copy bandwidth {bw['GBps']:.0f} GB/s"
+        )
+        cols = [
+            ("method", "method", None),
+            ("backend", "backend", None),
+            ("median µs", "us", ".1f"),
+            ("GB/s", "GBps", ".1f"),
+            ("% copy BW", "pct_copy", ".1f"),
+            ("× dInfer thr", "x_thr", ".2f"),
+            ("× dInfer credit", "x_credit", ".2f"),
+            ("× compiled", "x_compiled", ".2f"),
+            ("÷ max(-1)", "per_max", ".2f"),
+            ("same tokens", "agree", None),
+            ("commits", "commits", None),
+            ("timer", "timer", None),
+        ]
         table = f"**{title}**\n\n" + common.markdown_table([r for r in rows_out if "median_s" in r], cols)
         print("\n" + table + "\n")
         tables.append(table)

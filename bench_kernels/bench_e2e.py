@@ -21,25 +21,34 @@ dinfer-full also at batch 8. Speedups are tokens/s over vanilla and over fast-dl
 Each row is timed --repeats times, in passes over all rows (so the host's drift lands on every row
 alike); its tokens/s is the median run's, and the JSON keeps every run's ("tps_runs").
 """
+
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
-import dinfer_kernels as dk  # noqa: E402
-from dinfer.evaluate import evaluate  # noqa: E402
-from dinfer.tasks import TASKS  # noqa: E402
+import dinfer_kernels as dk
+from dinfer.evaluate import evaluate
+from dinfer.tasks import TASKS
 
 RECIPES = {
     "vanilla": dict(decoder="fixed", steps_per_block=0, cache="none", early_stop=False, unroll=1),
     "fast-dllm": dict(decoder="threshold", threshold=0.9, cache="dual", early_stop=False, unroll=1),
     "dinfer": dict(decoder="threshold", threshold=0.9, cache="vicinity", write_back=False, unroll=4),
-    "dinfer-full": dict(decoder="credit", threshold=0.9, smoothing=True, smoothing_threshold_start=0.0,
-                        cache="vicinity", write_back=False, unroll=4),
+    "dinfer-full": dict(
+        decoder="credit",
+        threshold=0.9,
+        smoothing=True,
+        smoothing_threshold_start=0.0,
+        cache="vicinity",
+        write_back=False,
+        unroll=4,
+    ),
     "dinfer-credit": dict(decoder="credit", threshold=0.9, cache="vicinity", write_back=False, unroll=4),
-    "hierarchy": dict(decoder="hierarchy", threshold=0.9, low_threshold=0.6, cache="vicinity",
-                      write_back=False, unroll=4),
+    "hierarchy": dict(
+        decoder="hierarchy", threshold=0.9, low_threshold=0.6, cache="vicinity", write_back=False, unroll=4
+    ),
 }
 
 
@@ -48,14 +57,24 @@ def run_once(llm, row, args, first):
     recipe, backend, batch = row
     options = dict(RECIPES[recipe], align_blocks=False)
     with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
-        r = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch, warmup=first,
-                     **options)
+        r = evaluate(
+            llm, args.tasks, num_problems=args.num_problems, batch_size=batch, warmup=first, **options
+        )
     o = r["overall"]
-    return {"recipe": recipe, "backend": backend, "batch": batch, "accuracy": o["accuracy"],
-            "tokens_per_forward": o["tokens_per_forward"], "tokens_per_second": o["tokens_per_second"],
-            "forwards": o["forwards"], "refreshes": o["refreshes"], "tokens": o["tokens"],
-            "seconds": o["seconds"], "per_task_accuracy": {t: v["accuracy"] for t, v in r["tasks"].items()},
-            "options": options}
+    return {
+        "recipe": recipe,
+        "backend": backend,
+        "batch": batch,
+        "accuracy": o["accuracy"],
+        "tokens_per_forward": o["tokens_per_forward"],
+        "tokens_per_second": o["tokens_per_second"],
+        "forwards": o["forwards"],
+        "refreshes": o["refreshes"],
+        "tokens": o["tokens"],
+        "seconds": o["seconds"],
+        "per_task_accuracy": {t: v["accuracy"] for t, v in r["tasks"].items()},
+        "options": options,
+    }
 
 
 def main(argv=None):
@@ -72,6 +91,7 @@ def main(argv=None):
         r = run_once(llm, row, args, first=i == 0)
         print(f"pass {i + 1}  " + _row(r), flush=True)
         return r
+
     results = common.interleaved_medians(rows, once, common.repeats(args))
 
     get = {(r["recipe"], r["backend"], r["batch"]): r for r in results}
@@ -84,24 +104,38 @@ def main(argv=None):
     checks = {
         "dinfer-full TPS / vanilla (target >= 10)": full["speedup_vs_vanilla"],
         "dinfer-full TPS / fast-dllm (target >= 2)": full["speedup_vs_fast_dllm"],
-        "dinfer-full accuracy - vanilla, points (target >= -1)": round(100 * (full["accuracy"] - van["accuracy"]), 1),
+        "dinfer-full accuracy - vanilla, points (target >= -1)": round(
+            100 * (full["accuracy"] - van["accuracy"]), 1
+        ),
         "dinfer-credit TPS / vanilla": credit["speedup_vs_vanilla"],
         "dinfer-credit TPS / fast-dllm": credit["speedup_vs_fast_dllm"],
         "dinfer-credit accuracy - vanilla, points": round(100 * (credit["accuracy"] - van["accuracy"]), 1),
         "credit TPF / threshold-only TPF": round(credit["tokens_per_forward"] / thr["tokens_per_forward"], 2),
-        "credit+smoothing TPF / threshold-only TPF (target >= 1.2)":
-            round(full["tokens_per_forward"] / thr["tokens_per_forward"], 2),
+        "credit+smoothing TPF / threshold-only TPF (target >= 1.2)": round(
+            full["tokens_per_forward"] / thr["tokens_per_forward"], 2
+        ),
         # Every block costs a forward (its refresh), so no decoder can do better than this here.
-        "threshold-only forwards / blocks (the most any decoder can gain at this layout)":
-            round(thr["forwards"] / thr["refreshes"], 2),
-        "credit+smoothing accuracy - threshold-only, points": round(100 * (full["accuracy"] - thr["accuracy"]), 1),
-        "batch 8 TPS / batch 1 TPS, dinfer-full (target >= 3)":
-            round(full8["tokens_per_second"] / full["tokens_per_second"], 2),
+        "threshold-only forwards / blocks (the most any decoder can gain at this layout)": round(
+            thr["forwards"] / thr["refreshes"], 2
+        ),
+        "credit+smoothing accuracy - threshold-only, points": round(
+            100 * (full["accuracy"] - thr["accuracy"]), 1
+        ),
+        "batch 8 TPS / batch 1 TPS, dinfer-full (target >= 3)": round(
+            full8["tokens_per_second"] / full["tokens_per_second"], 2
+        ),
     }
-    columns = [("recipe", "recipe", None), ("backend", "backend", None), ("batch", "batch", None),
-               ("accuracy", "accuracy", ".3f"), ("TPF", "tokens_per_forward", ".2f"),
-               ("TPS", "tokens_per_second", ".1f"), ("x vanilla", "speedup_vs_vanilla", ".2f"),
-               ("x fast-dllm", "speedup_vs_fast_dllm", ".2f"), ("forwards", "forwards", None)]
+    columns = [
+        ("recipe", "recipe", None),
+        ("backend", "backend", None),
+        ("batch", "batch", None),
+        ("accuracy", "accuracy", ".3f"),
+        ("TPF", "tokens_per_forward", ".2f"),
+        ("TPS", "tokens_per_second", ".1f"),
+        ("x vanilla", "speedup_vs_vanilla", ".2f"),
+        ("x fast-dllm", "speedup_vs_fast_dllm", ".2f"),
+        ("forwards", "forwards", None),
+    ]
     notes = [f"{k}: {v}" for k, v in checks.items()]
     common.finish_engine("e2e", args, results, common.markdown_table(results, columns), notes)
     if args.plot:
@@ -109,13 +143,16 @@ def main(argv=None):
 
 
 def _row(r):
-    return (f"{r['recipe']:<12} {r['backend']:<6} b{r['batch']}  acc {100 * r['accuracy']:5.1f}%  "
-            f"TPF {r['tokens_per_forward']:5.2f}  TPS {r['tokens_per_second']:8.1f}")
+    return (
+        f"{r['recipe']:<12} {r['backend']:<6} b{r['batch']}  acc {100 * r['accuracy']:5.1f}%  "
+        f"TPF {r['tokens_per_forward']:5.2f}  TPS {r['tokens_per_second']:8.1f}"
+    )
 
 
 def plot(results, path, model):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -127,10 +164,18 @@ def plot(results, path, model):
     colours = {recipe: f"C{i}" for i, recipe in enumerate(RECIPES)}
     for r in results:
         marker = "s" if r["batch"] > 1 else ("o" if r["backend"] == "auto" else "x")
-        label = f"{r['recipe']}{'' if r['backend'] == 'auto' else ' (torch)'}" + \
-            ("" if r["batch"] == 1 else f" batch {r['batch']}")
-        ax.scatter(r["tokens_per_second"], 100 * r["accuracy"], marker=marker, s=40,
-                   color=colours[r["recipe"]], label=label, alpha=0.8)
+        label = f"{r['recipe']}{'' if r['backend'] == 'auto' else ' (torch)'}" + (
+            "" if r["batch"] == 1 else f" batch {r['batch']}"
+        )
+        ax.scatter(
+            r["tokens_per_second"],
+            100 * r["accuracy"],
+            marker=marker,
+            s=40,
+            color=colours[r["recipe"]],
+            label=label,
+            alpha=0.8,
+        )
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     ax.set_xscale("log")
     ax.set_xlabel("tokens / s (log)")

@@ -17,6 +17,7 @@ csrc/cpu_isa/dispatch.cpp and, for moe's dtype and shape, dinfer_kernels/_backen
 next to what "auto" picks for that call ("auto cpu" / "auto torch"); for decode also ÷ max = ours / one logits.max(-1) pass and × dInfer =
 dInfer's eager threshold decode / ours.
 """
+
 import argparse
 import contextlib
 import importlib
@@ -27,23 +28,41 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-import torch  # noqa: E402
+import common
+import torch
 
 # (op, bench module, its arguments, pick): pick(results) -> (ours, reference, extras) rows.
 CASES = [
-    ("decode_step", "bench_decode", ["--rows", "32", "--backends", "cpu,torch", "--no-compile"],
-     lambda by: (by("ours_thr_cpu"), by("ours_thr_torch"), {"max": by("max"), "dinfer": by("dinfer_thr")})),
-    ("attention", "bench_attention", ["--windows", "1024", "--refresh", "16", "--densities", "1",
-                                      "--backends", "cpu,torch", "--no-flex"],
-     lambda by: (by("ours_wb_cpu", S=1024), by("ours_wb_torch", S=1024), {})),
-    ("moe", "bench_moe", ["--tokens", "32", "--backends", "cpu"],
-     lambda by: (by("ours_cpu"), by("torch_loop"), {})),
-    ("rms_norm", "bench_norm_rope", ["--rows", "70", "--backends", "cpu,torch"],
-     lambda by: (by(None, op="rms_norm", backend="cpu"), by(None, op="rms_norm", backend="torch"), {})),
-    ("rope", "bench_norm_rope", ["--rows", "70", "--backends", "cpu,torch"],
-     lambda by: (by(None, op="rope", backend="cpu"), by(None, op="rope", backend="torch"), {})),
+    (
+        "decode_step",
+        "bench_decode",
+        ["--rows", "32", "--backends", "cpu,torch", "--no-compile"],
+        lambda by: (by("ours_thr_cpu"), by("ours_thr_torch"), {"max": by("max"), "dinfer": by("dinfer_thr")}),
+    ),
+    (
+        "attention",
+        "bench_attention",
+        ["--windows", "1024", "--refresh", "16", "--densities", "1", "--backends", "cpu,torch", "--no-flex"],
+        lambda by: (by("ours_wb_cpu", S=1024), by("ours_wb_torch", S=1024), {}),
+    ),
+    (
+        "moe",
+        "bench_moe",
+        ["--tokens", "32", "--backends", "cpu"],
+        lambda by: (by("ours_cpu"), by("torch_loop"), {}),
+    ),
+    (
+        "rms_norm",
+        "bench_norm_rope",
+        ["--rows", "70", "--backends", "cpu,torch"],
+        lambda by: (by(None, op="rms_norm", backend="cpu"), by(None, op="rms_norm", backend="torch"), {}),
+    ),
+    (
+        "rope",
+        "bench_norm_rope",
+        ["--rows", "70", "--backends", "cpu,torch"],
+        lambda by: (by(None, op="rope", backend="cpu"), by(None, op="rope", backend="torch"), {}),
+    ),
 ]
 
 
@@ -51,7 +70,9 @@ def run_bench(name, argv, dtype, quick):
     """The results of one bench script's run (its table output silenced)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        args = ["--device", "cpu", "--dtype", dtype, "--json", str(out)] + argv + (["--quick"] if quick else [])
+        args = (
+            ["--device", "cpu", "--dtype", dtype, "--json", str(out)] + argv + (["--quick"] if quick else [])
+        )
         with contextlib.redirect_stdout(io.StringIO()):
             importlib.import_module(name).main(args)
         return json.loads(out.read_text())["results"]
@@ -60,10 +81,14 @@ def run_bench(name, argv, dtype, quick):
 def finder(results):
     def by(key, **match):
         for r in results:
-            if (key is None or r.get("key") == key) and all(r.get(k) == v for k, v in match.items()) \
-                    and "median_s" in r:
+            if (
+                (key is None or r.get("key") == key)
+                and all(r.get(k) == v for k, v in match.items())
+                and "median_s" in r
+            ):
                 return r
         raise KeyError(f"no result {key} {match}")
+
     return by
 
 
@@ -75,8 +100,14 @@ def auto_choice(op, dtype, ours):
         return _backend.resolve("auto", "cpu", op)
     dt = common.torch_dtype(dtype)
     weight_bytes = 3 * ours["E"] * ours["H"] * ours["I"] * torch.empty((), dtype=dt).element_size()
-    return _backend.resolve("auto", "cpu", "moe", dtype=dt, rows_per_expert=ours["T"] * ours["top_k"] / ours["E"],
-                            weight_bytes=weight_bytes)
+    return _backend.resolve(
+        "auto",
+        "cpu",
+        "moe",
+        dtype=dt,
+        rows_per_expert=ours["T"] * ours["top_k"] / ours["E"],
+        weight_bytes=weight_bytes,
+    )
 
 
 def run(args):
@@ -87,8 +118,10 @@ def run(args):
     isas = args.isas.split(",") if args.isas else _backend.cpu_isas()
     dtypes = args.dtypes.split(",")
     env = common.environment("cpu")
-    print(f"# bench_host_isa  cpu={env['cpu']}  ISAs={isas}  dtypes={dtypes}  threads={torch.get_num_threads()}"
-          f"  commit={env['commit']}")
+    print(
+        f"# bench_host_isa  cpu={env['cpu']}  ISAs={isas}  dtypes={dtypes}  threads={torch.get_num_threads()}"
+        f"  commit={env['commit']}"
+    )
     before = _backend.cpu_isa()
     results, notes = [], []
     try:
@@ -97,15 +130,24 @@ def run(args):
                 for isa in isas:
                     _backend.set_cpu_isa(isa)
                     ours, ref, extra = pick(finder(run_bench(name, argv, dtype, args.quick)))
-                    r = dict(op=op, dtype=dtype, isa=isa, us=ours["median_s"] * 1e6, median_s=ours["median_s"],
-                             ref_us=ref["median_s"] * 1e6, x_ref=ref["median_s"] / ours["median_s"],
-                             auto=auto_choice(op, dtype, ours))
+                    r = dict(
+                        op=op,
+                        dtype=dtype,
+                        isa=isa,
+                        us=ours["median_s"] * 1e6,
+                        median_s=ours["median_s"],
+                        ref_us=ref["median_s"] * 1e6,
+                        x_ref=ref["median_s"] / ours["median_s"],
+                        auto=auto_choice(op, dtype, ours),
+                    )
                     if "max" in extra:
                         r["per_max"] = ours["median_s"] / extra["max"]["median_s"]
                         r["x_dinfer"] = extra["dinfer"]["median_s"] / ours["median_s"]
                     results.append(r)
-                    print(f"  {op:11s} {dtype:4s} {isa:10s} {r['us']:10.1f} us  x ref {r['x_ref']:6.2f}"
-                          f"  auto {r['auto']}")
+                    print(
+                        f"  {op:11s} {dtype:4s} {isa:10s} {r['us']:10.1f} us  x ref {r['x_ref']:6.2f}"
+                        f"  auto {r['auto']}"
+                    )
     finally:
         _backend.set_cpu_isa(before)
     cols = [("op", "op", None), ("dtype", "dtype", None)]
@@ -118,13 +160,17 @@ def run(args):
                     row[f"{r['isa']}_us"] = r["us"]
                     row[f"{r['isa']}_x"] = f"{r['x_ref']:.2f} auto {r['auto']}"
                     if "per_max" in r:
-                        row[f"{r['isa']}_x"] = (f"{r['x_ref']:.2f} auto {r['auto']} (÷max {r['per_max']:.2f}, "
-                                                f"×dInfer {r['x_dinfer']:.2f})")
+                        row[f"{r['isa']}_x"] = (
+                            f"{r['x_ref']:.2f} auto {r['auto']} (÷max {r['per_max']:.2f}, "
+                            f"×dInfer {r['x_dinfer']:.2f})"
+                        )
             rows.append(row)
     for isa in isas:
         cols += [(f"{isa} µs", f"{isa}_us", ".1f"), (f"{isa} × ref", f"{isa}_x", ".2f")]
-    title = (f"host kernels per ISA, {env['cpu']}, {torch.get_num_threads()} threads "
-             f"(× ref: reference time / ours, then what auto picks there; decode also ÷ one max(-1) pass and × dInfer's eager threshold decode)")
+    title = (
+        f"host kernels per ISA, {env['cpu']}, {torch.get_num_threads()} threads "
+        f"(× ref: reference time / ours, then what auto picks there; decode also ÷ one max(-1) pass and × dInfer's eager threshold decode)"
+    )
     table = f"**{title}**\n\n" + common.markdown_table(rows, cols)
     print("\n" + table + "\n")
     return common.finish("host_isa", env, args, None, results, [table], notes)

@@ -21,13 +21,13 @@ rows (6*T*k*H*I), % of the matmul rate, speedup vs the torch loop, max |diff| vs
 relative to its max |value|, (ours) whether two runs are bit-identical, and on the CPU what
 backend="auto" picks for the shape (dinfer_kernels/_backend.py MOE_HOST_WINS, per ISA and dtype).
 """
+
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-import torch  # noqa: E402
+import common
+import torch
 
 SMALL = dict(experts=8, hidden=256, inter=128)
 
@@ -49,7 +49,8 @@ def grouped_mm_moe(hidden, router, w13, w2, top_k):
     order = torch.argsort(flat, stable=True)
     tok = order // top_k
     counts = torch.zeros(E, dtype=torch.int32, device=hidden.device).index_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))
+        0, flat, torch.ones_like(flat, dtype=torch.int32)
+    )
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     a = hidden[tok]
     gu = torch._grouped_mm(a, w13.transpose(1, 2), offs=offs)
@@ -65,9 +66,26 @@ def _plain_kernel():
     import triton.language as tl
 
     @triton.jit
-    def plain_grouped_gemm(a, s_am, s_ak, b, s_be, s_bn, s_bk, c, sorted_ids, block_expert, n_assign, N, K,
-                           TOP_K: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr):
+    def plain_grouped_gemm(
+        a,
+        s_am,
+        s_ak,
+        b,
+        s_be,
+        s_bn,
+        s_bk,
+        c,
+        sorted_ids,
+        block_expert,
+        n_assign,
+        N,
+        K,
+        TOP_K: tl.constexpr,
+        GATHER: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         """C[p] = A[row(p)] @ B[e]^T for the rows p of block program_id(0), expert e of the block;
         row(p) = token of the slot (GATHER) or p itself."""
         blk = tl.program_id(0)
@@ -82,13 +100,22 @@ def _plain_kernel():
         acc = tl.zeros([BLOCK_M, BN], tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
-            x = tl.load(a + rows.to(tl.int64)[:, None] * s_am + kk[None, :] * s_ak,
-                        mask=valid[:, None] & (kk[None, :] < K), other=0.0)
-            w = tl.load(b + e.to(tl.int64) * s_be + cols.to(tl.int64)[:, None] * s_bn + kk[None, :] * s_bk,
-                        mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
+            x = tl.load(
+                a + rows.to(tl.int64)[:, None] * s_am + kk[None, :] * s_ak,
+                mask=valid[:, None] & (kk[None, :] < K),
+                other=0.0,
+            )
+            w = tl.load(
+                b + e.to(tl.int64) * s_be + cols.to(tl.int64)[:, None] * s_bn + kk[None, :] * s_bk,
+                mask=(cols[:, None] < N) & (kk[None, :] < K),
+                other=0.0,
+            )
             acc = tl.dot(x, tl.trans(w), acc)
-        tl.store(c + p.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c.dtype.element_ty),
-                 mask=cols[None, :] < N)
+        tl.store(
+            c + p.to(tl.int64)[:, None] * N + cols[None, :],
+            acc.to(c.dtype.element_ty),
+            mask=cols[None, :] < N,
+        )
 
     return plain_grouped_gemm
 
@@ -112,13 +139,47 @@ def make_plain_triton(hidden, router, w13, w2, top_k):
         tm.route_and_align(x, router, None, top_k, False, "softmax", None, 1, 1, 1.0, 0, E, E, cfg, ws)
         gu = torch.zeros((ws.p_max, two_i), dtype=x.dtype, device=x.device)
         kernel[(ws.nb_max, triton.cdiv(two_i, bn))](
-            x, x.stride(0), x.stride(1), w13, *w13.stride(), gu, ws.sorted_ids, ws.block_expert, n, two_i, H,
-            TOP_K=top_k, GATHER=True, BLOCK_M=cfg.block_m, BN=bn, BK=bk, num_warps=4, num_stages=3)
+            x,
+            x.stride(0),
+            x.stride(1),
+            w13,
+            *w13.stride(),
+            gu,
+            ws.sorted_ids,
+            ws.block_expert,
+            n,
+            two_i,
+            H,
+            TOP_K=top_k,
+            GATHER=True,
+            BLOCK_M=cfg.block_m,
+            BN=bn,
+            BK=bk,
+            num_warps=4,
+            num_stages=3,
+        )
         act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype)
         y = torch.zeros((ws.p_max, H), dtype=x.dtype, device=x.device)
         kernel[(ws.nb_max, triton.cdiv(H, bn))](
-            act, act.stride(0), act.stride(1), w2, *w2.stride(), y, ws.sorted_ids, ws.block_expert, n, H,
-            inter, TOP_K=top_k, GATHER=False, BLOCK_M=cfg.block_m, BN=bn, BK=bk, num_warps=4, num_stages=3)
+            act,
+            act.stride(0),
+            act.stride(1),
+            w2,
+            *w2.stride(),
+            y,
+            ws.sorted_ids,
+            ws.block_expert,
+            n,
+            H,
+            inter,
+            TOP_K=top_k,
+            GATHER=False,
+            BLOCK_M=cfg.block_m,
+            BN=bn,
+            BK=bk,
+            num_warps=4,
+            num_stages=3,
+        )
         rows = torch.arange(ws.p_max, device=x.device)
         slot = ws.sorted_ids.long()
         valid = (ws.block_expert.long()[rows // cfg.block_m] >= 0) & (slot >= 0) & (slot < n)
@@ -156,25 +217,38 @@ def run(args):
     H = args.hidden or (SMALL["hidden"] if small else 2048)
     inter = args.inter or (SMALL["inter"] if small else 1024)
     k = min(args.top_k, E)
-    tokens = common.parse_ints(args.tokens) if args.tokens else (
-        [4, 32] if device == "cpu" and args.quick else [32, 96, 2048] if args.quick else [32, 64, 96, 512, 2048])
-    if args.dtype is None:              # the host's bf16 matmul is very slow: fp32 there by default
+    tokens = (
+        common.parse_ints(args.tokens)
+        if args.tokens
+        else (
+            [4, 32]
+            if device == "cpu" and args.quick
+            else [32, 96, 2048]
+            if args.quick
+            else [32, 64, 96, 512, 2048]
+        )
+    )
+    if args.dtype is None:  # the host's bf16 matmul is very slow: fp32 there by default
         args.dtype = "bf16" if device == "cuda" else "fp32"
     dtype = common.torch_dtype(args.dtype)
     env = common.environment(device)
     notes = []
-    print(f"# bench_moe  device={device} ({env.get('gpu') or env['cpu']})  E={E} top-{k} H={H} I={inter}  "
-          f"dtype={args.dtype}  T={tokens}  commit={env['commit']}")
+    print(
+        f"# bench_moe  device={device} ({env.get('gpu') or env['cpu']})  E={E} top-{k} H={H} I={inter}  "
+        f"dtype={args.dtype}  T={tokens}  commit={env['commit']}"
+    )
     bw = common.copy_bandwidth(device, quick=args.quick)
     mm = common.matmul_rate(device, dtype, args.quick)
-    print(f"copy bandwidth: {bw['GBps']:.1f} GB/s   {args.dtype} matmul ({mm['n']}^3): "
-          f"{mm['TFLOPs']:.3g} TFLOP/s")
+    print(
+        f"copy bandwidth: {bw['GBps']:.1f} GB/s   {args.dtype} matmul ({mm['n']}^3): "
+        f"{mm['TFLOPs']:.3g} TFLOP/s"
+    )
 
-    g = torch.Generator(device=device).manual_seed(0)       # on the device: 0.8 GB of weights
-    rand = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
-    router = rand(E, H) * H ** -0.5                                          # fp32, as loaders keep it
-    w13 = (rand(E, 2 * inter, H) * H ** -0.5).to(dtype)
-    w2 = (rand(E, H, inter) * inter ** -0.5).to(dtype)
+    g = torch.Generator(device=device).manual_seed(0)  # on the device: 0.8 GB of weights
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=device)
+    router = rand(E, H) * H**-0.5  # fp32, as loaders keep it
+    w13 = (rand(E, 2 * inter, H) * H**-0.5).to(dtype)
+    w2 = (rand(E, H, inter) * inter**-0.5).to(dtype)
     ours = [b for b in dinfer_kernels.available_backends(device, "moe") if b != "torch"]
     if device == "cpu" and _backend.triton_interpreted() and dtype != torch.bfloat16 and "triton" not in ours:
         ours.append("triton")
@@ -195,21 +269,49 @@ def run(args):
         wbytes = touched * 3 * H * inter * w13.element_size()
         flops = 6.0 * T * k * H * inter
         base_out = moe_reference(hidden, router, w13, w2, k, static_shapes=False).float()
-        auto = _backend.resolve("auto", device, "moe", dtype=dtype, rows_per_expert=T * k / E,
-                                weight_bytes=(w13.numel() + w2.numel()) * w13.element_size())
+        auto = _backend.resolve(
+            "auto",
+            device,
+            "moe",
+            dtype=dtype,
+            rows_per_expert=T * k / E,
+            weight_bytes=(w13.numel() + w2.numel()) * w13.element_size(),
+        )
         scale = float(base_out.abs().max()) or 1.0
-        cases = [("torch_loop", "torch loop", "eager",
-                  lambda i: moe_reference(hidden, router, w13, w2, k, static_shapes=False), False)]
+        cases = [
+            (
+                "torch_loop",
+                "torch loop",
+                "eager",
+                lambda i: moe_reference(hidden, router, w13, w2, k, static_shapes=False),
+                False,
+            )
+        ]
         if use_gmm:
-            cases.append(("grouped_mm", "torch._grouped_mm", "eager",
-                          lambda i: grouped_mm_moe(hidden, router, w13, w2, k), True))
+            cases.append(
+                (
+                    "grouped_mm",
+                    "torch._grouped_mm",
+                    "eager",
+                    lambda i: grouped_mm_moe(hidden, router, w13, w2, k),
+                    True,
+                )
+            )
         if plain:
             fn = make_plain_triton(hidden, router, w13, w2, k)
-            cases.append(("triton_plain", "triton plain grouped GEMM", "triton",
-                          lambda i, fn=fn: fn(hidden), True))
+            cases.append(
+                ("triton_plain", "triton plain grouped GEMM", "triton", lambda i, fn=fn: fn(hidden), True)
+            )
         for be in ours:
-            cases.append((f"ours_{be}", "ours moe", be,
-                          lambda i, be=be: dinfer_kernels.moe(hidden, router, w13, w2, k, backend=be), True))
+            cases.append(
+                (
+                    f"ours_{be}",
+                    "ours moe",
+                    be,
+                    lambda i, be=be: dinfer_kernels.moe(hidden, router, w13, w2, k, backend=be),
+                    True,
+                )
+            )
         rows_out = []
         for key, label, be, fn, graph in cases:
             try:
@@ -219,60 +321,103 @@ def run(args):
                 repeat = None
                 if key.startswith("ours"):
                     repeat = "yes" if torch.equal(first, fn(0)) else "NO"
-                m = common.measure(common.Case(f"{label}[{be}] T={T}", fn, 1, graph=graph), device,
-                                   quick=args.quick, reps=args.reps)
-            except Exception as e:  # noqa: BLE001
+                m = common.measure(
+                    common.Case(f"{label}[{be}] T={T}", fn, 1, graph=graph),
+                    device,
+                    quick=args.quick,
+                    reps=args.reps,
+                )
+            except Exception as e:
                 print(f"  {label}[{be}]: FAILED ({type(e).__name__}: {str(e)[:200]})")
                 notes.append(f"T={T} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}")
                 continue
             if m["note"]:
                 notes.append(f"T={T} {label}[{be}]: {m['note']}")
-            r = dict(T=T, E=E, top_k=k, H=H, I=inter, touched=touched, key=key, method=label, backend=be,
-                     timer=m["timer"], median_s=m["median_s"], p20_s=m["p20_s"], p80_s=m["p80_s"],
-                     us=m["median_s"] * 1e6, GBps=wbytes / m["median_s"] / 1e9,
-                     TFLOPs=flops / m["median_s"] / 1e12, rel_err=err, bitwise_repeat=repeat, auto=auto)
+            r = dict(
+                T=T,
+                E=E,
+                top_k=k,
+                H=H,
+                I=inter,
+                touched=touched,
+                key=key,
+                method=label,
+                backend=be,
+                timer=m["timer"],
+                median_s=m["median_s"],
+                p20_s=m["p20_s"],
+                p80_s=m["p80_s"],
+                us=m["median_s"] * 1e6,
+                GBps=wbytes / m["median_s"] / 1e9,
+                TFLOPs=flops / m["median_s"] / 1e12,
+                rel_err=err,
+                bitwise_repeat=repeat,
+                auto=auto,
+            )
             r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
             r["pct_matmul"] = 100.0 * r["TFLOPs"] / mm["TFLOPs"]
             r["matmul_TFLOPs"] = mm["TFLOPs"]
             rows_out.append(r)
-            print(f"  {label:26s} {be:7s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s ({r['pct_copy']:5.1f}%)  "
-                  f"{r['TFLOPs']:7.2f} TFLOP/s ({r['pct_matmul']:5.1f}%)")
+            print(
+                f"  {label:26s} {be:7s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s ({r['pct_copy']:5.1f}%)  "
+                f"{r['TFLOPs']:7.2f} TFLOP/s ({r['pct_matmul']:5.1f}%)"
+            )
         base = next((r for r in rows_out if r["key"] == "torch_loop"), None)
         for r in rows_out:
             r["speedup"] = base["median_s"] / r["median_s"] if base else None
         results += rows_out
-        title = (f"T = {T} tokens ({T * k / E:g} rows per expert; auto picks {auto}"
-                 f"{' with the ' + _backend.cpu_isa() + ' copy' if device == 'cpu' and _backend.cpu_isa() else ''}), E = {E}, top-{k}, H = {H}, I = {inter}, {args.dtype}, {touched} experts "
-                 f"touched ({wbytes / 1e6:.0f} MB of weights), {device} ({env.get('gpu') or env['cpu']}); "
-                 f"copy {bw['GBps']:.0f} GB/s, matmul {mm['TFLOPs']:.3g} TFLOP/s")
-        cols = [("method", "method", None), ("backend", "backend", None), ("median µs", "us", ".1f"),
-                ("GB/s", "GBps", ".1f"), ("% copy BW", "pct_copy", ".1f"), ("TFLOP/s", "TFLOPs", ".2f"),
-                ("% matmul", "pct_matmul", ".1f"), ("× torch loop", "speedup", ".2f"),
-                ("rel. max diff", "rel_err", ".1e"), ("bitwise repeat", "bitwise_repeat", None),
-                ("auto picks", "auto", None), ("timer", "timer", None)]
+        title = (
+            f"T = {T} tokens ({T * k / E:g} rows per expert; auto picks {auto}"
+            f"{' with the ' + _backend.cpu_isa() + ' copy' if device == 'cpu' and _backend.cpu_isa() else ''}), E = {E}, top-{k}, H = {H}, I = {inter}, {args.dtype}, {touched} experts "
+            f"touched ({wbytes / 1e6:.0f} MB of weights), {device} ({env.get('gpu') or env['cpu']}); "
+            f"copy {bw['GBps']:.0f} GB/s, matmul {mm['TFLOPs']:.3g} TFLOP/s"
+        )
+        cols = [
+            ("method", "method", None),
+            ("backend", "backend", None),
+            ("median µs", "us", ".1f"),
+            ("GB/s", "GBps", ".1f"),
+            ("% copy BW", "pct_copy", ".1f"),
+            ("TFLOP/s", "TFLOPs", ".2f"),
+            ("% matmul", "pct_matmul", ".1f"),
+            ("× torch loop", "speedup", ".2f"),
+            ("rel. max diff", "rel_err", ".1e"),
+            ("bitwise repeat", "bitwise_repeat", None),
+            ("auto picks", "auto", None),
+            ("timer", "timer", None),
+        ]
         table = f"**{title}**\n\n" + common.markdown_table(rows_out, cols)
         print("\n" + table + "\n")
         tables.append(table)
         if device == "cuda":
             torch.cuda.empty_cache()
-    notes.append(f"{args.dtype} matmul rate {mm['TFLOPs']:.3g} TFLOP/s ({mm['n']}^3, {mm['timer']}); "
-                 f"copy bandwidth {bw['GBps']:.0f} GB/s")
+    notes.append(
+        f"{args.dtype} matmul rate {mm['TFLOPs']:.3g} TFLOP/s ({mm['n']}^3, {mm['timer']}); "
+        f"copy bandwidth {bw['GBps']:.0f} GB/s"
+    )
     return common.finish("moe", env, args, bw, results, tables, notes)
 
 
 def main(argv=None):
     p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--tokens", default=None,
-                   help="comma-separated T (default 32,64,96,512,2048; --quick: 32,96,2048, on the CPU 4,32)")
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help="comma-separated T (default 32,64,96,512,2048; --quick: 32,96,2048, on the CPU 4,32)",
+    )
     p.add_argument("--experts", type=int, default=None, help="E (default 64, --small 8)")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=None, help="H (default 2048, --small 256)")
     p.add_argument("--inter", type=int, default=None, help="I (default 1024, --small 128)")
-    p.add_argument("--small", action="store_true", default=None,
-                   help="small E, H, I (default on the CPU); --no-small for full size on the CPU")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        default=None,
+        help="small E, H, I (default on the CPU); --no-small for full size on the CPU",
+    )
     p.add_argument("--no-small", dest="small", action="store_false")
     p.add_argument("--backends", default=None, help="comma-separated subset of our backends")
-    p.set_defaults(dtype=None)          # bf16 on a GPU, fp32 on the CPU
+    p.set_defaults(dtype=None)  # bf16 on a GPU, fp32 on the CPU
     run(p.parse_args(argv))
 
 

@@ -15,13 +15,13 @@ call (what HF-style models do; the best plain-torch form), then dinfer_kernels p
 is our reference, which the engine ran before the host kernels). Columns: median time, GB/s of the
 minimal traffic (input read, output written), speedup against the reference, max |diff| against it.
 """
+
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-import torch  # noqa: E402
+import common
+import torch
 
 SHAPES = {"tiny": (256, 8, 32), "llada-moe": (2048, 16, 128)}
 THETA = 10000.0
@@ -29,13 +29,15 @@ THETA = 10000.0
 
 def cached_rope(cos_sin):
     """Plain-torch rope over a precomputed [P, D] cos / sin table (rows gathered per call)."""
+
     def run(x, pos):
-        cs = cos_sin[pos]                                   # [B, T, D]
+        cs = cos_sin[pos]  # [B, T, D]
         half = x.shape[-1] // 2
         c, s = cs[..., :half].repeat(1, 1, 2)[:, :, None], cs[..., half:].repeat(1, 1, 2)[:, :, None]
         xf = x.float()
         rot = torch.cat([-xf[..., half:], xf[..., :half]], -1)
         return (xf * c + rot * s).to(x.dtype)
+
     return run
 
 
@@ -50,8 +52,10 @@ def run(args):
     H, heads, D = SHAPES[shape]
     rows_list = common.parse_ints(args.rows) if args.rows else ([1, 70] if args.quick else [1, 70, 560])
     env = common.environment(device)
-    print(f"# bench_norm_rope  device={device} ({env.get('gpu') or env['cpu']})  shape={shape} "
-          f"(hidden {H}, {heads} x {D})  dtype={args.dtype}  rows={rows_list}  commit={env['commit']}")
+    print(
+        f"# bench_norm_rope  device={device} ({env.get('gpu') or env['cpu']})  shape={shape} "
+        f"(hidden {H}, {heads} x {D})  dtype={args.dtype}  rows={rows_list}  commit={env['commit']}"
+    )
     bw = common.copy_bandwidth(device, quick=args.quick)
     g = torch.Generator().manual_seed(0)
     table = cos_sin_table(torch.arange(8192), THETA, D).to(device)
@@ -65,10 +69,20 @@ def run(args):
         q = torch.randn(1, rows, heads, D, generator=g).to(dtype).to(device)
         pos = (100 + torch.arange(rows))[None].to(device)
         ops = [
-            ("rms_norm", x, lambda: torch.nn.functional.rms_norm(x, (H,), w, 1e-5),
-             lambda be: dk.rms_norm(x, w, 1e-5, backend=be), "rms_norm"),
-            ("qk_norm", qk, lambda: torch.nn.functional.rms_norm(qk, (D,), wqk, 1e-5),
-             lambda be: dk.rms_norm(qk, wqk, 1e-5, backend=be), "rms_norm"),
+            (
+                "rms_norm",
+                x,
+                lambda: torch.nn.functional.rms_norm(x, (H,), w, 1e-5),
+                lambda be: dk.rms_norm(x, w, 1e-5, backend=be),
+                "rms_norm",
+            ),
+            (
+                "qk_norm",
+                qk,
+                lambda: torch.nn.functional.rms_norm(qk, (D,), wqk, 1e-5),
+                lambda be: dk.rms_norm(qk, wqk, 1e-5, backend=be),
+                "rms_norm",
+            ),
             ("rope", q, lambda: torch_rope(q, pos), lambda be: dk.rope(q, pos, THETA, backend=be), "rope"),
         ]
         rows_out = []
@@ -76,28 +90,58 @@ def run(args):
             nbytes = 2 * inp.numel() * inp.element_size()
             ref = ours("torch").float()
             scale = float(ref.abs().max()) or 1.0
-            backends = [b for b in dk.available_backends(device, name)
-                        if not args.backends or b in args.backends.split(",")]
-            cases = [("torch fused", "eager", fused)] + [("ours", be, lambda be=be: ours(be)) for be in backends]
+            backends = [
+                b
+                for b in dk.available_backends(device, name)
+                if not args.backends or b in args.backends.split(",")
+            ]
+            cases = [("torch fused", "eager", fused)] + [
+                ("ours", be, lambda be=be: ours(be)) for be in backends
+            ]
             timed = []
             for method, be, fn in cases:
-                m = common.measure(common.Case(f"{op}/{method}[{be}] rows={rows}", lambda i, fn=fn: fn()),
-                                   device, quick=args.quick, reps=args.reps)
+                m = common.measure(
+                    common.Case(f"{op}/{method}[{be}] rows={rows}", lambda i, fn=fn: fn()),
+                    device,
+                    quick=args.quick,
+                    reps=args.reps,
+                )
                 err = float((fn().float() - ref).abs().max()) / scale
-                r = dict(op=op, rows=rows, method=method, backend=be, shape=shape, us=m["median_s"] * 1e6,
-                         median_s=m["median_s"], p20_s=m["p20_s"], p80_s=m["p80_s"], timer=m["timer"],
-                         GBps=nbytes / m["median_s"] / 1e9, rel_err=err)
+                r = dict(
+                    op=op,
+                    rows=rows,
+                    method=method,
+                    backend=be,
+                    shape=shape,
+                    us=m["median_s"] * 1e6,
+                    median_s=m["median_s"],
+                    p20_s=m["p20_s"],
+                    p80_s=m["p80_s"],
+                    timer=m["timer"],
+                    GBps=nbytes / m["median_s"] / 1e9,
+                    rel_err=err,
+                )
                 timed.append(r)
-                print(f"  {op:8s} rows={rows:<5d} {method:11s} {be:6s} {r['us']:9.1f} us  {r['GBps']:7.2f} GB/s")
+                print(
+                    f"  {op:8s} rows={rows:<5d} {method:11s} {be:6s} {r['us']:9.1f} us  {r['GBps']:7.2f} GB/s"
+                )
             base = next((r for r in timed if r["backend"] == "torch"), None)
             for r in timed:
                 r["speedup"] = base["median_s"] / r["median_s"] if base else None
             rows_out += timed
-        cols = [("op", "op", None), ("method", "method", None), ("backend", "backend", None),
-                ("median µs", "us", ".1f"), ("GB/s", "GBps", ".2f"), ("× reference", "speedup", ".2f"),
-                ("rel. max diff", "rel_err", ".1e")]
-        title = (f"{rows} rows, {shape} (hidden {H}, {heads} x {D}), {args.dtype}, {device} "
-                 f"({env.get('gpu') or env['cpu']}, {torch.get_num_threads()} threads)")
+        cols = [
+            ("op", "op", None),
+            ("method", "method", None),
+            ("backend", "backend", None),
+            ("median µs", "us", ".1f"),
+            ("GB/s", "GBps", ".2f"),
+            ("× reference", "speedup", ".2f"),
+            ("rel. max diff", "rel_err", ".1e"),
+        ]
+        title = (
+            f"{rows} rows, {shape} (hidden {H}, {heads} x {D}), {args.dtype}, {device} "
+            f"({env.get('gpu') or env['cpu']}, {torch.get_num_threads()} threads)"
+        )
         table_md = f"**{title}**\n\n" + common.markdown_table(rows_out, cols)
         print("\n" + table_md + "\n")
         tables.append(table_md)
@@ -108,8 +152,12 @@ def run(args):
 def main(argv=None):
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--rows", default=None, help="comma-separated tokens per call (default 1,70,560)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                   help="model shapes (default: tiny on the CPU, llada-moe on a GPU)")
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="model shapes (default: tiny on the CPU, llada-moe on a GPU)",
+    )
     p.add_argument("--backends", default=None, help="comma-separated subset of dinfer_kernels backends")
     run(p.parse_args(argv))
 

@@ -11,13 +11,13 @@ Columns: median time, GB/s of the minimal traffic (logits + E read once, output 
 % of the measured copy bandwidth, TFLOP/s of the 2*M*V*d GEMM, speedup vs the torch baseline,
 max |difference| vs the baseline relative to max |baseline|.
 """
+
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-import torch  # noqa: E402
+import common
+import torch
 
 SMALL = (16384, 512)
 UNMASK_EVERY = 16
@@ -40,13 +40,18 @@ def run(args):
     small = args.small if args.small is not None else device == "cpu"
     V = args.vocab or (SMALL[0] if small else 157184)
     d = args.dim or (SMALL[1] if small else 2048)
-    rows = common.parse_ints(args.rows) if args.rows else (
-        [64] if args.quick and device == "cpu" else [64, 1024] if args.quick else [64, 256, 1024])
+    rows = (
+        common.parse_ints(args.rows)
+        if args.rows
+        else ([64] if args.quick and device == "cpu" else [64, 1024] if args.quick else [64, 256, 1024])
+    )
     dtype = common.torch_dtype(args.dtype)
     env = common.environment(device)
     notes = []
-    print(f"# bench_soft_embedding  device={device} ({env.get('gpu') or env['cpu']})  V={V} d={d}  "
-          f"dtype={args.dtype}  rows={rows}  commit={env['commit']}")
+    print(
+        f"# bench_soft_embedding  device={device} ({env.get('gpu') or env['cpu']})  V={V} d={d}  "
+        f"dtype={args.dtype}  rows={rows}  commit={env['commit']}"
+    )
     bw = common.copy_bandwidth(device, quick=args.quick)
     print(f"copy bandwidth: {bw['GBps']:.1f} GB/s")
 
@@ -54,8 +59,11 @@ def run(args):
     E = (torch.randn(V, d, generator=g) * 0.02).to(dtype).to(device)
     mask_id = V - 289 if V > 289 else V - 1
     w = torch.full((1,), 0.3, dtype=torch.float32, device=device)
-    backends = [b for b in dinfer_kernels.available_backends(device, "soft_embedding")
-                if not args.backends or b in args.backends.split(",")]
+    backends = [
+        b
+        for b in dinfer_kernels.available_backends(device, "soft_embedding")
+        if not args.backends or b in args.backends.split(",")
+    ]
     results, tables = [], []
     for M in rows:
         z = (torch.randn(M, V, generator=g) * 2.0).to(dtype).to(device)
@@ -69,43 +77,82 @@ def run(args):
         flops = 2.0 * M * V * d
         base_out = torch_soft_embedding(z, E, tok, mask_id, w, args.tau).float()
         scale = float(base_out.abs().max()) or 1.0
-        cases = [("torch_baseline", "torch softmax+matmul", "eager",
-                  lambda i: torch_soft_embedding(zs[i], E, tok, mask_id, w, args.tau))]
+        cases = [
+            (
+                "torch_baseline",
+                "torch softmax+matmul",
+                "eager",
+                lambda i: torch_soft_embedding(zs[i], E, tok, mask_id, w, args.tau),
+            )
+        ]
         for be in backends:
-            cases.append((f"ours_{be}", "ours soft_embedding", be,
-                          lambda i, be=be: dinfer_kernels.soft_embedding(zs[i], E, tok, mask_id, w,
-                                                                         args.tau, backend=be)))
+            cases.append(
+                (
+                    f"ours_{be}",
+                    "ours soft_embedding",
+                    be,
+                    lambda i, be=be: dinfer_kernels.soft_embedding(
+                        zs[i], E, tok, mask_id, w, args.tau, backend=be
+                    ),
+                )
+            )
         rows_out = []
         for key, label, be, fn in cases:
             try:
                 err = float((fn(0).float() - base_out).abs().max()) / scale
-                m = common.measure(common.Case(f"{label}[{be}] M={M}", fn, copies), device,
-                                   quick=args.quick, reps=args.reps)
-            except Exception as e:  # noqa: BLE001
+                m = common.measure(
+                    common.Case(f"{label}[{be}] M={M}", fn, copies), device, quick=args.quick, reps=args.reps
+                )
+            except Exception as e:
                 print(f"  {label}[{be}]: FAILED ({type(e).__name__}: {e})")
                 notes.append(f"M={M} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}")
                 continue
             if m["note"]:
                 notes.append(f"M={M} {label}[{be}]: {m['note']}")
-            r = dict(M=M, V=V, d=d, key=key, method=label, backend=be, timer=m["timer"],
-                     median_s=m["median_s"], p20_s=m["p20_s"], p80_s=m["p80_s"], us=m["median_s"] * 1e6,
-                     GBps=nbytes / m["median_s"] / 1e9, TFLOPs=flops / m["median_s"] / 1e12, rel_err=err)
+            r = dict(
+                M=M,
+                V=V,
+                d=d,
+                key=key,
+                method=label,
+                backend=be,
+                timer=m["timer"],
+                median_s=m["median_s"],
+                p20_s=m["p20_s"],
+                p80_s=m["p80_s"],
+                us=m["median_s"] * 1e6,
+                GBps=nbytes / m["median_s"] / 1e9,
+                TFLOPs=flops / m["median_s"] / 1e12,
+                rel_err=err,
+            )
             r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
             rows_out.append(r)
-            print(f"  {label:22s} {be:7s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s  {r['TFLOPs']:7.2f} TFLOP/s")
+            print(
+                f"  {label:22s} {be:7s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s  {r['TFLOPs']:7.2f} TFLOP/s"
+            )
         base = next((r for r in rows_out if r["key"] == "torch_baseline"), None)
         for r in rows_out:
             r["speedup"] = base["median_s"] / r["median_s"] if base else None
         results += rows_out
-        title = (f"M = {M} rows, V = {V}, d = {d}, {args.dtype}, {device} ({env.get('gpu') or env['cpu']}), "
-                 f"copy bandwidth {bw['GBps']:.0f} GB/s")
-        cols = [("method", "method", None), ("backend", "backend", None), ("median µs", "us", ".1f"),
-                ("GB/s", "GBps", ".1f"), ("% copy BW", "pct_copy", ".1f"), ("TFLOP/s", "TFLOPs", ".2f"),
-                ("× torch", "speedup", ".2f"), ("rel. max diff", "rel_err", ".1e"), ("timer", "timer", None)]
+        title = (
+            f"M = {M} rows, V = {V}, d = {d}, {args.dtype}, {device} ({env.get('gpu') or env['cpu']}), "
+            f"copy bandwidth {bw['GBps']:.0f} GB/s"
+        )
+        cols = [
+            ("method", "method", None),
+            ("backend", "backend", None),
+            ("median µs", "us", ".1f"),
+            ("GB/s", "GBps", ".1f"),
+            ("% copy BW", "pct_copy", ".1f"),
+            ("TFLOP/s", "TFLOPs", ".2f"),
+            ("× torch", "speedup", ".2f"),
+            ("rel. max diff", "rel_err", ".1e"),
+            ("timer", "timer", None),
+        ]
         table = f"**{title}**\n\n" + common.markdown_table(rows_out, cols)
         print("\n" + table + "\n")
         tables.append(table)
-        del zs, z, base_out
+        zs = z = base_out = None  # frees this shape before the next (the lambdas above read zs)
         if device == "cuda":
             torch.cuda.empty_cache()
     return common.finish("soft_embedding", env, args, bw, results, tables, notes)
@@ -116,8 +163,12 @@ def main(argv=None):
     p.add_argument("--rows", default=None, help="comma-separated M (default 64,256,1024)")
     p.add_argument("--vocab", type=int, default=None, help="V (default 157184, --small 16384)")
     p.add_argument("--dim", type=int, default=None, help="d (default 2048, --small 512)")
-    p.add_argument("--small", action="store_true", default=None,
-                   help="small V and d (default on the CPU); --no-small for full size on the CPU")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        default=None,
+        help="small V and d (default on the CPU); --no-small for full size on the CPU",
+    )
     p.add_argument("--no-small", dest="small", action="store_false")
     p.add_argument("--tau", type=float, default=1.0)
     p.add_argument("--backends", default=None, help="comma-separated subset of our backends")

@@ -15,6 +15,7 @@ Report
 (and OUT_DIR/steps.tsv, OUT_DIR/junit.xml, OUT_DIR/pytest.log when present) into OUT_DIR/report.md
 and OUT_DIR/report.json. bench_kernels/gpu_check.sh calls it.
 """
+
 import argparse
 import datetime
 import json
@@ -28,16 +29,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:          # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "kernels"):  # run from a checkout without installing: engine, kernels
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 try:
     import nvtx
-except ImportError:                    # keep the benches runnable without it
+except ImportError:  # keep the benches runnable without it
     nvtx = None
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-ROTATE_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}    # rotating-input footprint (H200 L2: 50 MB)
+ROTATE_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # rotating-input footprint (H200 L2: 50 MB)
 MAX_COPIES = 64
 
 
@@ -46,11 +48,17 @@ def base_parser(description):
     import torch
 
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="logits dtype")
     p.add_argument("--quick", action="store_true", help="fewer rows and repeats (GPU check script)")
-    p.add_argument("--json", default=None, type=json_path,
-                   help="write the results to this JSON file (case by case as they finish)")
+    p.add_argument(
+        "--json",
+        default=None,
+        type=json_path,
+        help="write the results to this JSON file (case by case as they finish)",
+    )
     p.add_argument("--reps", type=int, default=None, help="timed repeats (default: by device / --quick)")
     return p
 
@@ -59,18 +67,30 @@ def engine_parser(description, tasks, num_problems, timed=True):
     """The options of the benchmarks that run an embedded model end to end (bench_e2e and friends);
     timed: the benchmark reports tokens/s (and takes --repeats)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)")
+    p.add_argument(
+        "--model", default=None, help="embedded model name or checkpoint folder (default: tiny-llada-moe)"
+    )
     p.add_argument("--tasks", default=tasks, help=f"comma-separated tasks of dinfer.tasks (default: {tasks})")
     p.add_argument("--num-problems", type=int, default=num_problems, help="held-out problems per task")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", default=None, help="model dtype (default: bf16 on a GPU, fp32 on the host)")
-    p.add_argument("--quick", action="store_true", help="a few problems per task, one timed run (the GPU check script)")
+    p.add_argument(
+        "--quick", action="store_true", help="a few problems per task, one timed run (the GPU check script)"
+    )
     if timed:
-        p.add_argument("--repeats", type=int, default=3,
-                       help="timed runs per row; tokens/s is over the median run (default 3; --quick: 1)")
-    p.add_argument("--json", default=None, type=json_path,
-                   help="write the results to this JSON file (run by run as they finish)")
+        p.add_argument(
+            "--repeats",
+            type=int,
+            default=3,
+            help="timed runs per row; tokens/s is over the median run (default 3; --quick: 1)",
+        )
+    p.add_argument(
+        "--json",
+        default=None,
+        type=json_path,
+        help="write the results to this JSON file (run by run as they finish)",
+    )
     return p
 
 
@@ -111,6 +131,7 @@ def median_run(runs, key):
 def engine_llm(args):
     """The model an engine benchmark runs, on args.threads CPU threads when given."""
     import torch
+
     from dinfer.llm import LLM
 
     if args.threads:
@@ -124,7 +145,7 @@ def finish_engine(bench, args, results, table, notes):
 
     print(table)
     env = environment(args.device)
-    env["model"] = args.model or DEFAULT   # the name or path given, not this machine's install path
+    env["model"] = args.model or DEFAULT  # the name or path given, not this machine's install path
     return finish(bench, env, args, None, results, [table], notes)
 
 
@@ -142,6 +163,8 @@ def parse_ints(text):
 def nvtx_range(name):
     if nvtx is not None:
         return nvtx.annotate(name, color="green")
+    import torch
+
     if torch.cuda.is_available():  # the `nvtx` package may be missing on a GPU image: torch has ranges too
         return torch.cuda.nvtx.range(name)
     import contextlib
@@ -197,7 +220,7 @@ def _time_cuda_graph(case, reps, min_calls=20):
     calls = math.ceil(calls / case.copies) * case.copies
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                 # warm-up on a side stream before capture
+    with torch.cuda.stream(side):  # warm-up on a side stream before capture
         for i in range(case.copies):
             if i == 0:
                 _restore(case)
@@ -239,8 +262,9 @@ def _time_cuda_do_bench(case, reps, quick):
     call()
     torch.cuda.synchronize()
     with nvtx_range(case.name):
-        ms = triton.testing.do_bench(call, warmup=10 if quick else 25, rep=40 if quick else 100,
-                                     return_mode="all")
+        ms = triton.testing.do_bench(
+            call, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="all"
+        )
     return [t * 1e-3 for t in ms], "do_bench"
 
 
@@ -257,7 +281,7 @@ def measure(case, device, quick=False, reps=None):
         if case.graph:
             try:
                 times, timer = _time_cuda_graph(case, reps)
-            except Exception as e:  # noqa: BLE001 - any capture failure: fall back, say why
+            except Exception as e:
                 note = f"graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
                 torch.cuda.synchronize()
                 if case.setup is not None:
@@ -266,11 +290,16 @@ def measure(case, device, quick=False, reps=None):
             times, timer = _time_cuda_do_bench(case, reps, quick)
     else:
         reps = reps or (5 if quick else 15)
-        times, timer = _time_cpu(case, warmup=1 if quick else 2, reps=reps,
-                                 min_seconds=0.2 if quick else 1.0)
+        times, timer = _time_cpu(case, warmup=1 if quick else 2, reps=reps, min_seconds=0.2 if quick else 1.0)
     q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
-    res = {"median_s": statistics.median(times), "p20_s": q[0], "p80_s": q[3], "timer": timer,
-           "n": len(times), "note": note}
+    res = {
+        "median_s": statistics.median(times),
+        "p20_s": q[0],
+        "p80_s": q[3],
+        "timer": timer,
+        "n": len(times),
+        "note": note,
+    }
     record(case.name, res)
     return res
 
@@ -286,7 +315,6 @@ def copy_bandwidth(device, nbytes=None, quick=False):
     res = measure(Case("copy_bandwidth", lambda i: dst.copy_(src)), device, quick=quick)
     res["GBps"] = 2 * nbytes / res["median_s"] / 1e9
     res["bytes"] = nbytes
-    del src, dst
     return res
 
 
@@ -298,7 +326,7 @@ def matmul_rate(device, dtype, quick):
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     res = measure(Case(f"matmul {n}^3", lambda i: a @ b), device, quick=quick)
-    res["TFLOPs"] = 2.0 * n ** 3 / res["median_s"] / 1e12
+    res["TFLOPs"] = 2.0 * n**3 / res["median_s"] / 1e12
     res["n"] = n
     return res
 
@@ -313,12 +341,18 @@ def sync(device):
 # ------------------------------------------------------------------------------------ environment
 def git_commit():
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return (out.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "unknown"
 
 
@@ -335,11 +369,19 @@ def cpu_name():
 def environment(device):
     import torch
 
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": git_commit(), "host": platform.node(), "python": platform.python_version(),
-           "torch": torch.__version__, "device": str(device), "cpu": cpu_name(),
-           "cpu_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-           "loadavg_1min": round(os.getloadavg()[0], 2), "argv": " ".join(sys.argv)}
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(device),
+        "cpu": cpu_name(),
+        "cpu_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "loadavg_1min": round(os.getloadavg()[0], 2),
+        "argv": " ".join(sys.argv),
+    }
     try:
         import triton
 
@@ -406,17 +448,28 @@ def record(name, result):
     ({"bench", "complete": false, "cases"} until finish())."""
     _progress["cases"].append({"case": name, **result})
     if _progress["path"]:
-        write_json(_progress["path"], {"bench": Path(sys.argv[0]).stem, "complete": False,
-                                       "cases": _progress["cases"]}, quiet=True)
+        write_json(
+            _progress["path"],
+            {"bench": Path(sys.argv[0]).stem, "complete": False, "cases": _progress["cases"]},
+            quiet=True,
+        )
 
 
 def finish(bench, env, args, bandwidth, results, tables, notes):
     """Prints the notes and writes the JSON payload every bench script returns."""
     for n in notes:
         print("note:", n)
-    payload = {"bench": bench, "complete": True, "env": env, "args": vars(args),
-               "copy_bandwidth": bandwidth, "results": results, "tables": tables, "notes": notes,
-               "cases": _progress["cases"]}
+    payload = {
+        "bench": bench,
+        "complete": True,
+        "env": env,
+        "args": vars(args),
+        "copy_bandwidth": bandwidth,
+        "results": results,
+        "tables": tables,
+        "notes": notes,
+        "cases": _progress["cases"],
+    }
     write_json(args.json, payload)
     return payload
 
@@ -424,11 +477,13 @@ def finish(bench, env, args, bandwidth, results, tables, notes):
 # ------------------------------------------------------------------------------------------ report
 # The sections of a gpu_check.sh report, each with the steps (names in OUT_DIR/steps.tsv) it covers.
 # Every section is always written: what ran, or why not.
-SECTIONS = [("Environment", ("nvidia-smi", "versions", "dinfer_kernels-info")),
-            ("Build", ("build",)),
-            ("Selftest", ("selftest",)),
-            ("GPU tests", ("gpu-tests",)),
-            ("Sanitizer", ("kernel-calls", "memcheck", "racecheck"))]
+SECTIONS = [
+    ("Environment", ("nvidia-smi", "versions", "dinfer_kernels-info")),
+    ("Build", ("build",)),
+    ("Selftest", ("selftest",)),
+    ("GPU tests", ("gpu-tests",)),
+    ("Sanitizer", ("kernel-calls", "memcheck", "racecheck")),
+]
 
 
 def bench_names():
@@ -446,10 +501,15 @@ def _junit_summary(path):
     tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
     secs = sum(float(s.get("time", 0)) for s in suites)
     passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
-    failed = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
-              if c.find("failure") is not None or c.find("error") is not None]
-    line = (f"{passed} passed, {tot['failures']} failed, {tot['errors']} errors, "
-            f"{tot['skipped']} skipped in {secs:.1f}s")
+    failed = [
+        f"{c.get('classname')}::{c.get('name')}"
+        for c in root.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
+    line = (
+        f"{passed} passed, {tot['failures']} failed, {tot['errors']} errors, "
+        f"{tot['skipped']} skipped in {secs:.1f}s"
+    )
     return line, failed
 
 
@@ -459,8 +519,12 @@ def _read_steps(out):
         for ln in (out / "steps.tsv").read_text().splitlines():
             parts = ln.split("\t")
             if len(parts) >= 3:
-                steps[parts[0]] = {"step": parts[0], "rc": parts[1], "seconds": parts[2],
-                                   "note": parts[3] if len(parts) > 3 else ""}
+                steps[parts[0]] = {
+                    "step": parts[0],
+                    "rc": parts[1],
+                    "seconds": parts[2],
+                    "note": parts[3] if len(parts) > 3 else "",
+                }
     return steps
 
 
@@ -489,15 +553,25 @@ def _section_body(title, out, rep):
             return [f"selftest.json unreadable: {e}"]
         rows = data["rows"]
         rep["selftest"] = f"{sum(r['ok'] for r in rows)}/{len(rows)} ok" + (
-            "" if data.get("complete") else " (INCOMPLETE: stopped before the last row)")
-        cols = [("op", "op", None), ("backend", "backend", None), ("device", "device", None),
-                ("dtype", "dtype", None), ("shape", "shape", None), ("max error", "max_error", ".3g"),
-                ("bound", "bound", ".3g"), ("ok", "ok", None), ("s", "seconds", None), ("note", "note", None)]
+            "" if data.get("complete") else " (INCOMPLETE: stopped before the last row)"
+        )
+        cols = [
+            ("op", "op", None),
+            ("backend", "backend", None),
+            ("device", "device", None),
+            ("dtype", "dtype", None),
+            ("shape", "shape", None),
+            ("max error", "max_error", ".3g"),
+            ("bound", "bound", ".3g"),
+            ("ok", "ok", None),
+            ("s", "seconds", None),
+            ("note", "note", None),
+        ]
         return [markdown_table(rows, cols)] + [f"- skipped: {x}" for x in data.get("skipped", [])]
     if title == "GPU tests" and (out / "junit.xml").exists():
         try:
             rep["tests"], rep["failed_tests"] = _junit_summary(out / "junit.xml")
-        except Exception as e:  # noqa: BLE001 - a cut-off file is reported, not fatal
+        except Exception as e:
             return [f"junit.xml unreadable: {e}"]
         return [f"{rep['tests']}"] + [f"- FAILED `{t}`" for t in rep["failed_tests"][:50]]
     if title == "GPU tests" and (out / "gpu-tests.log").exists():
@@ -505,8 +579,11 @@ def _section_body(title, out, rep):
     if title == "Sanitizer":
         body = []
         for tool in ("memcheck", "racecheck"):
-            summary = [ln for ln in _tail(out / f"{tool}.log", 400)
-                       if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
+            summary = [
+                ln
+                for ln in _tail(out / f"{tool}.log", 400)
+                if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln
+            ]
             if summary:
                 rep["sanitizer"][tool] = summary[-1].strip()
                 body.append(f"- {tool}: {summary[-1].strip()}")
@@ -529,12 +606,21 @@ def _bench_section(name, out, steps, rep):
     rep["benchmarks"][name] = data
     if not data.get("complete"):
         cases = data.get("cases", [])
-        md += [f"- INCOMPLETE: {len(cases)} cases finished before it stopped", "",
-               markdown_table(cases, [("case", "case", None), ("median s", "median_s", ".3g"),
-                                      ("timer", "timer", None)]) if cases else ""]
+        md += [
+            f"- INCOMPLETE: {len(cases)} cases finished before it stopped",
+            "",
+            markdown_table(
+                cases, [("case", "case", None), ("median s", "median_s", ".3g"), ("timer", "timer", None)]
+            )
+            if cases
+            else "",
+        ]
         return md + [""]
     env = data.get("env", {})
-    md += [f"`{env.get('argv', '')}` — commit `{env.get('commit', '?')}`, {env.get('gpu') or env.get('cpu', '')}", ""]
+    md += [
+        f"`{env.get('argv', '')}` — commit `{env.get('commit', '?')}`, {env.get('gpu') or env.get('cpu', '')}",
+        "",
+    ]
     md += [t + "\n" for t in data.get("tables", [])] + [f"- {n}" for n in data.get("notes", [])]
     rep["gpu"] = rep["gpu"] or env.get("gpu")
     return md + [""]
@@ -546,27 +632,46 @@ def print_versions():
     import torch
 
     print("python", platform.python_version())
-    print("torch", torch.__version__, "cuda", torch.version.cuda,
-          "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    print(
+        "torch",
+        torch.__version__,
+        "cuda",
+        torch.version.cuda,
+        "gpu",
+        torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    )
     for name in ("triton", "pybind11", "cupy"):
         print(name, __import__(name).__version__ if importlib.util.find_spec(name) else "not installed")
-    print("pytest-timeout", "yes" if importlib.util.find_spec("pytest_timeout") else
-          "no (the conftest's DINFER_TEST_TIMEOUT_S stands in)")
+    print(
+        "pytest-timeout",
+        "yes"
+        if importlib.util.find_spec("pytest_timeout")
+        else "no (the conftest's DINFER_TEST_TIMEOUT_S stands in)",
+    )
 
 
 def write_report(out_dir, mode="gpu check"):
     """OUT_DIR/report.md and report.json: every section of SECTIONS and every benchmark, each saying
     what ran (and its results) or why not."""
     out = Path(out_dir)
-    rep = {"mode": mode, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": git_commit(), "gpu": None, "selftest": None, "tests": None, "failed_tests": [],
-           "sanitizer": {}, "steps": [], "benchmarks": {}}
+    rep = {
+        "mode": mode,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "gpu": None,
+        "selftest": None,
+        "tests": None,
+        "failed_tests": [],
+        "sanitizer": {},
+        "steps": [],
+        "benchmarks": {},
+    }
     try:
         import torch
 
         if torch.cuda.is_available():
             rep["gpu"] = torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001 - the report is written whatever the install's state
+    except Exception:
         pass
     steps = _read_steps(out)
     rep["steps"] = list(steps.values())
@@ -579,10 +684,17 @@ def write_report(out_dir, mode="gpu check"):
     body += ["## Benchmarks", ""]
     for name in bench_names():
         body += _bench_section(name, out, steps, rep)
-    md = [f"# GPU check report ({mode})", "", f"- commit: `{rep['commit']}`", f"- date (UTC): {rep['date']}",
-          f"- GPU: {rep['gpu'] or 'none'}", f"- selftest: {rep['selftest'] or 'not run'}",
-          f"- GPU tests: {rep['tests'] or 'not run'}",
-          f"- sanitizer: {'; '.join(f'{k}: {v}' for k, v in rep['sanitizer'].items()) or 'not run'}", ""]
+    md = [
+        f"# GPU check report ({mode})",
+        "",
+        f"- commit: `{rep['commit']}`",
+        f"- date (UTC): {rep['date']}",
+        f"- GPU: {rep['gpu'] or 'none'}",
+        f"- selftest: {rep['selftest'] or 'not run'}",
+        f"- GPU tests: {rep['tests'] or 'not run'}",
+        f"- sanitizer: {'; '.join(f'{k}: {v}' for k, v in rep['sanitizer'].items()) or 'not run'}",
+        "",
+    ]
     (out / "report.md").write_text("\n".join(md + body))
     with open(out / "report.json", "w") as f:
         json.dump(rep, f, indent=1, default=str)

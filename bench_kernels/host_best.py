@@ -15,15 +15,15 @@ dinfer_kernels.moe(backend="cpu") per ISA against the torch reference, and what 
 with that ISA (dinfer_kernels/_backend.py MOE_HOST_WINS); shapes "small<T>" = E 8, H 256, I 128 and
 "big<T>" = LLaDA-MoE's E 64, H 2048, I 1024, top-8, T tokens.
 """
+
 import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-import torch  # noqa: E402
+import common
+import torch
 
 SHAPES = {"small": (8, 256, 128), "big": (64, 2048, 1024)}
 
@@ -42,10 +42,11 @@ def best_of(fns, rounds):
 
 
 def decode(args):
-    import dinfer_kernels as dk
+    import dinfer_baseline as db
     from bench_decode import make_inputs
+
+    import dinfer_kernels as dk
     from dinfer_kernels import _backend
-    from dinfer_kernels.reference import dinfer_baseline as db
 
     N, V = 32, 157184
     for dn in args.dtypes:
@@ -58,17 +59,23 @@ def decode(args):
                 _backend.set_cpu_isa(isa)
                 tok.copy_(tok0)
                 dk.decode_step(logits, tok, off, mask_id, backend="cpu", validate=False)
+
             return run
 
-        fns = {"max": lambda: logits.max(-1),
-               "dinfer": lambda: db.dinfer_threshold_decode(logits.view(1, N, V), tok0.clone().view(1, N),
-                                                            mask_id, 0.9)}
+        fns = {
+            "max": lambda: logits.max(-1),
+            "dinfer": lambda: db.dinfer_threshold_decode(
+                logits.view(1, N, V), tok0.clone().view(1, N), mask_id, 0.9
+            ),
+        }
         fns.update({isa: ours(isa) for isa in args.isas})
         b = {k: v * 1e3 for k, v in best_of(fns, args.rounds).items()}
         print(f"decode_step {dn} N={N} V={V}: max(-1) {b['max']:.2f} ms, dInfer eager {b['dinfer']:.2f} ms")
         for isa in args.isas:
-            print(f"  {isa:10s} {b[isa]:6.2f} ms  ÷ max(-1) {b[isa] / b['max']:.2f}  "
-                  f"× dInfer eager {b['dinfer'] / b[isa]:.2f}")
+            print(
+                f"  {isa:10s} {b[isa]:6.2f} ms  ÷ max(-1) {b[isa] / b['max']:.2f}  "
+                f"× dInfer eager {b['dinfer'] / b[isa]:.2f}"
+            )
 
 
 def moe(args):
@@ -80,17 +87,18 @@ def moe(args):
     for shape in args.shapes:
         kind, T = shape.rstrip("0123456789"), int(shape.lstrip("abcdefghijklmnopqrstuvwxyz"))
         E, H, inter = SHAPES[kind]
-        router = torch.randn(E, H, generator=g) * H ** -0.5
+        router = torch.randn(E, H, generator=g) * H**-0.5
         for dn in args.dtypes:
             dt = common.torch_dtype(dn)
-            w13 = (torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5).to(dt)
-            w2 = (torch.randn(E, H, inter, generator=g) * inter ** -0.5).to(dt)
+            w13 = (torch.randn(E, 2 * inter, H, generator=g) * H**-0.5).to(dt)
+            w2 = (torch.randn(E, H, inter, generator=g) * inter**-0.5).to(dt)
             x = torch.randn(T, H, generator=g).to(dt)
 
             def ours(isa):
                 def run():
                     _backend.set_cpu_isa(isa)
                     dk.moe(x, router, w13, w2, 8, backend="cpu")
+
                 return run
 
             fns = {"torch": lambda: moe_reference(x, router, w13, w2, 8, static_shapes=False)}
@@ -100,13 +108,19 @@ def moe(args):
             for isa in args.isas:
                 _backend.set_cpu_isa(isa)
                 try:
-                    auto = _backend.resolve("auto", "cpu", "moe", dtype=dt, rows_per_expert=T * 8 / E,
-                                            weight_bytes=(w13.numel() + w2.numel()) * w13.element_size())
-                except TypeError:   # an install from before the per-shape choice: the op-level one
+                    auto = _backend.resolve(
+                        "auto",
+                        "cpu",
+                        "moe",
+                        dtype=dt,
+                        rows_per_expert=T * 8 / E,
+                        weight_bytes=(w13.numel() + w2.numel()) * w13.element_size(),
+                    )
+                except TypeError:  # an install from before the per-shape choice: the op-level one
                     auto = _backend.resolve("auto", "cpu", "moe") + " (op-level)"
                 line += f" {isa} {b[isa]:.2f} ({b['torch'] / b[isa]:.2f}x, auto {auto})"
             print(line, flush=True)
-            del w13, w2
+            w13 = w2 = None  # frees this shape before the next (the lambdas above read them)
 
 
 def main(argv=None):

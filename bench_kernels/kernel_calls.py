@@ -8,14 +8,16 @@ key block, ragged rows) so that the edge paths run too, and checks nothing itsel
 judges the memory accesses, the test suite the values. Prints one line per call; exit status 1 if a
 call raises.
 """
+
 import argparse
 import sys
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:          # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "kernels"):  # run from a checkout without installing: engine, kernels
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
 
@@ -30,25 +32,47 @@ def decode_calls(backend, dev, dtype):
     offsets = torch.tensor([0, 5, 5, N], dtype=torch.int32, device=dev)
     yield "decode_step threshold", lambda: dk.decode_step(logits, tokens.clone(), offsets, 7, backend=backend)
     credit = dk.CreditState.empty(N, 16, device=dev)
-    yield "decode_step credit", lambda: dk.decode_step(logits, tokens.clone(), offsets, 7, credit=credit,
-                                                       backend=backend)
-    yield "decode_step fixed", lambda: dk.decode_step(logits, tokens.clone(), offsets, 7, rule="fixed",
-                                                      num_commit=2, backend=backend)
+    yield (
+        "decode_step credit",
+        lambda: dk.decode_step(logits, tokens.clone(), offsets, 7, credit=credit, backend=backend),
+    )
+    yield (
+        "decode_step fixed",
+        lambda: dk.decode_step(
+            logits, tokens.clone(), offsets, 7, rule="fixed", num_commit=2, backend=backend
+        ),
+    )
 
 
 def attention_calls(backend, dev, dtype):
     B, W, S, Hq, Hkv = 2, 33, 200, 4, 2
     for D in (64, 128):
-        r = lambda *s: torch.randn(*s, device=dev).to(dtype)  # noqa: E731
+        r = lambda *s: torch.randn(*s, device=dev).to(dtype)
         q, k, v, kc, vc = r(B, W, Hq, D), r(B, W, Hkv, D), r(B, W, Hkv, D), r(B, S, Hkv, D), r(B, S, Hkv, D)
         pos = (torch.tensor([[0], [100]], device=dev) + torch.arange(W, device=dev)).long()
         lens = torch.tensor([W, 170], dtype=torch.int32, device=dev)
-        yield f"attention D={D} dense", lambda: dk.attention(q, k, v, kc, vc, pos, lens, return_lse=True,
-                                                             backend=backend)
+        yield (
+            f"attention D={D} dense",
+            lambda: dk.attention(q, k, v, kc, vc, pos, lens, return_lse=True, backend=backend),
+        )
         bm = dk.BlockMask.full(B, Hkv, W, S, q_block=16, kv_block=96, device=dev)
-        yield f"attention D={D} block mask", lambda: dk.attention(
-            q, k, v, kc, vc, pos, lens, block_mask=bm, return_lse=True, return_block_mass=True,
-            write_back=False, backend=backend)
+        yield (
+            f"attention D={D} block mask",
+            lambda: dk.attention(
+                q,
+                k,
+                v,
+                kc,
+                vc,
+                pos,
+                lens,
+                block_mask=bm,
+                return_lse=True,
+                return_block_mass=True,
+                write_back=False,
+                backend=backend,
+            ),
+        )
 
 
 def moe_calls(backend, dev, dtype):
@@ -59,9 +83,23 @@ def moe_calls(backend, dev, dtype):
     w2 = (torch.randn(E, H, inter, device=dev) * 0.05).to(dtype)
     yield "moe softmax top-8", lambda: dk.moe(hidden, router, w13, w2, 8, backend=backend)
     bias = torch.rand(E, device=dev) * 0.1
-    yield "moe sigmoid grouped", lambda: dk.moe(hidden, router, w13, w2, 8, scoring="sigmoid", expert_bias=bias,
-                                                num_groups=8, topk_groups=4, renormalize=True,
-                                                routed_scaling=2.5, backend=backend)
+    yield (
+        "moe sigmoid grouped",
+        lambda: dk.moe(
+            hidden,
+            router,
+            w13,
+            w2,
+            8,
+            scoring="sigmoid",
+            expert_bias=bias,
+            num_groups=8,
+            topk_groups=4,
+            renormalize=True,
+            routed_scaling=2.5,
+            backend=backend,
+        ),
+    )
     yield "moe one token", lambda: dk.moe(hidden[:1], router, w13, w2, 8, backend=backend)
 
 
@@ -86,7 +124,7 @@ def main(argv=None):
                 if a.device == "cuda":
                     torch.cuda.synchronize()
                 print(f"{name} [{backend}]: ran")
-            except Exception:  # noqa: BLE001 - report every call, then fail
+            except Exception:
                 failed += 1
                 print(f"{name} [{backend}]: FAILED")
                 traceback.print_exc()

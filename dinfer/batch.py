@@ -8,6 +8,7 @@ block may be partial. Each sequence has its own number of blocks and, in a batch
 block than its neighbours (a slot refilled with a new prompt starts at block 0): block indices are
 per sequence everywhere.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +18,12 @@ CACHE_MODES = ("none", "prefix", "dual", "vicinity")
 
 @dataclass
 class Batch:
-    x: torch.Tensor            # [B, S] int64 tokens (pad_id beyond each sequence)
-    total_len: torch.Tensor    # [B] int32: attended keys per sequence
+    x: torch.Tensor  # [B, S] int64 tokens (pad_id beyond each sequence)
+    total_len: torch.Tensor  # [B] int32: attended keys per sequence
     first_block: torch.Tensor  # [B] int64: start of block 0
-    prompt_len: torch.Tensor   # [B] int64
+    prompt_len: torch.Tensor  # [B] int64
     block_length: int
-    room: int                  # columns kept after the last block: the after-look window + 1 padding row
+    room: int  # columns kept after the last block: the after-look window + 1 padding row
 
     @property
     def size(self) -> int:
@@ -54,15 +55,30 @@ class Batch:
     def select(self, rows: torch.Tensor, trim: bool = False) -> "Batch":
         """Sequences `rows`; trim: only the columns they use (a round of short prompts in a stream
         that also holds long ones computes its refreshes over its own length)."""
-        part = Batch(self.x[rows], self.total_len[rows], self.first_block[rows], self.prompt_len[rows],
-                     self.block_length, self.room)
+        part = Batch(
+            self.x[rows],
+            self.total_len[rows],
+            self.first_block[rows],
+            self.prompt_len[rows],
+            self.block_length,
+            self.room,
+        )
         if trim:
-            part.x = part.x[:, :part.span()]
+            part.x = part.x[:, : part.span()]
         return part
 
 
-def make_batch(prompts, gen_length: int, block_length: int, mask_id: int, pad_id: int, device,
-               max_positions: int, align_blocks: bool = True, after_look: int = 0) -> Batch:
+def make_batch(
+    prompts,
+    gen_length: int,
+    block_length: int,
+    mask_id: int,
+    pad_id: int,
+    device,
+    max_positions: int,
+    align_blocks: bool = True,
+    after_look: int = 0,
+) -> Batch:
     """align_blocks: dInfer's start_block_align (block 0 starts at floor(Lp / bl) * bl); False
     starts it right after the prompt, as LLaDA's original sampler does."""
     if not prompts:
@@ -73,21 +89,30 @@ def make_batch(prompts, gen_length: int, block_length: int, mask_id: int, pad_id
         if len(p) == 0:
             raise ValueError(f"prompts[{i}]: empty prompt")
         if len(p) + gen_length > max_positions:
-            raise ValueError(f"prompts[{i}]: {len(p)} prompt tokens + gen_length {gen_length} exceed the "
-                             f"model's {max_positions} positions")
+            raise ValueError(
+                f"prompts[{i}]: {len(p)} prompt tokens + gen_length {gen_length} exceed the "
+                f"model's {max_positions} positions"
+            )
     lp = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
     first = lp // block_length * block_length if align_blocks else lp.clone()
     total = lp + gen_length
     # Room for every block and its after-look window, plus one padding row: windows then depend on
     # a sequence's own positions only, never on the batch.
-    batch = Batch(torch.empty(len(prompts), 0, dtype=torch.int64), total.to(torch.int32), first, lp,
-                  block_length, after_look + 1)
+    batch = Batch(
+        torch.empty(len(prompts), 0, dtype=torch.int64),
+        total.to(torch.int32),
+        first,
+        lp,
+        block_length,
+        after_look + 1,
+    )
     x = torch.full((len(prompts), batch.span()), pad_id, dtype=torch.int64)
     for b, p in enumerate(prompts):
-        x[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
-        x[b, len(p):int(total[b])] = mask_id
-    return Batch(x.to(device), batch.total_len.to(device), first.to(device), lp.to(device), block_length,
-                 batch.room)
+        x[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        x[b, len(p) : int(total[b])] = mask_id
+    return Batch(
+        x.to(device), batch.total_len.to(device), first.to(device), lp.to(device), block_length, batch.room
+    )
 
 
 def window(batch: Batch, k: torch.Tensor, mode: str, prefix_look: int, after_look: int):

@@ -17,6 +17,7 @@ object with every text, token ids and the stats when all are done.
 Errors print one line on stderr and exit with status 2; Ctrl-C prints one line and exits with 130,
 keeping what finished (printed answers, --output lines, eval's --output after each task).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,22 @@ def _defaults(model: Optional[str]) -> Dict[str, object]:
 
 def _model_options(p: argparse.ArgumentParser, batch_default: str) -> None:
     device = _device(None)
-    p.add_argument("--model", help=f"checkpoint folder, or an embedded model ({', '.join(EMBEDDED)}) "
-                                   f"(default: {DEFAULT})")
+    p.add_argument(
+        "--model",
+        help=f"checkpoint folder, or an embedded model ({', '.join(EMBEDDED)}) (default: {DEFAULT})",
+    )
     p.add_argument("--device", help=f"cuda, cuda:1, cpu (default: cuda when available: {device} here)")
-    p.add_argument("--dtype", help=f"bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on the host: "
-                                   f"{str(_dtype(None, device)).replace('torch.', '')} here)")
-    p.add_argument("--batch-size", type=int,
-                   help=f"most prompts decoded at once; a finished one's place goes to the next "
-                        f"(default: {batch_default})")
+    p.add_argument(
+        "--dtype",
+        help=f"bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on the host: "
+        f"{str(_dtype(None, device)).replace('torch.', '')} here)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"most prompts decoded at once; a finished one's place goes to the next "
+        f"(default: {batch_default})",
+    )
 
 
 def _generation_options(p: argparse.ArgumentParser, d: Dict[str, object]) -> None:
@@ -76,23 +85,50 @@ def _generation_options(p: argparse.ArgumentParser, d: Dict[str, object]) -> Non
     opt("--cache", choices=CACHE_MODES, help="KV cache mode")
     opt("--warmup-steps", type=int, help="first N iterations are full refreshes")
     opt("--unroll", type=int, help="iterations per host check")
-    opt("--smoothing-threshold-start", type=float,
-        help="smoothing's threshold warm-up tau_n = max(start - decay * n, tau): start (<= --threshold: no warm-up)")
+    opt(
+        "--smoothing-threshold-start",
+        type=float,
+        help="smoothing's threshold warm-up tau_n = max(start - decay * n, tau): start (<= --threshold: no warm-up)",
+    )
     opt("--smoothing-threshold-decay", type=float, help="... and its decay per iteration")
-    on_off = lambda name: "on" if d[name] else "off"  # noqa: E731
-    p.add_argument("--no-write-back", dest="write_back", action="store_false", default=None,
-                   help="window steps leave the KV cache as it was, dInfer's vicinity step "
-                        f"(default: write-back {on_off('write_back')})")
-    p.add_argument("--smoothing", action="store_true", default=None,
-                   help=f"iteration smoothing (default: {on_off('smoothing')})")
-    p.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=None,
-                   help=f"decode every block even after EOS (default: early stop {on_off('early_stop')})")
-    p.add_argument("--no-compact", dest="compact", action="store_false", default=None,
-                   help="sequences whose block is done keep running its forwards, dInfer's batches "
-                        f"(default: compaction {on_off('compact')})")
-    p.add_argument("--no-align-blocks", dest="align_blocks", action="store_false", default=None,
-                   help="block 0 starts right after the prompt (LLaDA's sampler), not at a block boundary "
-                        f"(default: aligned {on_off('align_blocks')})")
+    on_off = lambda name: "on" if d[name] else "off"
+    p.add_argument(
+        "--no-write-back",
+        dest="write_back",
+        action="store_false",
+        default=None,
+        help="window steps leave the KV cache as it was, dInfer's vicinity step "
+        f"(default: write-back {on_off('write_back')})",
+    )
+    p.add_argument(
+        "--smoothing",
+        action="store_true",
+        default=None,
+        help=f"iteration smoothing (default: {on_off('smoothing')})",
+    )
+    p.add_argument(
+        "--no-early-stop",
+        dest="early_stop",
+        action="store_false",
+        default=None,
+        help=f"decode every block even after EOS (default: early stop {on_off('early_stop')})",
+    )
+    p.add_argument(
+        "--no-compact",
+        dest="compact",
+        action="store_false",
+        default=None,
+        help="sequences whose block is done keep running its forwards, dInfer's batches "
+        f"(default: compaction {on_off('compact')})",
+    )
+    p.add_argument(
+        "--no-align-blocks",
+        dest="align_blocks",
+        action="store_false",
+        default=None,
+        help="block 0 starts right after the prompt (LLaDA's sampler), not at a block boundary "
+        f"(default: aligned {on_off('align_blocks')})",
+    )
 
 
 def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
@@ -102,28 +138,54 @@ def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
     d = _defaults(pre.parse_known_args(argv)[0].model)
     parser = argparse.ArgumentParser(prog="dinfer", description="Inference for diffusion language models.")
     commands = parser.add_subparsers(dest="command", required=True)
-    g = commands.add_parser("generate", help="generate text for one or more prompts",
-                            description="Prompts from --prompt, --prompts-file, or stdin (one per non-empty line).")
+    g = commands.add_parser(
+        "generate",
+        help="generate text for one or more prompts",
+        description="Prompts from --prompt, --prompts-file, or stdin (one per non-empty line).",
+    )
     g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     g.add_argument("--prompts-file", help="a file of prompts, one per non-empty line ('-': stdin)")
-    g.add_argument("--stop", action="append",
-                   help="cut each answer before the first occurrence of this string (repeatable)")
-    g.add_argument("--json", action="store_true", help='print {"texts", "token_ids", "stats"} as JSON at the end '
-                   '(interrupted: {"texts": the finished ones, null for the rest, "interrupted": true})')
-    g.add_argument("--output", help='also write one JSON line {"index", "prompt", "text"} per prompt as it finishes')
-    g.add_argument("--no-chat", dest="chat", action="store_false",
-                   help="do not apply the checkpoint's chat template (default: applied)")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr (default: with several prompts when stderr is a terminal)")
+    g.add_argument(
+        "--stop",
+        action="append",
+        help="cut each answer before the first occurrence of this string (repeatable)",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"texts", "token_ids", "stats"} as JSON at the end '
+        '(interrupted: {"texts": the finished ones, null for the rest, "interrupted": true})',
+    )
+    g.add_argument(
+        "--output", help='also write one JSON line {"index", "prompt", "text"} per prompt as it finishes'
+    )
+    g.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_false",
+        help="do not apply the checkpoint's chat template (default: applied)",
+    )
+    g.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: with several prompts when stderr is a terminal)",
+    )
     _model_options(g, "all")
     _generation_options(g, d)
-    e = commands.add_parser("eval", help="exact-match accuracy, tokens/forward and tokens/s on the task suite")
-    e.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)} (default: all)")
+    e = commands.add_parser(
+        "eval", help="exact-match accuracy, tokens/forward and tokens/s on the task suite"
+    )
+    e.add_argument(
+        "--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)} (default: all)"
+    )
     e.add_argument("--num-problems", type=int, default=100, help="held-out problems per task (default: 100)")
     e.add_argument("--problem-seed", type=int, default=0, help="which held-out problems (default: 0)")
     e.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    e.add_argument("--output", help="also write the JSON result to this file (and the table to FILE.md), "
-                                    "rewritten after each task")
+    e.add_argument(
+        "--output",
+        help="also write the JSON result to this file (and the table to FILE.md), rewritten after each task",
+    )
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _model_options(e, "1")
     _generation_options(e, d)
@@ -131,8 +193,23 @@ def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
 
 
 # Command-line settings that are not generation options.
-_RUN_ARGS = ("command", "model", "prompt", "prompts_file", "stop", "json", "chat", "device", "dtype",
-             "batch_size", "tasks", "num_problems", "problem_seed", "output", "progress")
+_RUN_ARGS = (
+    "command",
+    "model",
+    "prompt",
+    "prompts_file",
+    "stop",
+    "json",
+    "chat",
+    "device",
+    "dtype",
+    "batch_size",
+    "tasks",
+    "num_problems",
+    "problem_seed",
+    "output",
+    "progress",
+)
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -178,14 +255,15 @@ class _Printer:
     def __init__(self, prompts: List[str], show: bool, output, bar: Progress):
         self.prompts, self.show, self.output, self.bar = prompts, show, output, bar
         self.ready: Dict[int, str] = {}
-        self.finished: Dict[int, str] = {}   # every answer so far (what --json prints if interrupted)
+        self.finished: Dict[int, str] = {}  # every answer so far (what --json prints if interrupted)
         self.printed = 0
 
     def __call__(self, i: int, text: str) -> None:
         self.finished[i] = text
         if self.output is not None:
-            self.output.write(json.dumps({"index": i, "prompt": self.prompts[i], "text": text},
-                                         ensure_ascii=False) + "\n")
+            self.output.write(
+                json.dumps({"index": i, "prompt": self.prompts[i], "text": text}, ensure_ascii=False) + "\n"
+            )
             self.output.flush()
         self.ready[i] = text
         while self.printed in self.ready:
@@ -207,26 +285,41 @@ def _generate(args: argparse.Namespace, state: dict) -> None:
     output = open(args.output, "w", encoding="utf-8") if args.output else None
     try:
         printer = state["printer"] = _Printer(prompts, not args.json, output, bar)
-        result = llm.generate(prompts, chat=args.chat, batch_size=args.batch_size, stop=args.stop,
-                              on_finish=printer, **_options(args))
+        result = llm.generate(
+            prompts,
+            chat=args.chat,
+            batch_size=args.batch_size,
+            stop=args.stop,
+            on_finish=printer,
+            **_options(args),
+        )
     finally:
         bar.close()
         if output is not None:
             output.close()
     if args.json:
-        print(json.dumps({"texts": result.texts, "token_ids": result.token_ids, "stats": result.stats},
-                         ensure_ascii=False))
+        print(
+            json.dumps(
+                {"texts": result.texts, "token_ids": result.token_ids, "stats": result.stats},
+                ensure_ascii=False,
+            )
+        )
     s = result.stats
-    print(f"{len(result.texts)} prompt(s): {s['tokens']} tokens, {s['forwards']} forwards "
-          f"({s['refreshes']} refreshes), {s['seconds']:.3f} s, {s['tokens_per_forward']} tokens/forward, "
-          f"{s['tokens_per_second']} tokens/s", file=sys.stderr)
+    print(
+        f"{len(result.texts)} prompt(s): {s['tokens']} tokens, {s['forwards']} forwards "
+        f"({s['refreshes']} refreshes), {s['seconds']:.3f} s, {s['tokens_per_forward']} tokens/forward, "
+        f"{s['tokens_per_second']} tokens/s",
+        file=sys.stderr,
+    )
     empty = [i for i, ids in enumerate(result.token_ids) if not ids]
     if empty and not args.chat and not args.stop and llm.tokenizer.chat_template:
         # Models trained on chat-templated prompts only (the embedded ones are) see a raw prompt as
         # a finished turn and answer EOS at once: the answer is empty, not wrong.
-        print(f"dinfer: note: {len(empty)} answer(s) empty (prompt {empty[0]} first): the model ended them "
-              f"at once; it was trained on prompts in its chat template, which --no-chat leaves out",
-              file=sys.stderr)
+        print(
+            f"dinfer: note: {len(empty)} answer(s) empty (prompt {empty[0]} first): the model ended them "
+            f"at once; it was trained on prompts in its chat template, which --no-chat leaves out",
+            file=sys.stderr,
+        )
 
 
 def _eval(args: argparse.Namespace, state: dict) -> None:
@@ -240,7 +333,7 @@ def _eval(args: argparse.Namespace, state: dict) -> None:
     options = _options(args)
     title = f"{llm.path} {json.dumps({k: v for k, v in options.items() if v is not None})}"
 
-    def save(result: dict) -> None:   # after every task: an interrupted run keeps the tasks done
+    def save(result: dict) -> None:  # after every task: an interrupted run keeps the tasks done
         result["model"] = llm.path
         if args.output:
             with open(args.output, "w", encoding="utf-8") as f:
@@ -249,22 +342,41 @@ def _eval(args: argparse.Namespace, state: dict) -> None:
                 f.write(markdown_table(result, title=title) + "\n")
             state["saved"] = len(result["tasks"])
 
-    result = evaluate(llm, args.tasks, num_problems=args.num_problems, batch_size=batch_size,
-                      problem_seed=args.problem_seed, progress=args.progress, on_task=save, **options)
+    result = evaluate(
+        llm,
+        args.tasks,
+        num_problems=args.num_problems,
+        batch_size=batch_size,
+        problem_seed=args.problem_seed,
+        progress=args.progress,
+        on_task=save,
+        **options,
+    )
     print(json.dumps(result, indent=2) if args.json else markdown_table(result, title=title))
 
 
 def _interrupted(args: argparse.Namespace, state: dict) -> str:
     if args.command == "eval":
-        kept = f"{state['saved']} finished task(s) are in {args.output}" if state.get("saved") else "nothing kept"
+        kept = (
+            f"{state['saved']} finished task(s) are in {args.output}"
+            if state.get("saved")
+            else "nothing kept"
+        )
     else:
         printer = state.get("printer")
         done = len(printer.finished) if printer else 0
-        if args.json and printer:   # the finished answers, null for the others
-            print(json.dumps({"texts": [printer.finished.get(i) for i in range(len(printer.prompts))],
-                              "interrupted": True}, ensure_ascii=False))
+        if args.json and printer:  # the finished answers, null for the others
+            print(
+                json.dumps(
+                    {
+                        "texts": [printer.finished.get(i) for i in range(len(printer.prompts))],
+                        "interrupted": True,
+                    },
+                    ensure_ascii=False,
+                )
+            )
         shown = done if args.json else printer.printed if printer else 0
-        kept = (f"{shown} answer(s) printed" + (f", {done} in {args.output}" if args.output else ""))
+        kept = f"{shown} answer(s) printed" + (f", {done} in {args.output}" if args.output else "")
     return f"dinfer: interrupted; {kept}"
 
 

@@ -6,6 +6,7 @@ hierarchy   best of each masked run above tau_low, everything above tau_high, pl
 fixed       LLaDA's fixed-steps schedule: n_k = floor(m / S) + [k < m mod S] tokens at step k of a
             block with m masked positions and S steps (lowest-confidence remasking)
 """
+
 import copy
 from dataclasses import dataclass
 
@@ -21,9 +22,9 @@ DECODERS = ("threshold", "credit", "hierarchy", "fixed")
 @dataclass(frozen=True)
 class DecoderConfig:
     name: str = "threshold"
-    threshold: float = 0.9           # tau, or tau_high for hierarchy
-    low_threshold: float = 0.6       # tau_low for hierarchy (dInfer's SamplingParams)
-    steps_per_block: int = 0         # fixed: steps per block (0: one token per step)
+    threshold: float = 0.9  # tau, or tau_high for hierarchy
+    low_threshold: float = 0.6  # tau_low for hierarchy (dInfer's SamplingParams)
+    steps_per_block: int = 0  # fixed: steps per block (0: one token per step)
     credit_slots: int = 16
     credit_alpha: float = 0.7
     credit_beta: float = 0.8
@@ -33,10 +34,22 @@ class DecoderConfig:
 
     def __post_init__(self):  # the rules of every field (dinfer.params); `name` is the `decoder` option
         unit = Real(0.0, 1.0)
-        check(self, dict(name=OneOf(DECODERS), threshold=unit, low_threshold=unit, steps_per_block=Int(0),
-                         credit_slots=Int(0, 1024), credit_alpha=Real(0.0), credit_beta=unit,
-                         credit_gamma=Real(0.0), temperature=Real(0.0), seed=Int(0, 2**32 - 1)),
-              names=dict(name="decoder"))
+        check(
+            self,
+            dict(
+                name=OneOf(DECODERS),
+                threshold=unit,
+                low_threshold=unit,
+                steps_per_block=Int(0),
+                credit_slots=Int(0, 1024),
+                credit_alpha=Real(0.0),
+                credit_beta=unit,
+                credit_gamma=Real(0.0),
+                temperature=Real(0.0),
+                seed=Int(0, 2**32 - 1),
+            ),
+            names=dict(name="decoder"),
+        )
 
 
 class Decoder:
@@ -47,8 +60,11 @@ class Decoder:
         self.mask_id = mask_id
         self.bl = block_length
         self.offsets = torch.arange(batch + 1, dtype=torch.int32, device=device) * block_length
-        self.credit = (dk.CreditState.empty(batch * block_length, cfg.credit_slots, device)
-                       if cfg.name == "credit" else None)
+        self.credit = (
+            dk.CreditState.empty(batch * block_length, cfg.credit_slots, device)
+            if cfg.name == "credit"
+            else None
+        )
         self.step = torch.zeros(batch, dtype=torch.int32, device=device)
         self.masked_at_start = torch.zeros(batch, dtype=torch.int32, device=device)
 
@@ -62,9 +78,11 @@ class Decoder:
     def select(self, keep: torch.Tensor) -> "Decoder":
         """The state of sequences `keep` (indices) only, mid-block."""
         new = copy.copy(self)
-        new.offsets = self.offsets[:keep.numel() + 1]
+        new.offsets = self.offsets[: keep.numel() + 1]
         if self.credit is not None:
-            new.credit = dk.CreditState(*(t.view(-1, self.bl, t.shape[1])[keep].flatten(0, 1) for t in self.credit))
+            new.credit = dk.CreditState(
+                *(t.view(-1, self.bl, t.shape[1])[keep].flatten(0, 1) for t in self.credit)
+            )
         new.step, new.masked_at_start = self.step[keep], self.masked_at_start[keep]
         return new
 
@@ -82,9 +100,21 @@ class Decoder:
         c = self.cfg
         rule = {"hierarchy": "hierarchical", "fixed": "fixed"}.get(c.name, "threshold")
         out = dk.decode_step(
-            logits, block_tokens, self.offsets, self.mask_id, rule=rule, threshold=threshold,
-            low_threshold=c.low_threshold, num_commit=self._num_commit() if rule == "fixed" else None,
-            temperature=c.temperature, seed=c.seed, credit=self.credit, credit_alpha=c.credit_alpha,
-            credit_beta=c.credit_beta, credit_gamma=c.credit_gamma, row_keys=row_keys)
+            logits,
+            block_tokens,
+            self.offsets,
+            self.mask_id,
+            rule=rule,
+            threshold=threshold,
+            low_threshold=c.low_threshold,
+            num_commit=self._num_commit() if rule == "fixed" else None,
+            temperature=c.temperature,
+            seed=c.seed,
+            credit=self.credit,
+            credit_alpha=c.credit_alpha,
+            credit_beta=c.credit_beta,
+            credit_gamma=c.credit_gamma,
+            row_keys=row_keys,
+        )
         self.step += 1
         return out

@@ -10,6 +10,7 @@ generated non-EOS tokens over the wall time of the generate calls (tokenisation,
 untimed warm-up call excluded). Each task's problems go to one generate call with `batch_size` in
 flight (continuous batching).
 """
+
 import sys
 from typing import Callable, Dict, List, Optional
 
@@ -29,8 +30,15 @@ class Progress:
     when disabled. Redrawn on every step: steps are whole prompts, never a hot loop."""
 
     def __init__(self, total: int, enabled: bool = True, stream=None):
-        self.bar = tqdm(total=total, disable=not enabled, file=stream or sys.stderr, unit="prompt",
-                        mininterval=0, miniters=1, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total,
+            disable=not enabled,
+            file=stream or sys.stderr,
+            unit="prompt",
+            mininterval=0,
+            miniters=1,
+            dynamic_ncols=True,
+        )
 
     def update(self, n: int, label: str) -> None:
         self.bar.set_description_str(label, refresh=False)
@@ -46,9 +54,17 @@ class Progress:
         self.bar.close()
 
 
-def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, problem_seed: int = 0,
-             progress: bool = False, warmup: bool = True, on_task: Optional[Callable[[dict], None]] = None,
-             **options) -> dict:
+def evaluate(
+    llm: LLM,
+    tasks,
+    num_problems: int = 100,
+    batch_size: int = 1,
+    problem_seed: int = 0,
+    progress: bool = False,
+    warmup: bool = True,
+    on_task: Optional[Callable[[dict], None]] = None,
+    **options,
+) -> dict:
     """Run every task's held-out problems through llm.generate(..., **options).
 
     warmup: first generate for one problem, untimed, with the same options, so that one-off
@@ -65,27 +81,42 @@ def evaluate(llm: LLM, tasks, num_problems: int = 100, batch_size: int = 1, prob
     per_task = {}
     for task in tasks:
         problems = eval_problems(task, num_problems, problem_seed)
-        out = llm.generate([p for p, _ in problems], batch_size=batch_size,
-                           on_finish=lambda i, text, task=task: bar.update(1, task), **options)
+        out = llm.generate(
+            [p for p, _ in problems],
+            batch_size=batch_size,
+            on_finish=lambda i, text, task=task: bar.update(1, task),
+            **options,
+        )
         counts = {key: out.stats[key] for key in COUNTS}
         counts["correct"] = sum(text == answer for text, (_, answer) in zip(out.texts, problems))
         per_task[task] = _rates(counts, len(problems))
         total = {k: sum(r[k] for r in per_task.values()) for k in ("correct",) + COUNTS}
-        result = {"options": {k: v for k, v in options.items() if v is not None}, "batch_size": batch_size,
-                  "num_problems": num_problems, "problem_seed": problem_seed, "tasks": dict(per_task),
-                  "overall": _rates(total, num_problems * len(per_task))}
+        result = {
+            "options": {k: v for k, v in options.items() if v is not None},
+            "batch_size": batch_size,
+            "num_problems": num_problems,
+            "problem_seed": problem_seed,
+            "tasks": dict(per_task),
+            "overall": _rates(total, num_problems * len(per_task)),
+        }
         if on_task is not None:
             on_task(result)
     return result
 
 
 def _rates(c: Dict[str, float], n: int) -> dict:
-    return {"problems": n, "correct": c["correct"], "accuracy": round(c["correct"] / n, 4),
-            "forwards": c["forwards"], "sequence_forwards": c["sequence_forwards"], "refreshes": c["refreshes"],
-            "tokens": c["tokens"],
-            "seconds": round(c["seconds"], 4),
-            "tokens_per_forward": round(c["tokens"] / max(c["sequence_forwards"], 1), 3),
-            "tokens_per_second": round(c["tokens"] / c["seconds"], 1) if c["seconds"] else 0.0}
+    return {
+        "problems": n,
+        "correct": c["correct"],
+        "accuracy": round(c["correct"] / n, 4),
+        "forwards": c["forwards"],
+        "sequence_forwards": c["sequence_forwards"],
+        "refreshes": c["refreshes"],
+        "tokens": c["tokens"],
+        "seconds": round(c["seconds"], 4),
+        "tokens_per_forward": round(c["tokens"] / max(c["sequence_forwards"], 1), 3),
+        "tokens_per_second": round(c["tokens"] / c["seconds"], 1) if c["seconds"] else 0.0,
+    }
 
 
 def markdown_table(result: dict, title: Optional[str] = None) -> str:
@@ -94,9 +125,13 @@ def markdown_table(result: dict, title: Optional[str] = None) -> str:
         rows += [f"### {title}", ""]
     # forwards are batch forwards; TPF is per sequence (tokens / forwards each sequence ran), as at batch 1
     rows += [f"batch size {result['batch_size']}, {result['num_problems']} held-out problems per task", ""]
-    rows += ["| task | accuracy | TPF | TPS | forwards | tokens | wall s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    rows += [
+        "| task | accuracy | TPF | TPS | forwards | tokens | wall s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in list(result["tasks"].items()) + [("**all**", result["overall"])]:
-        rows.append(f"| {name} | {100 * r['accuracy']:.1f}% | {r['tokens_per_forward']:.2f} | "
-                    f"{r['tokens_per_second']:.1f} | {r['forwards']} | {r['tokens']} | {r['seconds']:.2f} |")
+        rows.append(
+            f"| {name} | {100 * r['accuracy']:.1f}% | {r['tokens_per_forward']:.2f} | "
+            f"{r['tokens_per_second']:.1f} | {r['forwards']} | {r['tokens']} | {r['seconds']:.2f} |"
+        )
     return "\n".join(rows)

@@ -30,6 +30,7 @@ samples the same tokens alone, anywhere in a batch, with any batch_size. Copies 
 are told apart by their rank among the copies (the first samples as it would alone), so n copies
 give n samples.
 """
+
 import copy
 import time
 from collections import deque
@@ -47,8 +48,7 @@ from .graphs import StepGraphs
 from .params import Bool, Instance, Int, OneOf, Real, Tuple, check, check_memory
 from .stats import Stats
 
-
-SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)   # dInfer's w_n = min(w0 + dw * n, w_max)
+SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)  # dInfer's w_n = min(w0 + dw * n, w_max)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -59,39 +59,57 @@ class NonFiniteLogitsError(RuntimeError):
 @dataclass(frozen=True)
 class GenerationConfig:
     gen_length: int = 1024
-    block_length: int = 64         # capped to gen_length
+    block_length: int = 64  # capped to gen_length
     decoder: DecoderConfig = field(default_factory=lambda: DecoderConfig(threshold=0.8))
-    cache: str = "vicinity"        # none | prefix | dual | vicinity
-    prefix_look: int = 16          # vicinity window: [block - prefix_look, block + after_look)
+    cache: str = "vicinity"  # none | prefix | dual | vicinity
+    prefix_look: int = 16  # vicinity window: [block - prefix_look, block + after_look)
     after_look: int = 16
-    warmup_steps: int = 0          # the request's first N iterations are full refreshes (dInfer: 4)
-    refresh_every: int = 0         # also refresh every k iterations of a block (0: at block starts)
-    write_back: bool = True        # window steps write their fresh K/V into the cache (dInfer: no)
-    smoothing: bool = False        # iteration smoothing: soft embeddings of the block's masked rows
+    warmup_steps: int = 0  # the request's first N iterations are full refreshes (dInfer: 4)
+    refresh_every: int = 0  # also refresh every k iterations of a block (0: at block starts)
+    write_back: bool = True  # window steps write their fresh K/V into the cache (dInfer: no)
+    smoothing: bool = False  # iteration smoothing: soft embeddings of the block's masked rows
     smoothing_weight: tuple = SMOOTHING_WEIGHT
     # The threshold warm-up that comes with smoothing: tau_n = max(start - decay * n, tau). dInfer's
     # (1.0, 0.02) spends a request's first ~5 forwards above tau = 0.9, most of a short request;
     # start <= tau turns the warm-up off.
     smoothing_threshold_start: float = 1.0
     smoothing_threshold_decay: float = 0.02
-    unroll: int = 4                # iterations per host check
-    expected_tpf: int = 8          # chunk size = clamp(masked // expected_tpf, 1, unroll), as dInfer
+    unroll: int = 4  # iterations per host check
+    expected_tpf: int = 8  # chunk size = clamp(masked // expected_tpf, 1, unroll), as dInfer
     early_stop: bool = True
-    compact: bool = True           # a sequence whose block is done skips the block's remaining forwards
-    align_blocks: bool = True      # dInfer's start_block_align; False: block 0 starts after the prompt
+    compact: bool = True  # a sequence whose block is done skips the block's remaining forwards
+    align_blocks: bool = True  # dInfer's start_block_align; False: block 0 starts after the prompt
     cuda_graphs: bool = True
-    time_phases: bool = False      # synchronise around phases to time them (always on the host)
+    time_phases: bool = False  # synchronise around phases to time them (always on the host)
 
     def __post_init__(self):  # the rules of every field (dinfer.params)
         n, count, unit, flag = Int(1), Int(0), Real(0.0, 1.0), Bool()
-        check(self, dict(
-            gen_length=n, block_length=n, decoder=Instance(DecoderConfig, "a DecoderConfig"),
-            cache=OneOf(CACHE_MODES), prefix_look=count, after_look=count, warmup_steps=count,
-            refresh_every=count, write_back=flag, smoothing=flag,
-            # w_n = min(w0 + dw * n, w_max) mixes hard and soft embeddings: a weight in [0, 1]
-            smoothing_weight=Tuple((unit, Real(0.0), unit)),
-            smoothing_threshold_start=unit, smoothing_threshold_decay=Real(0.0), unroll=n, expected_tpf=n,
-            early_stop=flag, compact=flag, align_blocks=flag, cuda_graphs=flag, time_phases=flag))
+        check(
+            self,
+            dict(
+                gen_length=n,
+                block_length=n,
+                decoder=Instance(DecoderConfig, "a DecoderConfig"),
+                cache=OneOf(CACHE_MODES),
+                prefix_look=count,
+                after_look=count,
+                warmup_steps=count,
+                refresh_every=count,
+                write_back=flag,
+                smoothing=flag,
+                # w_n = min(w0 + dw * n, w_max) mixes hard and soft embeddings: a weight in [0, 1]
+                smoothing_weight=Tuple((unit, Real(0.0), unit)),
+                smoothing_threshold_start=unit,
+                smoothing_threshold_decay=Real(0.0),
+                unroll=n,
+                expected_tpf=n,
+                early_stop=flag,
+                compact=flag,
+                align_blocks=flag,
+                cuda_graphs=flag,
+                time_phases=flag,
+            ),
+        )
         # A block longer than the answer would only decode padding rows (8x slower at 1000 for 32
         # tokens): one block then covers the answer, as dInfer's block_length = gen_length runs do.
         object.__setattr__(self, "block_length", min(self.block_length, self.gen_length))
@@ -100,7 +118,9 @@ class GenerationConfig:
 class BlockState:
     """What the iterations of one block read and write. Tensors keep their addresses all block long."""
 
-    def __init__(self, batch: Batch, k: torch.Tensor, cfg: GenerationConfig, model, cache, iters, request_keys):
+    def __init__(
+        self, batch: Batch, k: torch.Tensor, cfg: GenerationConfig, model, cache, iters, request_keys
+    ):
         c = model.config
         self.batch = batch
         B, bl, S = batch.size, batch.block_length, batch.max_len
@@ -114,14 +134,14 @@ class BlockState:
         self.block_pos = pos.clamp(max=S - 1)
         self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
         self.window_lo, self.window_len = window(batch, k, cfg.cache, cfg.prefix_look, cfg.after_look)
-        self.iters = iters                       # [B] iterations each sequence was active (schedules)
-        self.request_keys = request_keys         # [B] sampling keys of the requests (rng.sequence_key)
+        self.iters = iters  # [B] iterations each sequence was active (schedules)
+        self.request_keys = request_keys  # [B] sampling keys of the requests (rng.sequence_key)
         # [B] the request's forward (its own count, from 1) whose logits first held a NaN or +-inf
         # in a valid row of this block; -1: none yet.
         self.nonfinite_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
         self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev)
         self.decoder.start_block(self.block_tokens().view(B, bl))
-        self.soft = model.embed(self.block_tokens())   # hard embeddings until the block has logits
+        self.soft = model.embed(self.block_tokens())  # hard embeddings until the block has logits
 
     def block_tokens(self) -> torch.Tensor:
         return torch.where(self.valid, self.batch.x.gather(1, self.block_pos), self.pad_token).flatten()
@@ -165,7 +185,7 @@ def request_keys_of(prompts: List[List[int]]) -> List[int]:
 
 
 def _head(buffer: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    return buffer.view(-1)[:B * S * buffer[0, 0].numel()].view(B, S, *buffer.shape[2:])
+    return buffer.view(-1)[: B * S * buffer[0, 0].numel()].view(B, S, *buffer.shape[2:])
 
 
 class Generator:
@@ -187,15 +207,18 @@ class Generator:
         pos = (lo[:, None] + torch.arange(W, device=dev)).clamp(max=st.batch.max_len - 1)  # [B, W]
         # The block's rows inside the window (flat over B * W). Padding rows may fall outside the
         # window: they read any row's logits, and their soft inputs go to a spare row B * W.
-        rows = ((st.block_pos - lo[:, None]).clamp(0, W - 1) + W * torch.arange(B, device=dev)[:, None]).flatten()
+        rows = (
+            (st.block_pos - lo[:, None]).clamp(0, W - 1) + W * torch.arange(B, device=dev)[:, None]
+        ).flatten()
         with self.stats.phase("forward", dev):
             emb = model.embed(st.batch.x.gather(1, pos))
             if cfg.smoothing:
                 spare = torch.cat([emb.view(B * W, -1), emb.new_zeros(1, emb.shape[-1])])
                 spare[torch.where(st.valid.flatten(), rows, B * W)] = st.soft
                 emb = spare[:-1].view(B, W, -1)
-            logits = model.forward(emb, pos, st.cache, st.batch.total_len,
-                                   write_back=refresh or cfg.write_back, logits_rows=rows)
+            logits = model.forward(
+                emb, pos, st.cache, st.batch.total_len, write_back=refresh or cfg.write_back, logits_rows=rows
+            )
         with self.stats.phase("decode", dev):
             tokens = st.block_tokens()
             active = (tokens.view(B, bl) == self.mask_id).any(1)
@@ -223,18 +246,35 @@ class Generator:
         """Whether the block's iteration `step` is a full refresh; `ran`: the fewest forwards any
         sequence in it has run before (the warm-up is per sequence: a newcomer gets its own)."""
         c = self.cfg
-        return (step == 0 or c.cache == "none" or ran < c.warmup_steps
-                or (c.refresh_every > 0 and step % c.refresh_every == 0))
+        return (
+            step == 0
+            or c.cache == "none"
+            or ran < c.warmup_steps
+            or (c.refresh_every > 0 and step % c.refresh_every == 0)
+        )
 
-    def run(self, prompts: List[List[int]], batch_size: Optional[int] = None,
-            on_finish: Optional[Callable[[int, torch.Tensor], None]] = None) -> List[torch.Tensor]:
+    def run(
+        self,
+        prompts: List[List[int]],
+        batch_size: Optional[int] = None,
+        on_finish: Optional[Callable[[int, torch.Tensor], None]] = None,
+    ) -> List[torch.Tensor]:
         """batch_size: the most sequences in flight (default: all); on_finish(i, tokens) is called
         for prompt i as soon as it is finished (at a block boundary), with its generated tokens.
         Raises NonFiniteLogitsError when the model's logits hold a NaN or +-inf."""
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
-        full = make_batch(prompts, cfg.gen_length, cfg.block_length, self.mask_id, self.eos_id,
-                          model.device, model.config.max_positions, cfg.align_blocks, cfg.after_look)
+        full = make_batch(
+            prompts,
+            cfg.gen_length,
+            cfg.block_length,
+            self.mask_id,
+            self.eos_id,
+            model.device,
+            model.config.max_positions,
+            cfg.align_blocks,
+            cfg.after_look,
+        )
         slots = full.size if batch_size is None else min(batch_size, full.size)
         if slots < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
@@ -247,10 +287,13 @@ class Generator:
         check_memory(model, slots, full.max_len, cfg.block_length)  # a clear refusal, not an OOM
         cache = model.new_cache(slots, full.max_len)
         sampling = cfg.decoder.temperature > 0
-        request_keys = torch.tensor(request_keys_of(prompts) if sampling else [0] * len(prompts),
-                                    dtype=torch.int64, device=model.device)
+        request_keys = torch.tensor(
+            request_keys_of(prompts) if sampling else [0] * len(prompts),
+            dtype=torch.int64,
+            device=model.device,
+        )
         queue, flight = deque(range(full.size)), []
-        out: List[torch.Tensor] = [None] * full.size   # filled as sequences finish; all do
+        out: List[torch.Tensor] = [None] * full.size  # filled as sequences finish; all do
         while True:
             flight = [r for r in flight if not done[r]]
             while len(flight) < slots and queue:
@@ -265,7 +308,7 @@ class Generator:
             (left, _), step, host_rows = st.poll(self.mask_id), 0, round_rows
             while left.any():
                 if cfg.compact and not left.all():
-                    full.x[rows, :part.max_len], iters[rows] = st.batch.x, st.iters
+                    full.x[rows, : part.max_len], iters[rows] = st.batch.x, st.iters
                     keep = left.nonzero().flatten()
                     st, rows, left = st.select(keep.to(model.device)), rows[keep.to(rows.device)], left[keep]
                     host_rows = host_rows[keep]
@@ -281,14 +324,14 @@ class Generator:
                 step += chunk
                 left, nonfinite_at = st.poll(self.mask_id)
                 self._check_chunk(left, nonfinite_at, host_rows, next_block, step, part.block_length)
-            full.x[rows, :part.max_len], iters[rows] = st.batch.x, st.iters
+            full.x[rows, : part.max_len], iters[rows] = st.batch.x, st.iters
             if cfg.early_stop:
                 self._early_stop(full, k, round_rows, done)
             next_block[round_rows] += 1
             done[round_rows] |= next_block[round_rows] >= blocks[round_rows]
             # A finished sequence's tokens are final: read them once, hand them over now.
             for b in round_rows[done[round_rows]].tolist():
-                out[b] = full.x[b, int(full.prompt_len[b]):int(full.total_len[b])].cpu()
+                out[b] = full.x[b, int(full.prompt_len[b]) : int(full.total_len[b])].cpu()
                 if on_finish is not None:
                     on_finish(b, out[b])
         self.stats.seconds = time.perf_counter() - t0
@@ -305,13 +348,15 @@ class Generator:
             more = f" (and {len(bad) - 1} more prompts)" if len(bad) > 1 else ""
             raise NonFiniteLogitsError(
                 f"non-finite logits (NaN or inf) from the model at forward {f} of prompt {i}, block "
-                f"{int(blocks[i])}{more}: its weights are broken or its activations overflow their dtype")
+                f"{int(blocks[i])}{more}: its weights are broken or its activations overflow their dtype"
+            )
         if step >= block_length and left.any():
             b = int(left.nonzero()[0])
             raise RuntimeError(
                 f"internal error: block {int(blocks[int(prompts[b])])} of prompt {int(prompts[b])} still holds "
                 f"{int(left[b])} [MASK] tokens after {step} forwards, more than its length {block_length} "
-                "(decode_step commits at least one per forward)")
+                "(decode_step commits at least one per forward)"
+            )
 
     def _early_stop(self, full: Batch, k: torch.Tensor, rows: torch.Tensor, done: torch.Tensor):
         """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS.
@@ -323,12 +368,17 @@ class Generator:
         hit = ((tokens == self.eos_id) & valid).any(1).cpu()
         for b in torch.nonzero(hit).flatten().tolist():
             row = int(rows[b])
-            full.x[row, int(pos[b, -1]) + 1:int(full.total_len[row])] = self.eos_id
+            full.x[row, int(pos[b, -1]) + 1 : int(full.total_len[row])] = self.eos_id
             done[row] = True
 
 
-def generate(model, prompts: List[List[int]], cfg: GenerationConfig, batch_size: Optional[int] = None,
-             on_finish: Optional[Callable[[int, torch.Tensor], None]] = None):
+def generate(
+    model,
+    prompts: List[List[int]],
+    cfg: GenerationConfig,
+    batch_size: Optional[int] = None,
+    on_finish: Optional[Callable[[int, torch.Tensor], None]] = None,
+):
     """Token ids of each prompt's generated region, and the run's Stats. batch_size: the most
     sequences in flight (continuous batching: a finished sequence's slot goes to the next prompt);
     on_finish(i, tokens): prompt i is finished, before the rest are (Generator.run)."""

@@ -5,6 +5,7 @@ handles and compiles Triton kernels); from the second occurrence of the same pat
 is captured (which executes nothing) and replayed. The block's tensors keep fixed addresses for the
 whole block, so replays read and write the live state. New block: new tensors, new graphs.
 """
+
 import torch
 
 
@@ -21,7 +22,7 @@ class StepGraphs:
             for refresh in kinds:
                 iteration(state, refresh)
             return
-        if self._owner is not state:             # a new block: its tensors live elsewhere
+        if self._owner is not state:  # a new block: its tensors live elsewhere
             self._owner, self._seen, self._graphs = state, set(), {}
         graph = self._graphs.get(kinds)
         if graph is None and kinds in self._seen:

@@ -6,6 +6,7 @@ published LLaDA-MoE settings; a checkpoint's generation_config.json (gen_length,
 LLM(..., **defaults) and generate(..., **options) override them, in that order. Every value is
 checked where the configs are built (dinfer.params): a TypeError or ValueError naming the option.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,14 @@ from .models.tokenizer import Tokenizer
 from .models.transformer import DiffusionLM
 from .params import Bool, Int, check_windows
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 # Option names: the fields of both configs; `decoder` names the decoder (DecoderConfig.name).
 _GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)} - {"decoder"}
 _DEC_FIELDS = {f.name for f in dataclasses.fields(DecoderConfig)} - {"name"}
@@ -38,9 +45,9 @@ Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
 
 @dataclass
 class GenerateResult:
-    texts: List[str]            # one per prompt, up to the first EOS, special tokens dropped
+    texts: List[str]  # one per prompt, up to the first EOS, special tokens dropped
     token_ids: List[List[int]]  # the generated tokens of each prompt, up to the first EOS
-    stats: dict                 # Stats.as_dict() of the run
+    stats: dict  # Stats.as_dict() of the run
 
 
 def generation_config(**options) -> GenerationConfig:
@@ -55,8 +62,10 @@ def generation_config(**options) -> GenerationConfig:
     if isinstance(decoder, str):
         decoder = dataclasses.replace(base.decoder, name=decoder)
     elif not isinstance(decoder, DecoderConfig):
-        raise TypeError(f"decoder: expected a decoder name ({', '.join(DECODERS)}) or a DecoderConfig, "
-                        f"got {type(decoder).__name__}")
+        raise TypeError(
+            f"decoder: expected a decoder name ({', '.join(DECODERS)}) or a DecoderConfig, "
+            f"got {type(decoder).__name__}"
+        )
     decoder = dataclasses.replace(decoder, **{k: options.pop(k) for k in _DEC_FIELDS & set(options)})
     return dataclasses.replace(base, decoder=decoder, **options)
 
@@ -83,10 +92,19 @@ class LLM:
         self.tokenizer = Tokenizer(path, config=config)  # checked against the model config
         self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
 
-    def generate(self, prompts: Prompts, gen_length: Optional[int] = None, block_length: Optional[int] = None,
-                 decoder: Union[str, DecoderConfig, None] = None, cache: Optional[str] = None, chat: bool = True,
-                 batch_size: Optional[int] = None, on_finish: Optional[Callable[[int, str], None]] = None,
-                 stop: Union[str, Sequence[str], None] = None, **options) -> GenerateResult:
+    def generate(
+        self,
+        prompts: Prompts,
+        gen_length: Optional[int] = None,
+        block_length: Optional[int] = None,
+        decoder: Union[str, DecoderConfig, None] = None,
+        cache: Optional[str] = None,
+        chat: bool = True,
+        batch_size: Optional[int] = None,
+        on_finish: Optional[Callable[[int, str], None]] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        **options,
+    ) -> GenerateResult:
         """Generate for a prompt or a list of prompts (strings, or token-id lists taken as they are).
 
         chat: wrap string prompts in the checkpoint's chat template (when it has one).
@@ -113,11 +131,12 @@ class LLM:
         def decode(i: int, tokens: torch.Tensor) -> None:
             token_ids[i], texts[i] = self._cut(self._until_eos(tokens.tolist()), stops)
 
-        def finished(i: int, tokens: torch.Tensor) -> None:   # decoded once, handed over at once
+        def finished(i: int, tokens: torch.Tensor) -> None:  # decoded once, handed over at once
             decode(i, tokens)
             on_finish(i, texts[i])
+
         outputs, stats = generate(self.model, ids, cfg, batch_size, None if on_finish is None else finished)
-        if on_finish is None:    # decoded after the timed run, as it always was
+        if on_finish is None:  # decoded after the timed run, as it always was
             for i, tokens in enumerate(outputs):
                 decode(i, tokens)
         return GenerateResult(texts, token_ids, stats.as_dict())
@@ -126,8 +145,10 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (Sequence, torch.Tensor, np.ndarray)):
-            raise TypeError(f"prompts: expected a string, a list of strings or a list of token-id lists, "
-                            f"got {type(prompts).__name__}")
+            raise TypeError(
+                f"prompts: expected a string, a list of strings or a list of token-id lists, "
+                f"got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts: expected at least one prompt")
@@ -140,10 +161,18 @@ class LLM:
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
         if isinstance(prompt, (torch.Tensor, np.ndarray)):
             prompt = prompt.tolist()
-        if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):  # a flat list of ids is one prompt: it goes in a list
-            raise TypeError(f"prompts[{i}]: expected a string or a list of token ids, got "
-                            f"{type(prompt).__name__}" + (" (one tokenised prompt is [ids], not ids)"
-                                                          if isinstance(prompt, numbers.Integral) else ""))
+        if isinstance(prompt, bytes) or not isinstance(
+            prompt, Sequence
+        ):  # a flat list of ids is one prompt: it goes in a list
+            raise TypeError(
+                f"prompts[{i}]: expected a string or a list of token ids, got "
+                f"{type(prompt).__name__}"
+                + (
+                    " (one tokenised prompt is [ids], not ids)"
+                    if isinstance(prompt, numbers.Integral)
+                    else ""
+                )
+            )
         for j, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise TypeError(f"prompts[{i}][{j}]: expected a token id (int), got {type(t).__name__}")
@@ -156,7 +185,7 @@ class LLM:
 
     def _until_eos(self, ids: List[int]) -> List[int]:
         eos = self.model.config.eos_id
-        return ids[:ids.index(eos)] if eos in ids else ids
+        return ids[: ids.index(eos)] if eos in ids else ids
 
     def _cut(self, ids: List[int], stops: List[str]):
         """(token ids, text) of an answer cut before its first stop string: the text exactly there,
@@ -166,7 +195,7 @@ class LLM:
         if not hits:
             return ids, text
         cut, n = min(hits), 0
-        while n < len(ids) and len(self.tokenizer.decode(ids[:n + 1])) <= cut:
+        while n < len(ids) and len(self.tokenizer.decode(ids[: n + 1])) <= cut:
             n += 1
         return ids[:n], text[:cut]
 
@@ -202,4 +231,3 @@ def _dtype(dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
     raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)} (or the torch dtype), got {dtype!r}")
-

@@ -10,6 +10,7 @@ What needs the model is checked here too, before anything is allocated: the look
 within the model's positions (`check_windows`), and the memory a run's KV cache and forwards need
 against what the device has free (`check_memory`).
 """
+
 import dataclasses
 import math
 import numbers
@@ -26,14 +27,16 @@ def _typename(v) -> str:
 def _in_range(name: str, v, lo, hi):
     """v, or a ValueError naming `name` when it lies outside [lo, hi] (either end open when None)."""
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ValueError(f"{name}: must be in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], "
-                         f"got {v}")
+        raise ValueError(
+            f"{name}: must be in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], got {v}"
+        )
     return v
 
 
 @dataclasses.dataclass(frozen=True)
 class Int:
     """An integer in [lo, hi] (either end open when None); bools are refused (True is not a length)."""
+
     lo: Optional[int] = None
     hi: Optional[int] = None
 
@@ -46,6 +49,7 @@ class Int:
 @dataclasses.dataclass(frozen=True)
 class Real:
     """A finite number in [lo, hi]: NaN or inf would pass every comparison the loop makes, or none."""
+
     lo: Optional[float] = None
     hi: Optional[float] = None
 
@@ -82,12 +86,15 @@ class OneOf:
 @dataclasses.dataclass(frozen=True)
 class Tuple:
     """A fixed-length sequence (tuple or list), each item checked by its own rule; stored as a tuple."""
+
     items: Sequence
 
     def __call__(self, name: str, v) -> tuple:
         if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or len(v) != len(self.items):
-            raise TypeError(f"{name}: expected a sequence of {len(self.items)} numbers, got {_typename(v)}"
-                            + (f" of length {len(v)}" if isinstance(v, Sequence) else ""))
+            raise TypeError(
+                f"{name}: expected a sequence of {len(self.items)} numbers, got {_typename(v)}"
+                + (f" of length {len(v)}" if isinstance(v, Sequence) else "")
+            )
         return tuple(rule(f"{name}[{i}]", x) for i, (rule, x) in enumerate(zip(self.items, v)))
 
 
@@ -115,6 +122,7 @@ def check(cfg, rules: dict, names: Optional[dict] = None) -> None:
 
 
 # -------------------------------------------------------------------------------- needs the model
+
 
 def check_windows(cfg, max_positions: int) -> None:
     """The vicinity window's look-behind and look-ahead reach at most the model's positions: every
@@ -172,7 +180,8 @@ def check_memory(model, batch: int, max_len: int, block_length: int) -> None:
         raise MemoryError(
             f"a run of {batch} sequence(s) x {max_len} positions needs about {_size(need)} (KV cache and "
             f"forwards), more than the {_size(free)} free on {model.device}; lower batch_size, gen_length "
-            f"or after_look")
+            f"or after_look"
+        )
 
 
 def _size(n: int) -> str:

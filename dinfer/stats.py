@@ -1,4 +1,5 @@
 """Counters and timers of one generate() call, and NVTX ranges around each phase."""
+
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -18,13 +19,13 @@ def nvtx_range(name: str):
 
 @dataclass
 class Stats:
-    forwards: int = 0          # model forwards, refreshes and no-op unrolled steps included (dInfer's TPF)
-    refreshes: int = 0         # full-sequence forwards that rebuilt the KV cache
+    forwards: int = 0  # model forwards, refreshes and no-op unrolled steps included (dInfer's TPF)
+    refreshes: int = 0  # full-sequence forwards that rebuilt the KV cache
     sequence_forwards: int = 0  # forwards times the sequences they ran for: per-sequence TPF at any batch
-    tokens: int = 0            # generated tokens that are not EOS
+    tokens: int = 0  # generated tokens that are not EOS
     seconds: float = 0.0
     phase_seconds: dict = field(default_factory=lambda: {"forward": 0.0, "decode": 0.0, "smoothing": 0.0})
-    timed: bool = False        # phases are timed only when the device is synchronous (CPU) or asked
+    timed: bool = False  # phases are timed only when the device is synchronous (CPU) or asked
 
     @contextlib.contextmanager
     def phase(self, name: str, device: torch.device):
@@ -41,15 +42,20 @@ class Stats:
             self.phase_seconds[name] += time.perf_counter() - t
 
     def as_dict(self) -> dict:
-        d = {"forwards": self.forwards, "refreshes": self.refreshes, "tokens": self.tokens,
-             "seconds": round(self.seconds, 6),
-             "tokens_per_forward": round(self.tokens / max(self.forwards, 1), 4),
-             "sequence_forwards": self.sequence_forwards,
-             "tokens_per_sequence_forward": round(self.tokens / max(self.sequence_forwards, 1), 4),
-             "tokens_per_second": round(self.tokens / self.seconds, 3) if self.seconds else 0.0}
+        d = {
+            "forwards": self.forwards,
+            "refreshes": self.refreshes,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 6),
+            "tokens_per_forward": round(self.tokens / max(self.forwards, 1), 4),
+            "sequence_forwards": self.sequence_forwards,
+            "tokens_per_sequence_forward": round(self.tokens / max(self.sequence_forwards, 1), 4),
+            "tokens_per_second": round(self.tokens / self.seconds, 3) if self.seconds else 0.0,
+        }
         if self.timed:
             inside = sum(self.phase_seconds.values())
             d["phase_seconds"] = {k: round(v, 6) for k, v in self.phase_seconds.items()}
-            d["loop_overhead_fraction"] = round(max(self.seconds - inside, 0.0) / self.seconds, 4) \
-                if self.seconds else 0.0
+            d["loop_overhead_fraction"] = (
+                round(max(self.seconds - inside, 0.0) / self.seconds, 4) if self.seconds else 0.0
+            )
         return d

@@ -23,6 +23,7 @@ recall probes rounds 9 and 10); the trainer brings the one-key lookup up with a 
 Held-out split: a problem whose prompt hashes to 0 mod HELDOUT_MOD is never trained on and is the
 only kind evaluated, so evaluation never sees a training problem whatever the seeds.
 """
+
 import random
 import string
 import zlib
@@ -80,7 +81,11 @@ def _chain(rng: random.Random) -> Problem:
 
 
 TASKS: Dict[str, Callable[[random.Random], Problem]] = {
-    "add": _add, "sort": _sort, "reverse": _reverse, "recall": _recall, "chain": _chain,
+    "add": _add,
+    "sort": _sort,
+    "reverse": _reverse,
+    "recall": _recall,
+    "chain": _chain,
 }
 
 
@@ -93,13 +98,16 @@ def check_tasks(names) -> List[str]:
     names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
-        raise ValueError(f"tasks: unknown task {unknown[0] if unknown else '(none given)'!r}; "
-                         f"expected some of {', '.join(TASKS)}")
+        raise ValueError(
+            f"tasks: unknown task {unknown[0] if unknown else '(none given)'!r}; "
+            f"expected some of {', '.join(TASKS)}"
+        )
     return names
 
 
-def sample(task: str, rng: random.Random, heldout: bool,
-           draw: Optional[Callable[[random.Random], Problem]] = None) -> Problem:
+def sample(
+    task: str, rng: random.Random, heldout: bool, draw: Optional[Callable[[random.Random], Problem]] = None
+) -> Problem:
     """One problem of `task` from the training (heldout=False) or the evaluation split; `draw`, if
     given, replaces the task's own generator (the training curriculum's smaller problems)."""
     draw = TASKS[task] if draw is None else draw

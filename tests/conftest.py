@@ -7,6 +7,7 @@ parametrized cases whose `device` is a CUDA device or whose `backend` is "cuda" 
 cases skip without a GPU. DINFER_TEST_COLLECT_GPU=1 makes `pytest --collect-only` collect as if a GPU
 were present (tests/test_gpu_marker.py uses it to prove that every case existing only with a GPU is
 marked); it is refused for a real run."""
+
 import faulthandler
 import importlib.util
 import os
@@ -22,9 +23,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from dinfer_kernels import _backend, precision  # noqa: E402
+from dinfer_kernels import _backend, precision
 
 REAL_GPU = torch.cuda.is_available()
 COLLECT_AS_GPU = os.environ.get("DINFER_TEST_COLLECT_GPU") == "1"
@@ -67,7 +68,7 @@ def pytest_configure(config):
         raise pytest.UsageError("DINFER_TEST_COLLECT_GPU=1 is for --collect-only: there is no GPU to run on")
 
 
-@pytest.hookimpl(tryfirst=True)         # before `-m` selects by marker
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -159,19 +160,48 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_cpp_examples(build, *cmake_args):
-    """Builds the C++ programs of tests/cpp with CMake in `build` against the torch-free core, as a
-    C++ runtime links it (every ISA's host kernels and the dispatcher, no CUDA): {name: path}."""
+    """Builds the C++ programs of tests/cpp/examples as a C++ runtime would: the torch-free kernels
+    (every ISA's host kernels and the dispatcher, no CUDA) configured, built and installed from
+    kernels/ into a prefix, then tests/cpp found against that prefix by find_package(dinfer_kernels).
+    `cmake_args` go to both configures (a cross toolchain). {name: path}."""
     cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
     if cmake is None or ninja is None:
         pytest.skip("needs cmake and ninja")
-    for cmd in ([cmake, "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                 "-DDINFER_CUDA=0", "-DDINFER_PYTHON_MODULE=OFF", "-DDINFER_CPP_EXAMPLES=ON",
-                 f"-DPython_EXECUTABLE={sys.executable}", *cmake_args],
-                [cmake, "--build", str(build), "-j", os.environ.get("MAX_JOBS", "2"), "--target",
-                 "dinfer_cpp_examples"]):
+    build = Path(build)
+    prefix, jobs = build / "prefix", os.environ.get("MAX_JOBS", "2")
+    common = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *cmake_args]
+    for cmd in (
+        [
+            cmake,
+            "-S",
+            str(ROOT / "kernels"),
+            "-B",
+            str(build / "kernels"),
+            *common,
+            "-DDINFER_CUDA=0",
+            "-DDINFER_PYTHON_MODULE=OFF",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DCMAKE_INSTALL_PREFIX={prefix}",
+        ],
+        [cmake, "--build", str(build / "kernels"), "-j", jobs],
+        [cmake, "--install", str(build / "kernels")],
+        [
+            cmake,
+            "-S",
+            str(ROOT / "tests/cpp"),
+            "-B",
+            str(build / "examples"),
+            *common,
+            f"-DCMAKE_PREFIX_PATH={prefix}",
+        ],
+        [cmake, "--build", str(build / "examples"), "-j", jobs],
+    ):
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.returncode == 0, proc.stdout[-4000:]
-    return {src.stem: build / src.stem for src in sorted((ROOT / "tests/cpp").glob("*_example.cpp"))}
+    return {
+        src.stem: build / "examples" / src.stem
+        for src in sorted((ROOT / "tests/cpp/examples").glob("*_example.cpp"))
+    }
 
 
 @pytest.fixture(scope="session")

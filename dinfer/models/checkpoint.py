@@ -12,6 +12,7 @@ cast is a zero-copy view of the file and the model is never held twice in RAM. B
 the checkpoint is checked against the config from the headers alone (load_weights), so a config that
 disagrees with the weights, or a broken file, is a CheckpointError naming the file, the key and both values.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,11 +66,16 @@ def _dim_sizes(config: ModelConfig) -> Dict[str, Tuple[int, str]]:
     inner = "expert_intermediate_size" if c.is_moe else "intermediate_size"
     width = getattr(c, inner)
     head_dim = f"head_dim ({key('hidden_size')}/{key('num_heads')})"
-    return {"V": (c.vocab_size, key("vocab_size")), "H": (c.hidden_size, key("hidden_size")),
-            "Q": (c.num_heads * c.head_dim, f"{key('num_heads')} x {head_dim}"),
-            "KV": (c.num_kv_heads * c.head_dim, f"{key('num_kv_heads')} x {head_dim}"),
-            "D": (c.head_dim, head_dim), "I": (width, key(inner)), "2I": (2 * (width or 0), f"2 x {key(inner)}"),
-            "E": (c.num_experts, key("num_experts"))}
+    return {
+        "V": (c.vocab_size, key("vocab_size")),
+        "H": (c.hidden_size, key("hidden_size")),
+        "Q": (c.num_heads * c.head_dim, f"{key('num_heads')} x {head_dim}"),
+        "KV": (c.num_kv_heads * c.head_dim, f"{key('num_kv_heads')} x {head_dim}"),
+        "D": (c.head_dim, head_dim),
+        "I": (width, key(inner)),
+        "2I": (2 * (width or 0), f"2 x {key(inner)}"),
+        "E": (c.num_experts, key("num_experts")),
+    }
 
 
 def expected_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
@@ -79,36 +85,67 @@ def expected_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
 
 
 def _dense_plan(config: ModelConfig) -> Dict[str, List[Source]]:
-    names = {"embed": "model.transformer.wte.weight", "final_norm": "model.transformer.ln_f.weight",
-             "lm_head": "model.transformer.ff_out.weight"}
-    per_layer = {"attn_norm": "attn_norm", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "attn_out",
-                 "mlp_norm": "ff_norm", "gate": "ff_proj", "up": "up_proj", "down": "ff_out"}  # ff_proj is the gate
+    names = {
+        "embed": "model.transformer.wte.weight",
+        "final_norm": "model.transformer.ln_f.weight",
+        "lm_head": "model.transformer.ff_out.weight",
+    }
+    per_layer = {
+        "attn_norm": "attn_norm",
+        "q": "q_proj",
+        "k": "k_proj",
+        "v": "v_proj",
+        "o": "attn_out",
+        "mlp_norm": "ff_norm",
+        "gate": "ff_proj",
+        "up": "up_proj",
+        "down": "ff_out",
+    }  # ff_proj is the gate
     for i in range(config.num_layers):
-        names.update({f"layers.{i}.{ours}": f"model.transformer.blocks.{i}.{theirs}.weight"
-                      for ours, theirs in per_layer.items()})
+        names.update(
+            {
+                f"layers.{i}.{ours}": f"model.transformer.blocks.{i}.{theirs}.weight"
+                for ours, theirs in per_layer.items()
+            }
+        )
     return {ours: [(theirs, ())] for ours, theirs in names.items()}
 
 
 def _moe_plan(config: ModelConfig, layout: str) -> Dict[str, List[Source]]:
-    plan = {"embed": [("model.embed_tokens.weight", ())], "final_norm": [("model.norm.weight", ())],
-            "lm_head": [("lm_head.weight", ())]}
+    plan = {
+        "embed": [("model.embed_tokens.weight", ())],
+        "final_norm": [("model.norm.weight", ())],
+        "lm_head": [("lm_head.weight", ())],
+    }
     E, I = config.num_experts, config.expert_intermediate_size
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        names = {"attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
-                 "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight",
-                 "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
-                 "mlp_norm": "post_attention_layernorm.weight", "router": "mlp.gate.weight",
-                 "expert_bias": "mlp.expert_bias"}
+        names = {
+            "attn_norm": "input_layernorm.weight",
+            "q": "self_attn.q_proj.weight",
+            "k": "self_attn.k_proj.weight",
+            "v": "self_attn.v_proj.weight",
+            "o": "self_attn.o_proj.weight",
+            "q_norm": "self_attn.q_norm.weight",
+            "k_norm": "self_attn.k_norm.weight",
+            "mlp_norm": "post_attention_layernorm.weight",
+            "router": "mlp.gate.weight",
+            "expert_bias": "mlp.expert_bias",
+        }
         plan.update({f"layers.{i}.{ours}": [(p + theirs, ())] for ours, theirs in names.items()})
         if layout == "fused":
             plan[f"layers.{i}.w13"] = [(p + "mlp.w1", ())]
             plan[f"layers.{i}.w2"] = [(p + "mlp.w2", ())]
         else:
             experts = [p + f"mlp.experts.{e}." for e in range(E)]
-            plan[f"layers.{i}.w13"] = [src for e, x in enumerate(experts)
-                                       for src in ((x + "gate_proj.weight", (e, slice(0, I))),
-                                                   (x + "up_proj.weight", (e, slice(I, 2 * I))))]
+            plan[f"layers.{i}.w13"] = [
+                src
+                for e, x in enumerate(experts)
+                for src in (
+                    (x + "gate_proj.weight", (e, slice(0, I))),
+                    (x + "up_proj.weight", (e, slice(I, 2 * I))),
+                )
+            ]
             plan[f"layers.{i}.w2"] = [(x + "down_proj.weight", (e,)) for e, x in enumerate(experts)]
     return plan
 
@@ -138,10 +175,12 @@ class _SafetensorsFile:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         (header_len,) = struct.unpack("<Q", self._map[:8])
         if 8 + header_len > size:
-            raise CheckpointError(f"{path}: header length {header_len} runs past the end of the {size}-byte "
-                                  "file (truncated or not a safetensors file)")
+            raise CheckpointError(
+                f"{path}: header length {header_len} runs past the end of the {size}-byte "
+                "file (truncated or not a safetensors file)"
+            )
         try:
-            header = json.loads(self._map[8:8 + header_len])
+            header = json.loads(self._map[8 : 8 + header_len])
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
         if not isinstance(header, dict):
@@ -166,11 +205,15 @@ class _SafetensorsFile:
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: corrupt header entry {entry!r}") from e
         if not 0 <= begin <= end <= self._data_len:
-            raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] lie outside the {self._data_len} data "
-                                  "bytes (truncated or corrupt file)")
+            raise CheckpointError(
+                f"{where}: data_offsets [{begin}, {end}] lie outside the {self._data_len} data "
+                "bytes (truncated or corrupt file)"
+            )
         if dtype in _DTYPES and end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
-            raise CheckpointError(f"{where}: data_offsets span {end - begin} bytes but shape {list(shape)} of "
-                                  f"{dtype} needs {math.prod(shape) * _DTYPES[dtype].itemsize} (corrupt file)")
+            raise CheckpointError(
+                f"{where}: data_offsets span {end - begin} bytes but shape {list(shape)} of "
+                f"{dtype} needs {math.prod(shape) * _DTYPES[dtype].itemsize} (corrupt file)"
+            )
         return dtype, shape, begin, end
 
     def check(self, name: str, shape: Tuple[int, ...], sizes: Tuple[Tuple[int, str], ...]) -> None:
@@ -186,17 +229,24 @@ class _SafetensorsFile:
         if len(got) != len(shape) or not wrong:
             raise CheckpointError(f"{where} has shape {list(got)}, expected {list(shape)}")
         want, key = wrong[0]
-        raise CheckpointError(f"{CONFIG_FILE}: {key} is {want} but {where} has shape {list(got)}, expected "
-                              f"{list(shape)}")
+        raise CheckpointError(
+            f"{CONFIG_FILE}: {key} is {want} but {where} has shape {list(got)}, expected {list(shape)}"
+        )
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor `name` (checked), as a view of the mapping where alignment allows."""
         dtype, shape, begin, end = self.entries[name]
         torch_dtype = _DTYPES[dtype]
         offset = self._data_start + begin
-        if offset % torch_dtype.itemsize:  # the format does not promise alignment; copy, not a misaligned view
-            return torch.frombuffer(bytearray(self._map[offset:offset + end - begin]), dtype=torch_dtype).view(shape)
-        return torch.frombuffer(self._map, dtype=torch_dtype, count=math.prod(shape), offset=offset).view(shape)
+        if (
+            offset % torch_dtype.itemsize
+        ):  # the format does not promise alignment; copy, not a misaligned view
+            return torch.frombuffer(
+                bytearray(self._map[offset : offset + end - begin]), dtype=torch_dtype
+            ).view(shape)
+        return torch.frombuffer(self._map, dtype=torch_dtype, count=math.prod(shape), offset=offset).view(
+            shape
+        )
 
 
 class _Checkpoint:
@@ -217,8 +267,10 @@ class _Checkpoint:
                     self.where.setdefault(name, shard)
             for name, shard in self.where.items():
                 if name not in self._files[shard].entries:
-                    raise CheckpointError(f"{index} places tensor {name!r} in {self._files[shard].path}, which "
-                                          "has no such tensor")
+                    raise CheckpointError(
+                        f"{index} places tensor {name!r} in {self._files[shard].path}, which "
+                        "has no such tensor"
+                    )
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
             self.where = dict.fromkeys(self._open(SINGLE_FILE, "").entries, SINGLE_FILE)
             self.source = os.path.join(path, SINGLE_FILE)
@@ -248,19 +300,25 @@ def _read_index(index: str) -> Dict[str, str]:
         raise CheckpointError(f"{index}: no 'weight_map' object")
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or os.path.basename(shard) != shard:
-            raise CheckpointError(f"{index}: weight_map[{name!r}] = {shard!r} is not a file name in the folder")
+            raise CheckpointError(
+                f"{index}: weight_map[{name!r}] = {shard!r} is not a file name in the folder"
+            )
     return weight_map
 
 
 # Buffers some exports save that are recomputed from config.json (RoPE frequencies from rope_theta).
 _DERIVED = (".rotary_emb.inv_freq",)
-_LAYER = {DENSE: re.compile(r"model\.transformer\.blocks\.(\d+)\."), MOE: re.compile(r"model\.layers\.(\d+)\.")}
+_LAYER = {
+    DENSE: re.compile(r"model\.transformer\.blocks\.(\d+)\."),
+    MOE: re.compile(r"model\.layers\.(\d+)\."),
+}
 _EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 _ROOT = {DENSE: "model.transformer.", MOE: "model.layers."}
 
 
-def load_weights(path, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                 device="cpu") -> Dict[str, torch.Tensor]:
+def load_weights(
+    path, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device="cpu"
+) -> Dict[str, torch.Tensor]:
     """Canonical name -> tensor for the checkpoint in directory `path` (either released layout).
 
     The checkpoint is first checked against `config` from the headers alone: the layer and expert
@@ -283,20 +341,29 @@ def load_weights(path, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
         for src, _ in sources:
             ckpt.file(src).check(src, shape, dim_sizes)
     shapes = expected_shapes(config)
-    return {name: _assemble(ckpt, sources, shapes[name], torch.float32 if name.endswith("router") else dtype,
-                            device)
-            for name, sources in plan.items()}
+    return {
+        name: _assemble(
+            ckpt, sources, shapes[name], torch.float32 if name.endswith("router") else dtype, device
+        )
+        for name, sources in plan.items()
+    }
 
 
-def _check_structure(ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: Dict[str, List[Source]]) -> None:
+def _check_structure(
+    ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: Dict[str, List[Source]]
+) -> None:
     """The checkpoint's tensor names against config: family, layer and expert counts, optional
     tensors, then every planned tensor present and every present tensor planned."""
     names, key = set(ckpt.where), config.hf_key
     other = MOE if config.family == DENSE else DENSE
-    if not any(n.startswith(_ROOT[config.family]) for n in names) and any(n.startswith(_ROOT[other]) for n in names):
+    if not any(n.startswith(_ROOT[config.family]) for n in names) and any(
+        n.startswith(_ROOT[other]) for n in names
+    ):
         example = min(n for n in names if n.startswith(_ROOT[other]))
-        raise CheckpointError(f"{CONFIG_FILE}: architectures {list(config.architectures)} describe a "
-                              f"{config.family} model but {ckpt.source} holds {other} tensors such as {example!r}")
+        raise CheckpointError(
+            f"{CONFIG_FILE}: architectures {list(config.architectures)} describe a "
+            f"{config.family} model but {ckpt.source} holds {other} tensors such as {example!r}"
+        )
     counts = [(key("num_layers"), config.num_layers, "layers", _LAYER[config.family])]
     if config.is_moe and layout == "hf":
         counts.append((key("num_experts"), config.num_experts, "experts", _EXPERT))
@@ -309,7 +376,7 @@ def _check_structure(ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: 
     if config.is_moe:  # the optional MoE tensors say which flag is wrong
         every = _moe_plan(dataclasses.replace(config, num_layers=1), layout)  # layer 0's names suffice
         for name, field in (("layers.0.q_norm", "qk_norm"), ("layers.0.expert_bias", "expert_bias")):
-            (src, _), = every[name]
+            ((src, _),) = every[name]
             if (src in names) != (name in plan):
                 state = f"true but {ckpt.source} has no" if name in plan else f"false but {ckpt.source} holds"
                 raise CheckpointError(f"{CONFIG_FILE}: {key(field)} is {state} tensor {src!r}")
@@ -320,29 +387,40 @@ def _check_structure(ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: 
     extra = sorted(n for n in names - wanted if not n.endswith(_DERIVED))
     if extra:
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
-        raise CheckpointError(f"{ckpt.file(extra[0]).path}: unexpected tensor {extra[0]!r}{more}: not part of the "
-                              f"{config.family} model {CONFIG_FILE} describes ({layout} layout)")
+        raise CheckpointError(
+            f"{ckpt.file(extra[0]).path}: unexpected tensor {extra[0]!r}{more}: not part of the "
+            f"{config.family} model {CONFIG_FILE} describes ({layout} layout)"
+        )
 
 
 def _source_dims(dims: Tuple[str, ...], index: tuple) -> Tuple[str, ...]:
     """The size symbols of canonical[index]: an integer drops its dimension; the only slice taken is
     one half (gate or up rows) of w13's 2I dimension."""
     out = [None if isinstance(i, int) else ("I" if d == "2I" else d) for d, i in zip(dims, index)]
-    return tuple(d for d in out if d is not None) + dims[len(index):]
+    return tuple(d for d in out if d is not None) + dims[len(index) :]
 
 
-def _assemble(ckpt: _Checkpoint, sources: List[Source], shape: Tuple[int, ...], dtype: torch.dtype,
-              device) -> torch.Tensor:
+def _assemble(
+    ckpt: _Checkpoint, sources: List[Source], shape: Tuple[int, ...], dtype: torch.dtype, device
+) -> torch.Tensor:
     if len(sources) == 1 and sources[0][1] == ():
-        return ckpt.file(sources[0][0]).tensor(sources[0][0]).to(dtype=dtype, device=device)  # no-op if unchanged
+        return (
+            ckpt.file(sources[0][0]).tensor(sources[0][0]).to(dtype=dtype, device=device)
+        )  # no-op if unchanged
     out = torch.empty(shape, dtype=dtype, device=device)
     for name, index in sources:
         out[index].copy_(ckpt.file(name).tensor(name))
     return out
 
 
-def save_checkpoint(path, config: ModelConfig, weights: Dict[str, torch.Tensor], layout: str = "hf",
-                    shards: int = 1, dtype: Optional[torch.dtype] = None) -> None:
+def save_checkpoint(
+    path,
+    config: ModelConfig,
+    weights: Dict[str, torch.Tensor],
+    layout: str = "hf",
+    shards: int = 1,
+    dtype: Optional[torch.dtype] = None,
+) -> None:
     """Write config.json and the weights under the released names of `layout` ("hf" splits w13/w2 into
     per-expert tensors; "fused" is dInfer's stacked layout), as one model.safetensors or as `shards` files
     plus model.safetensors.index.json. `dtype` casts every tensor (None keeps each tensor's own)."""
@@ -362,7 +440,7 @@ def save_checkpoint(path, config: ModelConfig, weights: Dict[str, torch.Tensor],
     weight_map = {}
     for k in range(shards):  # consecutive, nearly equal groups of tensors, named like the release
         file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        group = names[k * len(names) // shards:(k + 1) * len(names) // shards]
+        group = names[k * len(names) // shards : (k + 1) * len(names) // shards]
         save_file({n: tensors[n] for n in group}, os.path.join(path, file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(group, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -370,15 +448,18 @@ def save_checkpoint(path, config: ModelConfig, weights: Dict[str, torch.Tensor],
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
-def _released_tensors(config: ModelConfig, weights: Dict[str, torch.Tensor], layout: str,
-                      dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
+def _released_tensors(
+    config: ModelConfig, weights: Dict[str, torch.Tensor], layout: str, dtype: Optional[torch.dtype]
+) -> Dict[str, torch.Tensor]:
     shapes = expected_shapes(config)
     out = {}
     for name, sources in checkpoint_plan(config, layout).items():
         if name not in weights:
             raise ValueError(f"weights have no tensor {name!r}")
         if tuple(weights[name].shape) != shapes[name]:
-            raise ValueError(f"weight {name!r} has shape {list(weights[name].shape)}, expected {list(shapes[name])}")
+            raise ValueError(
+                f"weight {name!r} has shape {list(weights[name].shape)}, expected {list(shapes[name])}"
+            )
         for released, index in sources:
             # Own storage per tensor: save_file refuses tensors that share memory (the w13/w2 slices).
             part = weights[name][index].to(device="cpu", dtype=dtype or weights[name].dtype, copy=True)
@@ -386,7 +467,9 @@ def _released_tensors(config: ModelConfig, weights: Dict[str, torch.Tensor], lay
     return out
 
 
-def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+def random_weights(
+    config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Dict[str, torch.Tensor]:
     """Canonical weights for tests: norms near 1, everything else N(0, 0.02²)."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}

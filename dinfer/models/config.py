@@ -8,6 +8,7 @@ rather than loaded and run wrongly; so are values of the wrong type and special-
 break decoding (outside the vocabulary, or a mask token that is also the eos/pad token). Every error is a
 CheckpointError (a ValueError) that names the file, the key and the value.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,13 +69,25 @@ class CheckpointError(ValueError):
 # The config.json key of each size field, per family: cross-checks against the weights name the key the
 # user would edit. The dense vocabulary is embedding_size when set (it may pad vocab_size).
 _HF_KEYS = {
-    DENSE: {"hidden_size": "d_model", "num_layers": "n_layers", "num_heads": "n_heads",
-            "num_kv_heads": "n_kv_heads", "vocab_size": "embedding_size/vocab_size",
-            "intermediate_size": "mlp_hidden_size"},
-    MOE: {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-          "num_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "num_experts": "num_experts",
-          "expert_intermediate_size": "expert_intermediate_size", "qk_norm": "qk_layernorm",
-          "expert_bias": "moe_router_enable_expert_bias"},
+    DENSE: {
+        "hidden_size": "d_model",
+        "num_layers": "n_layers",
+        "num_heads": "n_heads",
+        "num_kv_heads": "n_kv_heads",
+        "vocab_size": "embedding_size/vocab_size",
+        "intermediate_size": "mlp_hidden_size",
+    },
+    MOE: {
+        "hidden_size": "hidden_size",
+        "num_layers": "num_hidden_layers",
+        "num_heads": "num_attention_heads",
+        "num_kv_heads": "num_key_value_heads",
+        "vocab_size": "vocab_size",
+        "num_experts": "num_experts",
+        "expert_intermediate_size": "expert_intermediate_size",
+        "qk_norm": "qk_layernorm",
+        "expert_bias": "moe_router_enable_expert_bias",
+    },
 }
 
 
@@ -107,9 +120,13 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in (DENSE, MOE):
             raise ValueError(f"ModelConfig.family must be {DENSE!r} or {MOE!r}, got {self.family!r}")
-        if self.is_moe != (self.intermediate_size is None) or self.is_moe == (self.expert_intermediate_size is None):
-            raise ValueError("ModelConfig: a dense model sets intermediate_size only; an MoE model sets "
-                             "expert_intermediate_size only")
+        if self.is_moe != (self.intermediate_size is None) or self.is_moe == (
+            self.expert_intermediate_size is None
+        ):
+            raise ValueError(
+                "ModelConfig: a dense model sets intermediate_size only; an MoE model sets "
+                "expert_intermediate_size only"
+            )
 
     @property
     def is_moe(self) -> bool:
@@ -151,30 +168,56 @@ class ModelConfig:
         return self._moe_hf(FUSED_MOE_ARCH if layout == "fused" else MOE_ARCH)
 
     def _dense_hf(self) -> dict:
-        d = {"architectures": [DENSE_ARCH], "model_type": "llada",
-             "d_model": self.hidden_size, "n_layers": self.num_layers, "n_heads": self.num_heads,
-             "n_kv_heads": self.num_kv_heads, "multi_query_attention": None,
-             "mlp_hidden_size": self.intermediate_size, "mlp_ratio": 4,
-             "vocab_size": self.vocab_size, "embedding_size": self.vocab_size,
-             "rms_norm_eps": self.rms_eps, "rope_theta": self.rope_theta, "rope_full_precision": True,
-             "max_sequence_length": self.max_positions,
-             "mask_token_id": self.mask_id, "eos_token_id": self.eos_id, "pad_token_id": self.pad_id,
-             "use_cache": False}
+        d = {
+            "architectures": [DENSE_ARCH],
+            "model_type": "llada",
+            "d_model": self.hidden_size,
+            "n_layers": self.num_layers,
+            "n_heads": self.num_heads,
+            "n_kv_heads": self.num_kv_heads,
+            "multi_query_attention": None,
+            "mlp_hidden_size": self.intermediate_size,
+            "mlp_ratio": 4,
+            "vocab_size": self.vocab_size,
+            "embedding_size": self.vocab_size,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "rope_full_precision": True,
+            "max_sequence_length": self.max_positions,
+            "mask_token_id": self.mask_id,
+            "eos_token_id": self.eos_id,
+            "pad_token_id": self.pad_id,
+            "use_cache": False,
+        }
         d.update(_DENSE_ONLY)
         return d
 
     def _moe_hf(self, arch: str) -> dict:
-        d = {"architectures": [arch], "model_type": "llada",
-             "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
-             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-             "vocab_size": self.vocab_size, "expert_intermediate_size": self.expert_intermediate_size,
-             "shared_expert_intermediate_size": None, "moe_layer_freq": [1] * self.num_layers,
-             "num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
-             "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": self.expert_bias,
-             "norm_topk_prob": False, "routed_scaling_factor": 1, "qk_layernorm": self.qk_norm,
-             "rms_norm_eps": self.rms_eps, "rope_theta": self.rope_theta,
-             "max_position_embeddings": self.max_positions,
-             "eos_token_id": self.eos_id, "pad_token_id": self.pad_id, "use_cache": False}
+        d = {
+            "architectures": [arch],
+            "model_type": "llada",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "vocab_size": self.vocab_size,
+            "expert_intermediate_size": self.expert_intermediate_size,
+            "shared_expert_intermediate_size": None,
+            "moe_layer_freq": [1] * self.num_layers,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_router_score_function": "softmax",
+            "moe_router_enable_expert_bias": self.expert_bias,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1,
+            "qk_layernorm": self.qk_norm,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_positions,
+            "eos_token_id": self.eos_id,
+            "pad_token_id": self.pad_id,
+            "use_cache": False,
+        }
         d.update(_MOE_ONLY)
         if self.mask_id != MOE_MASK_ID:  # the release has no mask key; write one only when it matters
             d["mask_token_id"] = self.mask_id
@@ -210,7 +253,9 @@ class _Keys:
     def int(self, key: str, default: Optional[int] = None, positive: bool = True) -> int:
         value = self.value(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
-            raise self.error(f"{key}={value!r} must be a {'positive' if positive else 'non-negative'} integer")
+            raise self.error(
+                f"{key}={value!r} must be a {'positive' if positive else 'non-negative'} integer"
+            )
         return value
 
     def float(self, key: str, default: Optional[float] = None) -> float:
@@ -236,8 +281,10 @@ def _family(d: _Keys) -> str:
     """DENSE or MOE from `architectures`, else from key presence; never from `model_type` (shared)."""
     archs = set(d.architectures())
     if _LLADA2_ARCHS & archs or any(k in d for k in _LLADA2_KEYS):
-        raise d.error("LLaDA2 checkpoints (architectures LLaDA2MoeModelLM, keys first_k_dense_replace/"
-                      "n_group) are not supported")
+        raise d.error(
+            "LLaDA2 checkpoints (architectures LLaDA2MoeModelLM, keys first_k_dense_replace/"
+            "n_group) are not supported"
+        )
     if _MOE_ARCHS & archs:
         return MOE
     if DENSE_ARCH in archs:
@@ -246,8 +293,10 @@ def _family(d: _Keys) -> str:
         return MOE
     if "d_model" in d or "n_layers" in d:
         return DENSE
-    raise d.error(f"unsupported architectures {sorted(archs)!r}: it has neither LLaDA's d_model/n_layers "
-                  "nor LLaDA-MoE's expert_intermediate_size/moe_layer_freq")
+    raise d.error(
+        f"unsupported architectures {sorted(archs)!r}: it has neither LLaDA's d_model/n_layers "
+        "nor LLaDA-MoE's expert_intermediate_size/moe_layer_freq"
+    )
 
 
 def _parse_dense(d: _Keys) -> ModelConfig:
@@ -261,13 +310,30 @@ def _parse_dense(d: _Keys) -> ModelConfig:
     vocab = d.int(vocab_key)
     mask, eos, pad = _special_ids(d, vocab, vocab_key, DENSE_MASK_ID, DENSE_EOS_ID)
     return ModelConfig(
-        family=DENSE, hidden_size=hidden, num_layers=d.int("n_layers"), num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+        family=DENSE,
+        hidden_size=hidden,
+        num_layers=d.int("n_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
         intermediate_size=d.int("mlp_hidden_size"),  # mlp_ratio is ignored when this is set
-        num_experts=0, top_k=0, expert_intermediate_size=None, qk_norm=False,
-        rope_theta=d.float("rope_theta"), rotary_dim=head_dim, rms_eps=d.float("rms_norm_eps", 1e-5),
-        max_positions=d.int("max_sequence_length"), mask_id=mask, eos_id=eos, pad_id=pad,
-        tie_embeddings=False, router_renormalize=False, expert_bias=False, architectures=d.architectures())
+        num_experts=0,
+        top_k=0,
+        expert_intermediate_size=None,
+        qk_norm=False,
+        rope_theta=d.float("rope_theta"),
+        rotary_dim=head_dim,
+        rms_eps=d.float("rms_norm_eps", 1e-5),
+        max_positions=d.int("max_sequence_length"),
+        mask_id=mask,
+        eos_id=eos,
+        pad_id=pad,
+        tie_embeddings=False,
+        router_renormalize=False,
+        expert_bias=False,
+        architectures=d.architectures(),
+    )
 
 
 def _parse_moe(d: _Keys) -> ModelConfig:
@@ -277,47 +343,71 @@ def _parse_moe(d: _Keys) -> ModelConfig:
             raise d.error(f"{key}={d.get(key)!r}: shared experts are not supported")
     freq = d.get("moe_layer_freq", [1])
     if any(f != 1 for f in (freq if isinstance(freq, list) else [freq])):
-        raise d.error(f"moe_layer_freq={freq!r}: only all-MoE models are supported (0 entries are dense layers)")
+        raise d.error(
+            f"moe_layer_freq={freq!r}: only all-MoE models are supported (0 entries are dense layers)"
+        )
     hidden, heads = d.int("hidden_size"), d.int("num_attention_heads")
     kv_heads = d.int("num_key_value_heads", default=heads)
     head_dim = _head_dim(d, hidden, heads, kv_heads, "hidden_size", "num_attention_heads")
     if d.get("head_dim") not in (None, head_dim):
-        raise d.error(f"head_dim={d.get('head_dim')!r} differs from hidden_size/num_attention_heads={head_dim}; "
-                      "only that head size is supported")
+        raise d.error(
+            f"head_dim={d.get('head_dim')!r} differs from hidden_size/num_attention_heads={head_dim}; "
+            "only that head size is supported"
+        )
     experts, top_k = d.int("num_experts"), d.int("num_experts_per_tok")
     if top_k > experts:
         raise d.error(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")
     vocab = d.int("vocab_size")
     mask, eos, pad = _special_ids(d, vocab, "vocab_size", MOE_MASK_ID, MOE_EOS_ID)
     return ModelConfig(
-        family=MOE, hidden_size=hidden, num_layers=d.int("num_hidden_layers"), num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
-        intermediate_size=None, num_experts=experts, top_k=top_k,
+        family=MOE,
+        hidden_size=hidden,
+        num_layers=d.int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        intermediate_size=None,
+        num_experts=experts,
+        top_k=top_k,
         expert_intermediate_size=d.int("expert_intermediate_size"),
         qk_norm=d.bool("qk_layernorm"),  # no safe default: a wrong one silently changes the model
-        rope_theta=d.float("rope_theta"), rotary_dim=head_dim, rms_eps=d.float("rms_norm_eps", 1e-5),
-        max_positions=d.int("max_position_embeddings"), mask_id=mask, eos_id=eos, pad_id=pad,
+        rope_theta=d.float("rope_theta"),
+        rotary_dim=head_dim,
+        rms_eps=d.float("rms_norm_eps", 1e-5),
+        max_positions=d.int("max_position_embeddings"),
+        mask_id=mask,
+        eos_id=eos,
+        pad_id=pad,
         tie_embeddings=False,
         router_renormalize=False,  # the HF and dInfer code ignore norm_topk_prob and never renormalise
         expert_bias=d.bool("moe_router_enable_expert_bias", False),
-        architectures=d.architectures())
+        architectures=d.architectures(),
+    )
 
 
-def _special_ids(d: _Keys, vocab: int, vocab_key: str, mask_default: int, eos_default: int) -> Tuple[int, int, int]:
+def _special_ids(
+    d: _Keys, vocab: int, vocab_key: str, mask_default: int, eos_default: int
+) -> Tuple[int, int, int]:
     """mask, eos and pad ids, each inside [0, vocab) (else the embedding lookup fails unnamed), and the
     mask distinct from eos and pad: a mask that is also the stop token makes every canvas "finished"
     before decoding and lets decoded tokens count as still masked (the generation loop never ends)."""
     eos = d.int("eos_token_id", default=eos_default, positive=False)
-    ids = {"mask_token_id": d.int("mask_token_id", default=mask_default, positive=False), "eos_token_id": eos,
-           "pad_token_id": d.int("pad_token_id", default=eos, positive=False)}
+    ids = {
+        "mask_token_id": d.int("mask_token_id", default=mask_default, positive=False),
+        "eos_token_id": eos,
+        "pad_token_id": d.int("pad_token_id", default=eos, positive=False),
+    }
     for key, value in ids.items():
         if value >= vocab:
             given = "" if d.get(key) is not None else " (absent, so the release's default)"
             raise d.error(f"{key} is {value}{given} but {vocab_key} is {vocab}: ids must lie in [0, {vocab})")
     for key in ("eos_token_id", "pad_token_id"):
         if ids[key] == ids["mask_token_id"]:
-            raise d.error(f"mask_token_id and {key} are both {ids[key]}: the mask token must differ from the "
-                          "end/padding token")
+            raise d.error(
+                f"mask_token_id and {key} are both {ids[key]}: the mask token must differ from the "
+                "end/padding token"
+            )
     return ids["mask_token_id"], eos, ids["pad_token_id"]
 
 
@@ -329,7 +419,9 @@ def _reject_unsupported(d: _Keys, supported: dict) -> None:
 
 def _head_dim(d: _Keys, hidden: int, heads: int, kv_heads: int, hidden_key: str, heads_key: str) -> int:
     if hidden % heads:
-        raise d.error(f"{hidden_key}={hidden} is not a multiple of {heads_key}={heads}, so head_dim is not integral")
+        raise d.error(
+            f"{hidden_key}={hidden} is not a multiple of {heads_key}={heads}, so head_dim is not integral"
+        )
     if heads % kv_heads:
         raise d.error(f"{heads_key}={heads} is not a multiple of the {kv_heads} key/value heads")
     return hidden // heads

@@ -1,5 +1,6 @@
 """The models shipped inside the package (trained by `python -m dinfer.train`), and how a model
 argument — a checkpoint folder, an embedded model's name, or nothing — becomes a folder."""
+
 import os
 from typing import Optional
 

@@ -10,6 +10,7 @@ read, a config that is not a JSON object, a chat template that does not parse or
 model config, a tokenizer whose ids the embedding does not cover or that lacks the eos/pad token. A
 prompt character the vocabulary lacks is a ValueError naming it and its position, not a silent unk token.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,11 +46,16 @@ class Tokenizer:
         try:
             self._tok = _HFTokenizer.from_file(self.file)
         except Exception as e:  # the tokenizers package raises a bare Exception for any unreadable file
-            raise CheckpointError(f"{self.file}: not a tokenizer the tokenizers package can read ({e})") from e
+            raise CheckpointError(
+                f"{self.file}: not a tokenizer the tokenizers package can read ({e})"
+            ) from e
         config_file = os.path.join(path, CONFIG_FILE)
         tok_config = read_json(config_file)
-        self.special_tokens = {k: _token_text(v) for k, v in tok_config.items()
-                               if k.endswith("_token") and _token_text(v) is not None}
+        self.special_tokens = {
+            k: _token_text(v)
+            for k, v in tok_config.items()
+            if k.endswith("_token") and _token_text(v) is not None
+        }
         if eos_id is None and config is not None:
             eos_id = config.eos_id
         self.eos_id = eos_id if eos_id is not None else self._token_id(self.special_tokens.get("eos_token"))
@@ -61,7 +67,9 @@ class Tokenizer:
         # byte fallback); byte-level BPE covers every string and has none.
         model = self._tok.model
         unk = None if getattr(model, "byte_fallback", False) else getattr(model, "unk_token", None)
-        self._unk = (unk, self._tok.token_to_id(unk)) if unk and self._tok.token_to_id(unk) is not None else None
+        self._unk = (
+            (unk, self._tok.token_to_id(unk)) if unk and self._tok.token_to_id(unk) is not None else None
+        )
         if config is not None:
             self._check_against(config)
 
@@ -75,16 +83,18 @@ class Tokenizer:
                 if token == unk_id and text[start:end] != unk:  # the unk token written out is no error
                     piece = text[start:end]
                     code = " ".join(f"U+{ord(ch):04X}" for ch in piece)
-                    near = text[max(0, start - 12):end + 12]  # the text may be a chat-templated prompt
-                    raise ValueError(f"text position {start}: {piece!r} ({code}) in {near!r} is not in the "
-                                     f"vocabulary of {self.file}; it would silently become {unk}")
+                    near = text[max(0, start - 12) : end + 12]  # the text may be a chat-templated prompt
+                    raise ValueError(
+                        f"text position {start}: {piece!r} ({code}) in {near!r} is not in the "
+                        f"vocabulary of {self.file}; it would silently become {unk}"
+                    )
         return encoding.ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of `ids` up to, not including, the first EOS."""
         ids = [int(i) for i in ids]
         if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
+            ids = ids[: ids.index(self.eos_id)]
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def apply_chat_template(self, user_text: str) -> str:
@@ -95,16 +105,21 @@ class Tokenizer:
             return user_text
         try:
             if self._template is None:
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=["jinja2.ext.loopcontrols"])
+                env = ImmutableSandboxedEnvironment(
+                    trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+                )
                 env.globals["raise_exception"] = _raise
                 self._template = env.from_string(self.chat_template)
-            return self._template.render(messages=[{"role": "user", "content": user_text}],
-                                         add_generation_prompt=True, **self.special_tokens)
+            return self._template.render(
+                messages=[{"role": "user", "content": user_text}],
+                add_generation_prompt=True,
+                **self.special_tokens,
+            )
         except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
             line = f" (template line {e.lineno})" if getattr(e, "lineno", None) else ""
-            raise CheckpointError(f"{self._template_file}: the chat template fails{line}: "
-                                  f"{type(e).__name__}: {e}") from e
+            raise CheckpointError(
+                f"{self._template_file}: the chat template fails{line}: {type(e).__name__}: {e}"
+            ) from e
 
     def _token_id(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._tok.token_to_id(token)
@@ -112,12 +127,16 @@ class Tokenizer:
     def _check_against(self, config: ModelConfig) -> None:
         top = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
         if top >= config.vocab_size:
-            raise CheckpointError(f"{MODEL_CONFIG_FILE}: {config.hf_key('vocab_size')} is {config.vocab_size} but "
-                                  f"{self.file} has token ids up to {top}, which have no embedding row")
+            raise CheckpointError(
+                f"{MODEL_CONFIG_FILE}: {config.hf_key('vocab_size')} is {config.vocab_size} but "
+                f"{self.file} has token ids up to {top}, which have no embedding row"
+            )
         for key, value in (("eos_token_id", config.eos_id), ("pad_token_id", config.pad_id)):
             if self._tok.id_to_token(value) is None:
-                raise CheckpointError(f"{MODEL_CONFIG_FILE}: {key} is {value} but {self.file} has no token with "
-                                      f"that id (its ids reach {top})")
+                raise CheckpointError(
+                    f"{MODEL_CONFIG_FILE}: {key} is {value} but {self.file} has no token with "
+                    f"that id (its ids reach {top})"
+                )
 
 
 def read_json(file: str) -> dict:
@@ -140,12 +159,16 @@ def _read_template(path: str, config_file: str, config: dict):
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}], HF uses "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
-            raise CheckpointError(f"{config_file}: chat_template lists templates {sorted(map(str, named))} but "
-                                  "none named 'default'")
+            raise CheckpointError(
+                f"{config_file}: chat_template lists templates {sorted(map(str, named))} but "
+                "none named 'default'"
+            )
         template = named["default"]
     if template is not None:
         if not isinstance(template, str):
-            raise CheckpointError(f"{config_file}: chat_template must be a string, got {type(template).__name__}")
+            raise CheckpointError(
+                f"{config_file}: chat_template must be a string, got {type(template).__name__}"
+            )
         return template, config_file
     file = os.path.join(path, TEMPLATE_FILE)
     if os.path.isfile(file):

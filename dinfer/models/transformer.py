@@ -12,6 +12,7 @@ Weights use the canonical names of dinfer.models.checkpoint (embed, layers.{i}.q
 The ops (rms_norm, rope, attention, moe) come from `ops`: dinfer_kernels for inference, the
 differentiable stand-ins of dinfer.train.ops for training, so both run this one forward.
 """
+
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -26,6 +27,7 @@ from .config import ModelConfig
 @dataclass
 class KVCache:
     """Per-layer keys and values, [B, S, Hkv, D] each, RoPE already applied to the keys."""
+
     keys: List[torch.Tensor]
     values: List[torch.Tensor]
 
@@ -60,14 +62,21 @@ class DiffusionLM:
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
         shape = (batch, max_len, c.num_kv_heads, c.head_dim)
-        zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)
         return KVCache([zeros() for _ in range(c.num_layers)], [zeros() for _ in range(c.num_layers)])
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                seq_lens: torch.Tensor, *, write_back: bool = True,
-                logits_rows: Optional[torch.Tensor] = None,
-                attn_mask: Optional[torch.Tensor] = None,
-                ffn_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        seq_lens: torch.Tensor,
+        *,
+        write_back: bool = True,
+        logits_rows: Optional[torch.Tensor] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+        ffn_rows: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """inputs_embeds [B, W, H], positions [B, W] int64, seq_lens [B] int32 →
         logits [R, V] for the flat rows `logits_rows` (indices into B * W; all rows if None).
         ffn_rows: the flat rows whose MLP / MoE runs (all if None); the others get none. Training
@@ -102,8 +111,17 @@ class DiffusionLM:
             k = self.ops.rms_norm(k, w[p + "k_norm"], c.rms_eps)
         q = self.ops.rope(q, positions, c.rope_theta, c.rotary_dim)
         k = self.ops.rope(k, positions, c.rope_theta, c.rotary_dim)
-        o = self.ops.attention(q, k, v, cache.keys[i], cache.values[i], positions, seq_lens,
-                         write_back=write_back, attn_mask=attn_mask)
+        o = self.ops.attention(
+            q,
+            k,
+            v,
+            cache.keys[i],
+            cache.values[i],
+            positions,
+            seq_lens,
+            write_back=write_back,
+            attn_mask=attn_mask,
+        )
         return o.reshape(B, W, c.num_heads * c.head_dim)  # the output projection is the caller's
 
     def _mlp(self, i, h, ffn_rows):
@@ -116,8 +134,15 @@ class DiffusionLM:
         if c.family == "llada":
             out = (F.silu(m @ w[p + "gate"].t()) * (m @ w[p + "up"].t())) @ w[p + "down"].t()
         else:
-            out = self.ops.moe(m, w[p + "router"], w[p + "w13"], w[p + "w2"], c.top_k,
-                               renormalize=c.router_renormalize, expert_bias=w.get(p + "expert_bias"))
+            out = self.ops.moe(
+                m,
+                w[p + "router"],
+                w[p + "w13"],
+                w[p + "w2"],
+                c.top_k,
+                renormalize=c.router_renormalize,
+                expert_bias=w.get(p + "expert_bias"),
+            )
         if ffn_rows is not None:
             out = out.new_zeros(B * W, H).index_copy(0, ffn_rows, out)
         return out.view(B, W, H)

@@ -1,4 +1,5 @@
 """python -m dinfer.train --model {tiny-llada-moe,tiny-llada} --out DIR [--steps N] [--seed S]"""
+
 import argparse
 
 import torch
@@ -8,12 +9,17 @@ from .presets import PRESETS
 
 
 def main():
-    parser = argparse.ArgumentParser(prog="python -m dinfer.train",
-                                     description="Train an embedded model on the synthetic task suite.")
+    parser = argparse.ArgumentParser(
+        prog="python -m dinfer.train", description="Train an embedded model on the synthetic task suite."
+    )
     parser.add_argument("--model", required=True, choices=sorted(PRESETS))
     parser.add_argument("--out", required=True, help="checkpoint folder to write")
-    parser.add_argument("--steps", type=int, help="optimizer steps (default: the preset's; recall's curriculum is in "
-                        "steps and trains recall alone for the first 600)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="optimizer steps (default: the preset's; recall's curriculum is in "
+        "steps and trains recall alone for the first 600)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()

@@ -11,6 +11,7 @@ probes rounds 8-10). The table is never saved: the checkpoints keep the released
 schedule is in steps, not fractions of the run, because what it paces is the number of updates a
 lookup takes to form.
 """
+
 import random
 from dataclasses import dataclass
 from typing import Callable, Tuple
@@ -20,11 +21,11 @@ from ..tasks import RECALL_KEYS, Problem, recall_problem
 
 @dataclass(frozen=True)
 class RecallCurriculum:
-    alone: int = 600                         # batches are recall only up to this step
-    scaffold_full: int = 300                 # the position table at full weight up to this step,
-    scaffold_gone: int = 600                 # then linearly down to 0 at this one
-    first_keys: Tuple[int, int] = (2, 3)     # table sizes while the scaffold is on
-    grow: Tuple[int, int] = (600, 1200)      # steps over which the largest table grows to the suite's
+    alone: int = 600  # batches are recall only up to this step
+    scaffold_full: int = 300  # the position table at full weight up to this step,
+    scaffold_gone: int = 600  # then linearly down to 0 at this one
+    first_keys: Tuple[int, int] = (2, 3)  # table sizes while the scaffold is on
+    grow: Tuple[int, int] = (600, 1200)  # steps over which the largest table grows to the suite's
 
     def scaffold_weight(self, step: int) -> float:
         """The position table's weight in the inputs of recall sequences at `step`."""
@@ -43,8 +44,10 @@ class RecallCurriculum:
 
     def draw(self, step: int) -> Callable[[random.Random], Problem]:
         """The recall generator at `step`: a table size from key_range, then the suite's problem."""
+
         def problem(rng: random.Random) -> Problem:
             return recall_problem(rng, rng.randint(*self.key_range(step)))
+
         return problem
 
     def fill_start(self) -> int:

@@ -10,6 +10,7 @@ input gets w * softmax(z) @ E added, z from a no-grad forward of the same input 
 smoothing schedule's range (self-conditioning). Everything is drawn from
 seeded generators, so a run is reproducible for a given seed, step count and torch build.
 """
+
 import dataclasses
 import functools
 import json
@@ -86,7 +87,9 @@ class Batches:
             prompt, answer = sample(task, self.rng, heldout=False, draw=recall_draw if recall else None)
             p, a = self.prompt_ids(prompt), self.tok.encode(answer).ids
             fill_step = step - curriculum.fill_start() if recall else step
-            rows.append(p + a + [self.eos] * self.rng.randint(1, self.max_fill(len(a), fill_step / self.steps)))
+            rows.append(
+                p + a + [self.eos] * self.rng.randint(1, self.max_fill(len(a), fill_step / self.steps))
+            )
             starts.append(len(p))
             answer_lens.append(len(a))
             scaffold.append(recall_scaffold if recall else 0.0)
@@ -108,8 +111,17 @@ class Batches:
         return max(1, round(min(4, full) + ramp * (full - min(4, full))))
 
 
-def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.Generator, soft: bool = False,
-            hits: dict = None, scaffold: torch.Tensor = None):
+def loss_fn(
+    model: DiffusionLM,
+    tokens,
+    canvas,
+    lengths,
+    canvas_len,
+    gen: torch.Generator,
+    soft: bool = False,
+    hits: dict = None,
+    scaffold: torch.Tensor = None,
+):
     """LLaDA's SFT loss of one batch; `hits`, if given, gets the flat indices of the masked rows
     ("rows") and whether each one's argmax is right ("hit"); `scaffold` ([B, T, H]), if given, is
     added to the input embeddings (the curriculum's position table)."""
@@ -144,7 +156,9 @@ def loss_fn(model: DiffusionLM, tokens, canvas, lengths, canvas_len, gen: torch.
     return (ce * weight).sum() / B
 
 
-def _smoothing_inputs(model: DiffusionLM, emb, positions, lengths, rows, cache, gen, ffn_rows=None) -> torch.Tensor:
+def _smoothing_inputs(
+    model: DiffusionLM, emb, positions, lengths, rows, cache, gen, ffn_rows=None
+) -> torch.Tensor:
     """[B, T, H]: w * softmax(z) @ E on the masked rows `rows` (zero elsewhere), the term iteration
     smoothing adds to the [MASK] embedding, from a no-grad forward of the same input (MLPs on
     `ffn_rows` only, as in the loss's forward)."""
@@ -159,8 +173,14 @@ def _smoothing_inputs(model: DiffusionLM, emb, positions, lengths, rows, cache, 
     return add.view(B, T, H)
 
 
-def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 250,
-          log: Callable[[str], None] = functools.partial(print, flush=True)) -> dict:
+def train(
+    name: str,
+    out,
+    steps: int = None,
+    seed: int = 0,
+    save_every: int = 250,
+    log: Callable[[str], None] = functools.partial(print, flush=True),
+) -> dict:
     """Train preset `name` and write its checkpoint folder `out`; returns the training record."""
     if name not in PRESETS:
         raise ValueError(f"model: expected one of {', '.join(PRESETS)}, got {name!r}")
@@ -176,11 +196,16 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
     weights = init_weights(preset, gen)
     model = DiffusionLM(preset.config, weights, ops=ops)
     # recall's training-only position table (curriculum.py), at the embeddings' scale; never saved
-    table = torch.randn(preset.config.max_positions, preset.config.hidden_size, generator=gen).requires_grad_()
+    table = torch.randn(
+        preset.config.max_positions, preset.config.hidden_size, generator=gen
+    ).requires_grad_()
     decay = [w for n, w in weights.items() if w.dim() >= 2 and n != "embed"]
     rest = [w for n, w in weights.items() if not (w.dim() >= 2 and n != "embed")] + [table]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": preset.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=preset.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": preset.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=preset.lr,
+        betas=(0.9, 0.98),
+    )
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, preset.warmup))
     t0, running = time.perf_counter(), None
     tally = {task: [0, 0] for task, _ in preset.task_weights}  # masked answer tokens: right, seen
@@ -190,7 +215,7 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
         batch = batches(step)
         scaffold = None  # the position table's share of each row's inputs, while any row has one
         if batches.scaffold.any():
-            scaffold = batches.scaffold[:, None, None] * table[None, :batch[0].shape[1]]
+            scaffold = batches.scaffold[:, None, None] * table[None, : batch[0].shape[1]]
         loss = loss_fn(model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold)
         _tally(tally, batches, hits)
         opt.zero_grad(set_to_none=True)
@@ -201,17 +226,27 @@ def train(name: str, out, steps: int = None, seed: int = 0, save_every: int = 25
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if (step + 1) % 100 == 0 or step + 1 == steps:
             accuracy = " ".join(f"{t} {right / max(seen, 1):.2f}" for t, (right, seen) in tally.items())
-            log(f"{name} step {step + 1}/{steps} loss {running:.4f} | masked answer tokens right: {accuracy} "
-                f"({time.perf_counter() - t0:.0f} s)")
+            log(
+                f"{name} step {step + 1}/{steps} loss {running:.4f} | masked answer tokens right: {accuracy} "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
             tally = {task: [0, 0] for task in tally}
         if (step + 1) % save_every == 0 or step + 1 == steps:  # a usable checkpoint while training runs
-            record = {"model": name, "seed": seed, "steps": step + 1, "of_steps": steps,
-                      "batch_size": preset.batch_size, "lr": preset.lr,
-                      "soft_fraction": preset.soft_fraction, "task_weights": dict(preset.task_weights),
-                      "recall_curriculum": dataclasses.asdict(preset.recall_curriculum),
-                      "final_loss": round(running, 4),
-                      "train_seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__,
-                      "threads": torch.get_num_threads()}
+            record = {
+                "model": name,
+                "seed": seed,
+                "steps": step + 1,
+                "of_steps": steps,
+                "batch_size": preset.batch_size,
+                "lr": preset.lr,
+                "soft_fraction": preset.soft_fraction,
+                "task_weights": dict(preset.task_weights),
+                "recall_curriculum": dataclasses.asdict(preset.recall_curriculum),
+                "final_loss": round(running, 4),
+                "train_seconds": round(time.perf_counter() - t0, 1),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+            }
             _save(out, preset, weights, record)
     return record
 
@@ -235,7 +270,16 @@ def _save(out: str, preset: TrainPreset, weights, record: dict) -> None:
     c = preset.config
     save_checkpoint(out, c, {n: w.detach() for n, w in weights.items()}, dtype=torch.bfloat16)
     with open(os.path.join(out, "generation_config.json"), "w", encoding="utf-8") as f:
-        json.dump({"max_new_tokens": GEN_LENGTH, "block_length": BLOCK_LENGTH, "eos_token_id": c.eos_id,
-                   "pad_token_id": c.pad_id, "mask_token_id": c.mask_id}, f, indent=2)
+        json.dump(
+            {
+                "max_new_tokens": GEN_LENGTH,
+                "block_length": BLOCK_LENGTH,
+                "eos_token_id": c.eos_id,
+                "pad_token_id": c.pad_id,
+                "mask_token_id": c.mask_id,
+            },
+            f,
+            indent=2,
+        )
     with open(os.path.join(out, "training.json"), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)

@@ -6,8 +6,8 @@ Attention is plain bidirectional softmax attention over the rows given: training
 sequences from position 0 and no cache (the cache arguments are ignored); keys at or past seq_lens[b]
 are padding.
 """
+
 import torch
-import torch.nn.functional as F
 
 from dinfer_kernels.reference.moe import moe_reference
 from dinfer_kernels.reference.rms_norm import rms_norm_reference
@@ -30,7 +30,7 @@ def attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back=True, a
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if k.shape[2] != Hq:
         kt, vt = (t.repeat_interleave(Hq // k.shape[2], dim=1) for t in (kt, vt))
-    scores = (qt @ kt.transpose(-1, -2)).float() * D ** -0.5
+    scores = (qt @ kt.transpose(-1, -2)).float() * D**-0.5
     if seq_lens is not None:
         keep = torch.arange(T, device=q.device)[None, :] < seq_lens[:, None]
         scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))

@@ -5,6 +5,7 @@ busy: MoE 42 min, dense 34 min; RESULTS.md, session 15) and ship in the package 
 < 20 MB each): tiny-llada-moe (the default model; LLaDA-MoE: QK-norm, 8 experts,
 top-2, no renormalisation) and tiny-llada (the dense LLaDA block: SwiGLU MLP, no QK-norm).
 """
+
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -36,14 +37,14 @@ def _reweighted(**shares: float) -> Tuple[Tuple[str, float], ...]:
 @dataclass(frozen=True)
 class TrainPreset:
     config: ModelConfig
-    steps: int                         # sized to < 45 minutes on the 2-core CI box
+    steps: int  # sized to < 45 minutes on the 2-core CI box
     batch_size: int = 64
-    lr: float = 1e-3                   # 2e-3 and up delay, or stop, the heads that read the prompt
+    lr: float = 1e-3  # 2e-3 and up delay, or stop, the heads that read the prompt
     warmup: int = 100
     weight_decay: float = 0.01
-    max_canvas: int = GEN_LENGTH + 2   # training canvases are answer + EOS fill, up to this long
-    fill_ramp: float = 0.3             # fraction of the run over which the EOS fill grows to max_canvas
-    soft_fraction: float = 0.25        # batches that also train on iteration-smoothing inputs
+    max_canvas: int = GEN_LENGTH + 2  # training canvases are answer + EOS fill, up to this long
+    fill_ramp: float = 0.3  # fraction of the run over which the EOS fill grows to max_canvas
+    soft_fraction: float = 0.25  # batches that also train on iteration-smoothing inputs
     task_weights: Tuple[Tuple[str, float], ...] = TASK_WEIGHTS
     recall_curriculum: RecallCurriculum = RECALL_CURRICULUM
 
@@ -51,22 +52,53 @@ class TrainPreset:
 def _config(family: str, **kw) -> ModelConfig:
     ids = special_ids()
     hidden, heads = 256, 8
-    common = dict(hidden_size=hidden, num_layers=4, num_heads=heads, num_kv_heads=heads,
-                  head_dim=hidden // heads, vocab_size=vocab_size(), rope_theta=10000.0,
-                  rotary_dim=hidden // heads, rms_eps=1e-5, max_positions=256, mask_id=ids[MASK],
-                  eos_id=ids[EOS], pad_id=ids[EOS], tie_embeddings=False, router_renormalize=False,
-                  expert_bias=False)
+    common = dict(
+        hidden_size=hidden,
+        num_layers=4,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        vocab_size=vocab_size(),
+        rope_theta=10000.0,
+        rotary_dim=hidden // heads,
+        rms_eps=1e-5,
+        max_positions=256,
+        mask_id=ids[MASK],
+        eos_id=ids[EOS],
+        pad_id=ids[EOS],
+        tie_embeddings=False,
+        router_renormalize=False,
+        expert_bias=False,
+    )
     return ModelConfig(family=family, **common, **kw)
 
 
 PRESETS = {
-    "tiny-llada-moe": TrainPreset(_config(
-        MOE, intermediate_size=None, num_experts=8, top_k=2, expert_intermediate_size=256, qk_norm=True,
-        architectures=(MOE_ARCH,)), steps=3400),
-    "tiny-llada": TrainPreset(_config(
-        DENSE, intermediate_size=768, num_experts=0, top_k=0, expert_intermediate_size=None, qk_norm=False,
-        architectures=(DENSE_ARCH,)), steps=4200,
+    "tiny-llada-moe": TrainPreset(
+        _config(
+            MOE,
+            intermediate_size=None,
+            num_experts=8,
+            top_k=2,
+            expert_intermediate_size=256,
+            qk_norm=True,
+            architectures=(MOE_ARCH,),
+        ),
+        steps=3400,
+    ),
+    "tiny-llada": TrainPreset(
+        _config(
+            DENSE,
+            intermediate_size=768,
+            num_experts=0,
+            top_k=0,
+            expert_intermediate_size=None,
+            qk_norm=False,
+            architectures=(DENSE_ARCH,),
+        ),
+        steps=4200,
         # The dense model's sort needs the most (68% exact at a double share); it only serves the
         # quality bar, not the parallel-decoding benchmark, so chain gives add a quarter share.
-        task_weights=_reweighted(add=1.25, sort=3.0, reverse=1.0, chain=0.75)),
+        task_weights=_reweighted(add=1.25, sort=3.0, reverse=1.0, chain=0.75),
+    ),
 }

@@ -4,6 +4,7 @@ checkpoint's tokenizer.json + tokenizer_config.json (with a chat template), so t
 Prompts are `<|bos|>` + text + `<|assistant|>`; the answer follows, then `<|endoftext|>` to the end of
 the canvas. Upper case is folded to lower case; characters outside the alphabet become `<|unk|>`.
 """
+
 import json
 import os
 
@@ -14,8 +15,10 @@ from ..tasks import CHARS
 EOS, MASK, BOS, ASSISTANT, UNK = "<|endoftext|>", "<|mdm_mask|>", "<|bos|>", "<|assistant|>", "<|unk|>"
 SPECIAL = (EOS, MASK, BOS, ASSISTANT, UNK)  # ids 0..4, then one id per character
 ALPHABET = CHARS + " "
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ sep_token }}{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ sep_token }}{% endif %}"
+)
 
 
 def special_ids() -> dict:
@@ -37,8 +40,16 @@ def save_tokenizer(path) -> None:
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
-    config = {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS, "mask_token": MASK,
-              "sep_token": ASSISTANT, "unk_token": UNK, "model_max_length": 256,
-              "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE}
+    config = {
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "mask_token": MASK,
+        "sep_token": ASSISTANT,
+        "unk_token": UNK,
+        "model_max_length": 256,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+    }
     with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)

@@ -1,0 +1,247 @@
+// pybind11 entry for block-sparse window attention: validates every argument (dtype, shape, device,
+// strides, alignment, scalars), then calls the torch-free launcher of the arrays' device: the host
+// kernel (every build) or the CUDA one (CUDA builds; CUDA arrays are refused otherwise).
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "dinfer_kernels/attention.h"
+#include "tensor_arg.h"
+
+namespace dinfer_bindings {
+
+using dinfer_kernels::AttentionParams;
+
+namespace {
+
+// The [.., D] arrays: last dimension contiguous; writes the three leading strides to `out`
+// (strides of size-1 dimensions are never used: 0). The CUDA kernels copy them in 16-byte vectors,
+// so for them (`vectors`) the other strides must be multiples of 8 elements and the data 16-byte
+// aligned.
+void row_layout(const TensorArg& t, bool vectors, int64_t (&out)[3]) {
+  leading_strides(t, out);
+  if (t.numel() == 0) return;
+  for (int d = 0; d < 3; ++d) {
+    if (vectors && out[d] % 8 != 0)
+      throw_value_error(t.name() + ": the stride of dim " + std::to_string(d) + " (" +
+                        std::to_string(out[d]) + ") must be a multiple of 8 elements");
+  }
+  if (vectors && reinterpret_cast<uintptr_t>(t.data<void>()) % 16 != 0)
+    throw_value_error(t.name() + ": the data must be 16-byte aligned");
+}
+
+}  // namespace
+
+void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cache_o, py::handle v_cache_o,
+               py::handle positions_o, py::handle seq_lens_o, py::handle out_o, py::handle lse_o,
+               py::handle block_mass_o, py::handle kv_num_blocks_o, py::handle kv_indices_o,
+               py::handle write_back_o, py::handle q_block_o, py::handle kv_block_o, py::handle scale_o,
+               py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
+  const bool write_back = bool_arg(write_back_o, "write_back");
+  const int64_t q_block = int_arg(q_block_o, "q_block"), kv_block = int_arg(kv_block_o, "kv_block");
+  const int64_t stream = int_arg(stream_o, "stream");
+  const int num_threads = threads_arg(num_threads_o, "num_threads");
+  const double scale = float_arg(scale_o, "scale");
+  if (q_block < 1) throw_value_error("q_block: must be >= 1, got " + std::to_string(q_block));
+  if (kv_block < 1) throw_value_error("kv_block: must be >= 1, got " + std::to_string(kv_block));
+  if (!std::isfinite(scale) || !std::isfinite(static_cast<float>(scale)))
+    throw_value_error("scale: must be a finite float32 value");
+
+  TensorArg q(q_o, "q"), k(k_o, "k"), v(v_o, "v"), k_cache(k_cache_o, "k_cache"),
+      v_cache(v_cache_o, "v_cache"), positions(positions_o, "positions"), seq_lens(seq_lens_o, "seq_lens"),
+      out(out_o, "out");
+
+  // The host kernel takes fp32 too, and any head dim; the CUDA kernels are tiled for 64 and 128.
+  const bool on_host = !q.on_cuda();
+  if (on_host)
+    q.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
+  else
+    q.expect_dtype({DType::kFloat16, DType::kBFloat16});
+  if (q.ndim() != 4) throw_value_error("q: expected a 4-D array [B, W, Hq, D]");
+  const int64_t B = q.size(0), W = q.size(1), Hq = q.size(2), D = q.size(3);
+  if (on_host ? D < 1 : (D != 64 && D != 128))
+    throw_value_error("q: head dim must be " + std::string(on_host ? ">= 1" : "64 or 128") + ", got " +
+                      std::to_string(D));
+  if (Hq < 1) throw_value_error("q: needs at least one head");
+  k_cache.expect_dtype({q.dtype()});
+  if (k_cache.ndim() != 4) throw_value_error("k_cache: expected a 4-D array [B, S, Hkv, D]");
+  const int64_t S = k_cache.size(1), Hkv = k_cache.size(2);
+  k_cache.expect_shape({B, S, Hkv, D});
+  if (Hkv < 1 || Hq % Hkv != 0)
+    throw_value_error("k_cache: query heads (" + std::to_string(Hq) + ") must be a multiple of kv heads (" +
+                      std::to_string(Hkv) + ")");
+  v_cache.expect_dtype({q.dtype()});
+  v_cache.expect_shape({B, S, Hkv, D});
+  k.expect_dtype({q.dtype()});
+  k.expect_shape({B, W, Hkv, D});
+  v.expect_dtype({q.dtype()});
+  v.expect_shape({B, W, Hkv, D});
+  positions.expect_dtype({DType::kInt64});
+  positions.expect_shape({B, W});
+  positions.expect_contiguous();
+  seq_lens.expect_dtype({DType::kInt32});
+  seq_lens.expect_shape({B});
+  seq_lens.expect_contiguous();
+  out.expect_dtype({q.dtype()});
+  out.expect_shape({B, W, Hq, D});
+  out.expect_writable();
+  k_cache.expect_writable();
+  v_cache.expect_writable();
+
+  AttentionParams p;
+  row_layout(q, !on_host, p.q_stride);
+  row_layout(k, !on_host, p.k_stride);
+  row_layout(v, !on_host, p.v_stride);
+  row_layout(k_cache, !on_host, p.k_cache_stride);
+  row_layout(v_cache, !on_host, p.v_cache_stride);
+  row_layout(out, !on_host, p.out_stride);
+  for (TensorArg* t : {&k, &v, &k_cache, &v_cache, &positions, &seq_lens, &out}) t->expect_same_device(q);
+
+  const int64_t nqb = dinfer_kernels::attention_num_q_blocks(W, q_block);
+  const int64_t nkb = dinfer_kernels::attention_num_kv_blocks(S, kv_block);
+  const bool has_counts = !kv_num_blocks_o.is_none(), has_indices = !kv_indices_o.is_none();
+  if (has_counts != has_indices)
+    throw_value_error(std::string(has_counts ? "kv_indices" : "kv_num_blocks") +
+                      ": kv_num_blocks and kv_indices must be given together");
+  int64_t max_blocks = -1;
+  // The optional arrays, kept alive until the launch.
+  std::unique_ptr<TensorArg> counts, indices, lse, mass;
+  if (has_counts) {
+    counts.reset(new TensorArg(kv_num_blocks_o, "kv_num_blocks"));
+    indices.reset(new TensorArg(kv_indices_o, "kv_indices"));
+    counts->expect_dtype({DType::kInt32});
+    counts->expect_shape({B, Hkv, nqb});
+    counts->expect_contiguous();
+    indices->expect_dtype({DType::kInt32});
+    if (indices->ndim() != 4) throw_value_error("kv_indices: expected a 4-D array [B, Hkv, NQB, MAXB]");
+    max_blocks = indices->size(3);
+    indices->expect_shape({B, Hkv, nqb, max_blocks});
+    indices->expect_contiguous();
+    counts->expect_same_device(q);
+    indices->expect_same_device(q);
+    p.kv_num_blocks = counts->data<int32_t>();
+    p.kv_indices = indices->data<int32_t>();
+  }
+  if (!lse_o.is_none()) {
+    lse.reset(new TensorArg(lse_o, "lse"));
+    lse->expect_dtype({DType::kFloat32});
+    lse->expect_shape({B, W, Hq});
+    lse->expect_contiguous();
+    lse->expect_writable();
+    lse->expect_same_device(q);
+    p.lse = lse->data<float>();
+  }
+  if (!block_mass_o.is_none()) {
+    mass.reset(new TensorArg(block_mass_o, "block_mass"));
+    mass->expect_dtype({DType::kFloat32});
+    mass->expect_shape({B, Hq, nkb});
+    mass->expect_contiguous();
+    mass->expect_writable();
+    mass->expect_same_device(q);
+    p.block_mass = mass->data<float>();
+  }
+  // The caches are only written with write_back (without it they are read like q, k and v).
+  const TensorArg* kc_written = write_back ? &k_cache : nullptr;
+  const TensorArg* vc_written = write_back ? &v_cache : nullptr;
+  expect_disjoint({&out, lse.get(), mass.get(), kc_written, vc_written},
+                  {&q, &k, &v, &positions, &seq_lens, counts.get(), indices.get(),
+                   write_back ? nullptr : &k_cache, write_back ? nullptr : &v_cache});
+  p.batch = B;
+  p.window = W;
+  p.heads_q = Hq;
+  p.heads_kv = Hkv;
+  p.head_dim = D;
+  p.cache_len = S;
+  p.dtype = scalar_type(q.dtype());
+  p.q = q.data<void>();
+  p.k = k.data<void>();
+  p.v = v.data<void>();
+  p.k_cache = k_cache.data<void>();
+  p.v_cache = v_cache.data<void>();
+  p.positions = positions.data<int64_t>();
+  p.seq_lens = seq_lens.data<int32_t>();
+  p.write_back = write_back;
+  p.max_blocks = max_blocks < 0 ? 0 : max_blocks;
+  p.q_block = q_block;
+  p.kv_block = kv_block;
+  p.scale = static_cast<float>(scale);
+  p.out = out.data<void>();
+
+  if (on_host) {
+    py::gil_scoped_release release;
+    dinfer_kernels::attention_cpu(p, num_threads);
+    return;
+  }
+#ifdef DINFER_WITH_CUDA
+  const size_t need = dinfer_kernels::attention_cuda_workspace_bytes(
+      B, W, Hq, Hkv, D, S, q_block, kv_block, max_blocks, write_back, p.block_mass != nullptr);
+  void* ws = nullptr;
+  if (need > 0) {
+    if (workspace_o.is_none())
+      throw_value_error("workspace: needs " + std::to_string(need) + " bytes (attention_workspace_bytes)");
+    TensorArg workspace(workspace_o, "workspace");
+    workspace.expect_dtype({DType::kUInt8});
+    workspace.expect_contiguous();
+    workspace.expect_writable();
+    workspace.expect_same_device(q);
+    expect_disjoint({&workspace}, {&q, &k, &v, &k_cache, &v_cache, &positions, &seq_lens, &out, counts.get(),
+                                   indices.get(), lse.get(), mass.get()});
+    if (static_cast<size_t>(workspace.numel()) < need)
+      throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
+                        std::to_string(workspace.numel()));
+    if (reinterpret_cast<uintptr_t>(workspace.data<void>()) % 16 != 0)
+      throw_value_error("workspace: the data must be 16-byte aligned");
+    ws = workspace.data<void>();
+  }
+  int err;
+  {
+    py::gil_scoped_release release;
+    err = dinfer_kernels::attention_cuda(p, ws, need,
+                                         reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
+  }
+  if (err != 0) throw std::runtime_error("attention_cuda: CUDA error " + std::to_string(err));
+#else
+  (void)workspace_o;
+  (void)stream;
+  throw_value_error("q: CUDA arrays need a CUDA build of dinfer_kernels (this one has the host kernel only)");
+#endif
+}
+
+void register_attention(py::module_& m) {
+  m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("positions"), py::arg("seq_lens"), py::arg("out"),
+        py::arg("lse") = py::none(), py::arg("block_mass") = py::none(),
+        py::arg("kv_num_blocks") = py::none(), py::arg("kv_indices") = py::none(), py::kw_only(),
+        py::arg("write_back"), py::arg("q_block"), py::arg("kv_block"), py::arg("scale"),
+        py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
+        py::arg("num_threads") = py::int_(0),
+        "Block-sparse window attention with partial KV refresh over DLPack arrays (contract: "
+        "dinfer_kernels/reference/attention.py). Outputs are caller-allocated; the caches are "
+        "updated in place (write_back) or left as they were (not). CUDA arrays: needs a uint8 "
+        "workspace of attention_workspace_bytes(...) bytes and runs on `stream`. Host arrays (also "
+        "fp32, any head dim): runs on num_threads OpenMP threads (0: OpenMP's default).");
+#ifdef DINFER_WITH_CUDA
+  m.def(
+      "attention_workspace_bytes",
+      [](int64_t batch, int64_t window, int64_t heads_q, int64_t heads_kv, int64_t head_dim,
+         int64_t cache_len, int64_t q_block, int64_t kv_block, int64_t max_blocks, bool write_back,
+         bool block_mass) {
+        return dinfer_kernels::attention_cuda_workspace_bytes(batch, window, heads_q, heads_kv, head_dim,
+                                                              cache_len, q_block, kv_block, max_blocks,
+                                                              write_back, block_mass);
+      },
+      py::arg("batch"), py::arg("window"), py::arg("heads_q"), py::arg("heads_kv"), py::arg("head_dim"),
+      py::arg("cache_len"), py::arg("q_block"), py::arg("kv_block"), py::arg("max_blocks"),
+      py::arg("write_back"), py::arg("block_mass"),
+      "Workspace bytes of the CUDA attention; max_blocks = kv_indices.shape[-1], or -1 without a "
+      "block list.");
+  m.def("attention_num_splits", &dinfer_kernels::attention_cuda_num_splits, py::arg("batch"),
+        py::arg("window"), py::arg("heads_q"), py::arg("heads_kv"), py::arg("cache_len"), py::arg("q_block"),
+        py::arg("kv_block"), py::arg("max_blocks"), py::arg("block_mass"),
+        "Key-list splits per query tile the CUDA attention uses (a pure function of the shapes).");
+#endif
+}
+
+}  // namespace dinfer_bindings

@@ -1,0 +1,206 @@
+// pybind11 entry for the fused MoE layer: validates every argument (dtype, shape, device, layout,
+// ranges) and names it in the error, then calls the torch-free launcher of the arrays' device: the
+// host kernel (every build) or the CUDA one (CUDA builds; CUDA arrays are refused otherwise).
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "dinfer_kernels/moe.h"
+#include "tensor_arg.h"
+
+namespace dinfer_bindings {
+
+using dinfer_kernels::MoeParams;
+using dinfer_kernels::MoeScoring;
+
+namespace {
+
+std::string type_name(py::handle o) { return std::string(py::str(py::type::of(o).attr("__name__"))); }
+
+MoeScoring scoring_arg(py::handle o) {
+  if (!PyUnicode_Check(o.ptr())) throw_type_error("scoring: expected a str, got " + type_name(o));
+  const std::string s = o.cast<std::string>();
+  if (s == "softmax") return MoeScoring::kSoftmax;
+  if (s == "sigmoid") return MoeScoring::kSigmoid;
+  throw_value_error("scoring: expected 'softmax' or 'sigmoid', got '" + s + "'");
+}
+
+void in_range(int64_t v, int64_t lo, int64_t hi, const char* name) {  // [lo, hi]
+  if (v < lo || v > hi)
+    throw_value_error(std::string(name) + ": " + std::to_string(v) + " is outside [" + std::to_string(lo) +
+                      ", " + std::to_string(hi) + "]");
+}
+
+}  // namespace
+
+void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logits_o, py::handle w13_o,
+         py::handle w2_o, py::handle top_k_o, py::handle renormalize_o, py::handle scoring_o,
+         py::handle expert_bias_o, py::handle num_groups_o, py::handle topk_groups_o,
+         py::handle routed_scaling_o, py::handle e0_o, py::handle e1_o, py::handle out_o,
+         py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
+  const int64_t top_k = int_arg(top_k_o, "top_k"), num_groups = int_arg(num_groups_o, "num_groups"),
+                topk_groups = int_arg(topk_groups_o, "topk_groups"), e0 = int_arg(e0_o, "e0"),
+                e1 = int_arg(e1_o, "e1"), stream = int_arg(stream_o, "stream");
+  const int num_threads = threads_arg(num_threads_o, "num_threads");
+  const bool renormalize = bool_arg(renormalize_o, "renormalize");
+  const MoeScoring scoring = scoring_arg(scoring_o);
+  const double routed_scaling = float_arg(routed_scaling_o, "routed_scaling");
+  if (!std::isfinite(static_cast<float>(routed_scaling)))
+    throw_value_error("routed_scaling: must be finite (in fp32), got " + std::to_string(routed_scaling));
+
+  TensorArg hidden(hidden_o, "hidden");
+  hidden.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
+  if (hidden.ndim() != 2) throw_value_error("hidden: expected a 2-D array [T, H]");
+  hidden.expect_contiguous();
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  const DType dt = hidden.dtype();
+  const bool on_host = !hidden.on_cuda();
+
+  TensorArg w13(w13_o, "w13");
+  w13.expect_dtype({dt});
+  if (w13.ndim() != 3) throw_value_error("w13: expected a 3-D array [E, 2I, H]");
+  const int64_t E = w13.size(0), two_i = w13.size(1);
+  if (E < 1) throw_value_error("w13: expected at least one expert");
+  if (!on_host && E > dinfer_kernels::kMoeMaxExperts)
+    throw_value_error("w13: the CUDA kernels take at most " + std::to_string(dinfer_kernels::kMoeMaxExperts) +
+                      " experts, got " + std::to_string(E));
+  if (two_i < 2 || two_i % 2)
+    throw_value_error("w13: the middle dimension is gate + up rows (2 * I), got " + std::to_string(two_i));
+  const int64_t I = two_i / 2;
+  w13.expect_shape({E, two_i, H});
+  w13.expect_contiguous();
+  w13.expect_same_device(hidden);
+
+  TensorArg w2(w2_o, "w2");
+  w2.expect_dtype({dt});
+  w2.expect_shape({E, H, I});
+  w2.expect_contiguous();
+  w2.expect_same_device(hidden);
+
+  if (router_weight_o.is_none() == router_logits_o.is_none())
+    throw_value_error("router_weight: give exactly one of router_weight [E, H] and router_logits [T, E]");
+  MoeParams p;
+  // Keeps the imported view alive until the launch.
+  std::unique_ptr<TensorArg> router;
+  if (!router_weight_o.is_none()) {
+    router.reset(new TensorArg(router_weight_o, "router_weight"));
+    router->expect_dtype({DType::kFloat32, dt});
+    router->expect_shape({E, H});
+    router->expect_contiguous();
+    router->expect_same_device(hidden);
+    p.router_weight = router->data<void>();
+    p.router_dtype = scalar_type(router->dtype());
+  } else {
+    router.reset(new TensorArg(router_logits_o, "router_logits"));
+    router->expect_dtype({DType::kFloat32});
+    router->expect_shape({T, E});
+    router->expect_contiguous();
+    router->expect_same_device(hidden);
+    p.router_logits = router->data<float>();
+  }
+  std::unique_ptr<TensorArg> bias;
+  if (!expert_bias_o.is_none()) {
+    bias.reset(new TensorArg(expert_bias_o, "expert_bias"));
+    bias->expect_dtype({DType::kFloat32});
+    bias->expect_shape({E});
+    bias->expect_contiguous();
+    bias->expect_same_device(hidden);
+    p.expert_bias = bias->data<float>();
+  }
+
+  TensorArg out(out_o, "out");
+  out.expect_dtype({dt});
+  out.expect_shape({T, H});
+  out.expect_contiguous();
+  out.expect_writable();
+  out.expect_same_device(hidden);
+  expect_disjoint({&out}, {&hidden, &w13, &w2, router.get(), bias.get()});
+
+  in_range(num_groups, 1, E, "num_groups");
+  if (E % num_groups)
+    throw_value_error("num_groups: must divide the number of experts E=" + std::to_string(E) + ", got " +
+                      std::to_string(num_groups));
+  in_range(topk_groups, 1, num_groups, "topk_groups");
+  const int64_t selectable = topk_groups * (E / num_groups);
+  const int64_t max_k =
+      on_host || selectable < dinfer_kernels::kMoeMaxTopK ? selectable : dinfer_kernels::kMoeMaxTopK;
+  if (top_k < 1 || top_k > max_k)
+    throw_value_error(
+        "top_k: " + std::to_string(top_k) + " is outside [1, " + std::to_string(max_k) +
+        "] (experts that can be chosen: " + std::to_string(selectable) +
+        (on_host ? std::string(")")
+                 : "; the CUDA kernels take at most " + std::to_string(dinfer_kernels::kMoeMaxTopK) + ")"));
+  in_range(e0, 0, E, "e0");
+  in_range(e1, e0, E, "e1");
+  if (T * top_k > INT32_MAX) throw_value_error("hidden: T * top_k must be < 2^31");
+  if (H > INT32_MAX || I > INT32_MAX) throw_value_error("hidden: H and I must be < 2^31");
+
+  p.hidden = hidden.data<void>();
+  p.dtype = scalar_type(dt);
+  p.num_tokens = T;
+  p.hidden_size = H;
+  p.w13 = w13.data<void>();
+  p.w2 = w2.data<void>();
+  p.num_experts = E;
+  p.inter_size = I;
+  p.top_k = static_cast<int32_t>(top_k);
+  p.renormalize = renormalize;
+  p.scoring = scoring;
+  p.num_groups = static_cast<int32_t>(num_groups);
+  p.topk_groups = static_cast<int32_t>(topk_groups);
+  p.routed_scaling = static_cast<float>(routed_scaling);
+  p.expert_begin = static_cast<int32_t>(e0);
+  p.expert_end = static_cast<int32_t>(e1);
+  p.out = out.data<void>();
+  if (on_host) {
+    py::gil_scoped_release release;
+    dinfer_kernels::moe_cpu(p, num_threads);
+    return;
+  }
+#ifdef DINFER_WITH_CUDA
+  if (workspace_o.is_none())
+    throw_value_error("workspace: required (moe_workspace_bytes(T, E, top_k, H, I) bytes)");
+  TensorArg workspace(workspace_o, "workspace");
+  workspace.expect_dtype({DType::kUInt8});
+  workspace.expect_contiguous();
+  workspace.expect_writable();
+  workspace.expect_same_device(hidden);
+  expect_disjoint({&workspace}, {&hidden, &w13, &w2, router.get(), bias.get(), &out});
+  const size_t need = dinfer_kernels::moe_cuda_workspace_bytes(T, E, static_cast<int32_t>(top_k), H, I);
+  if (static_cast<size_t>(workspace.numel()) < need)
+    throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
+                      std::to_string(workspace.numel()));
+  int err;
+  {
+    py::gil_scoped_release release;
+    err = dinfer_kernels::moe_cuda(p, workspace.data<void>(), need,
+                                   reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
+  }
+  if (err != 0) throw std::runtime_error("moe_cuda: CUDA error " + std::to_string(err));
+#else
+  (void)workspace_o;
+  (void)stream;
+  throw_value_error(
+      "hidden: CUDA arrays need a CUDA build of dinfer_kernels (this one has the host kernel only)");
+#endif
+}
+
+void register_moe(py::module_& m) {
+  m.def("moe", &moe, py::arg("hidden"), py::arg("router_weight"), py::arg("router_logits"), py::arg("w13"),
+        py::arg("w2"), py::arg("top_k"), py::arg("renormalize"), py::arg("scoring"), py::arg("expert_bias"),
+        py::arg("num_groups"), py::arg("topk_groups"), py::arg("routed_scaling"), py::arg("e0"),
+        py::arg("e1"), py::arg("out"), py::kw_only(), py::arg("workspace") = py::none(),
+        py::arg("stream") = py::int_(0), py::arg("num_threads") = py::int_(0),
+        "Fused MoE layer over DLPack arrays (contract: dinfer_kernels/reference/moe.py): router, "
+        "top-k, grouped expert GEMMs and the weighted combine, written to `out` [T, H]. CUDA arrays: "
+        "needs a uint8 workspace of moe_workspace_bytes(T, E, top_k, H, I) bytes and runs on `stream`. "
+        "Host arrays: runs on num_threads OpenMP threads (0: OpenMP's default).");
+#ifdef DINFER_WITH_CUDA
+  m.def("moe_workspace_bytes", &dinfer_kernels::moe_cuda_workspace_bytes, py::arg("num_tokens"),
+        py::arg("num_experts"), py::arg("top_k"), py::arg("hidden_size"), py::arg("inter_size"));
+#endif
+}
+
+}  // namespace dinfer_bindings

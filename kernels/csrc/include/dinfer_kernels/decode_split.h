@@ -1,0 +1,498 @@
+// The vocabulary pass of the CUDA decode step (decode_step.cu), per thread and per CTA, and the
+// per-sequence phases of its finalize kernel, as __host__ __device__ code: the kernels call these
+// functions, and tests/device_logic/ runs them thread by thread on the host, with the kernels' own
+// grid, thread striding and reduction trees (only the hardware exp2/log2 differ there, scalar.h).
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "dinfer_kernels/decode.h"
+#include "dinfer_kernels/decode_math.h"
+#include "dinfer_kernels/isa_namespace.h"
+#include "dinfer_kernels/scalar.h"
+
+namespace dinfer_kernels {
+DINFER_ISA_BEGIN
+namespace decode_split {
+
+using decode_math::kNoIndex;
+using decode_math::Partial;
+
+// `#pragma unroll` in __host__ __device__ code would trip the host compiler's -Wunknown-pragmas.
+#if defined(__CUDA_ARCH__)
+#define DINFER_UNROLL _Pragma("unroll")
+#else
+#define DINFER_UNROLL
+#endif
+
+constexpr int kSplitThreads = 256;
+// 16-byte loads in flight per thread. At 48 registers 5 CTAs fit per SM, so ~80 KB are in flight per
+// SM, well above what HBM latency x bandwidth needs (~30 KB).
+constexpr int kUnroll = 4;
+constexpr int kFinalizeThreads = 256;
+constexpr int kStageRows = 1024;  // rows per sequence staged in shared memory (24 KB)
+// Element indices are int32 (Partial stores them so); the margin keeps `v += blockDim` from wrapping.
+constexpr int64_t kMaxVocab = int64_t{1} << 30;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- element formats -----------------------------------------------------------------------------
+
+// One 16-byte load: CUDA's uint4, or the same four words on the host.
+#if defined(__CUDACC__)
+using Load16 = uint4;
+#else
+struct Load16 {
+  uint32_t x, y, z, w;
+};
+#endif
+
+struct F32Tag {
+  using Raw = float;
+  static constexpr int kVec = 4;
+};
+struct BF16Tag {
+  using Raw = uint16_t;
+  static constexpr int kVec = 8;
+};
+struct F16Tag {
+  using Raw = uint16_t;
+  static constexpr int kVec = 8;
+};
+
+using scalar::bits_to_float;
+using scalar::fast_exp2;
+using scalar::fast_log2;
+
+// Exact conversions (every bf16/fp16 value, subnormals included, is an fp32 value). Not sanitised.
+DINFER_HD float to_float(float x, F32Tag) { return x; }
+DINFER_HD float to_float(uint16_t x, BF16Tag) { return scalar::bf16_to_float(x); }
+DINFER_HD float to_float(uint16_t x, F16Tag) { return scalar::fp16_to_float(x); }
+
+DINFER_HD void unpack(const Load16& q, float (&z)[4], F32Tag) {
+  z[0] = bits_to_float(q.x);
+  z[1] = bits_to_float(q.y);
+  z[2] = bits_to_float(q.z);
+  z[3] = bits_to_float(q.w);
+}
+
+DINFER_HD void unpack(const Load16& q, float (&z)[8], BF16Tag) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  DINFER_UNROLL
+  for (int k = 0; k < 4; ++k) {  // little endian: the lower half-word is the lower index
+    z[2 * k] = bits_to_float(w[k] << 16);
+    z[2 * k + 1] = bits_to_float(w[k] & 0xFFFF0000u);
+  }
+}
+
+DINFER_HD void unpack(const Load16& q, float (&z)[8], F16Tag) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  DINFER_UNROLL
+  for (int k = 0; k < 4; ++k) {
+    z[2 * k] = to_float(static_cast<uint16_t>(w[k] & 0xFFFFu), F16Tag{});
+    z[2 * k + 1] = to_float(static_cast<uint16_t>(w[k] >> 16), F16Tag{});
+  }
+}
+
+// ---- hot-loop primitives -------------------------------------------------------------------------
+
+// The logits are read exactly once: keep them out of L1 and let L2 fetch whole 256-byte sectors.
+DINFER_HD Load16 load_stream(const Load16* p) {
+#if defined(__CUDA_ARCH__)
+  Load16 r;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+#else
+  Load16 r;
+  memcpy(&r, p, sizeof r);
+  return r;
+#endif
+}
+
+// exp(z - ms) for z <= ms (ms finite, or 0 while nothing finite was seen). The terms that dominate
+// the sum have z close to ms, where z - ms is exact (Sterbenz) and the product is off by <= 0.5 ulp
+// of a small argument: the sum stays within ~2 ulp of an expf-based one. MUFU.EX2 alone, because
+// expf would cost ~8 instructions per element and the budget at full HBM rate is ~14 in total.
+DINFER_HD float exp_shifted(float z, float ms) { return fast_exp2((z - ms) * kLog2e); }
+
+// ---- per-thread scan -----------------------------------------------------------------------------
+
+struct ScanCtx {
+  int32_t mask_id;  // -1 when outside [0, V): no element is excluded
+  float temperature;
+  float inv_t;  // only for the prune bound; scores divide by temperature like the reference
+  uint32_t key;  // decode_math::row_key of the row
+};
+
+// Upper bound of decode_math::gumbel(key, v) from the hash h = mix32(key ^ v) alone:
+// g = -log(-log u) <= -log(1 - u) with u = (k + 0.5) / 2^23, k = h >> 9 (exact in fp32). With
+// j = 2^23 - 1 - k, 1 - u = (j + 0.5) / 2^23 >= j / 2^23, so g <= 23 ln2 - ln j. Built from bits
+// instead of I2F: 2^23 + j is exact in fp32, so subtracting 2^23 leaves jf = j exactly.
+// jf == 0 gives +inf (never pruned).
+DINFER_HD float gumbel_upper_bound(uint32_t h) {
+  const float jf = bits_to_float((h >> 9) ^ 0x4B7FFFFFu) - 8388608.0f;
+  return fmaf(fast_log2(jf), -kLn2, 23.0f * kLn2);
+}
+
+// A candidate whose computed bound is below this cannot beat `best`. The margin (2^-16 relative +
+// 1e-3 absolute) dwarfs the errors of the bound (<= ~3 ulp of the score, lg2.approx ~1e-6, logf's
+// ~1 ulp inside gumbel): pruning never changes a result, it only skips exact evaluations.
+DINFER_HD float prune_threshold(float best) {
+  if (best == INFINITY) return INFINITY;  // later indices cannot beat +inf (ties go to the lower)
+  return best - (fabsf(best) * 0x1p-16f + 1e-3f);
+}
+
+// What one thread knows about its elements, visited in increasing index order (so a strict `>` is
+// the lowest-index-wins rule). The sum is of exp(z - ms); ms == m once m is finite.
+template <bool kSample>
+struct ScanState {
+  float m = -INFINITY, ms = 0.f, sum = 0.f;
+  int32_t arg = kNoIndex;
+  // Best score over v != mask_id (score = z at T == 0; then the all-token best is m/arg).
+  float nmv = -INFINITY;
+  int32_t nmi = kNoIndex;
+  // kSample only: the mask token's score (scored apart so the loop needs no per-element test).
+  float maskv = -INFINITY;
+  int32_t maski = kNoIndex;
+  float thr = -INFINITY;
+  // Smallest raw element, with NaN and +inf counted as -inf: -inf iff the thread saw a non-finite
+  // logit. One fminf per element in the fast path; NaN takes the sum's NaN branch, +inf the slow path.
+  float zmin = INFINITY;
+
+  DINFER_HD void raise_max(float z, int32_t v) {  // z > m
+    sum = decode_math::rescale(sum, m, z);
+    m = ms = z;
+    arg = v;
+  }
+
+  // Exact score update for sampling; beats() so that -inf scores still record the lowest index:
+  // a live row then always has a candidate index, even if every score overflowed to -inf.
+  DINFER_HD void offer_score(float z, int32_t v, const ScanCtx& c) {
+    const float s = decode_math::score_of(z, c.temperature, c.key, v);
+    if (decode_math::beats(s, v, nmv, nmi)) {
+      nmv = s;
+      nmi = v;
+      thr = prune_threshold(s);
+    }
+  }
+
+  // Any element, any value: the slow path (row head/tail, vectors holding +inf or the mask token).
+  DINFER_HD void scalar(float raw, int32_t v, const ScanCtx& c) {
+    zmin = fminf(zmin, fabsf(raw) <= FLT_MAX ? raw : -INFINITY);
+    const float z = decode_math::sanitize(raw);
+    if (z > m) raise_max(z, v);
+    sum += exp_shifted(z, ms);
+    if (v == c.mask_id) {
+      if (kSample) {
+        maskv = decode_math::score_of(z, c.temperature, c.key, v);
+        maski = v;
+      }
+    } else if (kSample) {
+      offer_score(z, v, c);
+    } else if (z > nmv) {
+      nmv = z;
+      nmi = v;
+    }
+  }
+
+  // E consecutive elements starting at `base`.
+  template <int E>
+  DINFER_HD void vector(const float (&z)[E], int32_t base, bool has_mask, const ScanCtx& c) {
+    // fmaxf drops NaN, which sanitises to -inf and so can never be a max: vmax is the sanitised
+    // maximum unless an element is +inf (or every element is NaN: vmax = NaN compares false below).
+    float vmax = z[0];
+    DINFER_UNROLL
+    for (int j = 1; j < E; ++j) vmax = fmaxf(vmax, z[j]);
+    if (vmax == INFINITY || has_mask) {
+      DINFER_UNROLL
+      for (int j = 0; j < E; ++j) scalar(z[j], base + j, c);
+      return;
+    }
+    // Rare after the first few vectors: a new maximum.
+    if (kSample ? vmax > m : vmax > nmv) {
+      int32_t j = E - 1;
+      DINFER_UNROLL
+      for (int k = E - 2; k >= 0; --k) j = z[k] == vmax ? k : j;
+      if (!kSample) {
+        nmv = vmax;
+        nmi = base + j;
+      }
+      if (vmax > m) raise_max(vmax, base + j);  // nmv <= m, so at T == 0 this nests
+    }
+    float e[E];
+    DINFER_UNROLL
+    for (int j = 0; j < E; ++j) e[j] = exp_shifted(z[j], ms);
+    DINFER_UNROLL
+    for (int w = 1; w < E; w *= 2)  // pairwise: shorter dependency chain, smaller rounding error
+      DINFER_UNROLL
+    for (int j = 0; j + w < E; j += 2 * w) e[j] += e[j + w];
+    float vmin = z[0];
+    DINFER_UNROLL
+    for (int j = 1; j < E; ++j) vmin = fminf(vmin, z[j]);
+    zmin = fminf(zmin, vmin);
+    if (e[0] != e[0]) {  // a NaN input: NaN -> -inf contributes exp(-inf) = 0
+      zmin = -INFINITY;
+      e[0] = 0.f;
+      DINFER_UNROLL
+      for (int j = 0; j < E; ++j) e[0] += exp_shifted(decode_math::sanitize(z[j]), ms);
+    }
+    sum += e[0];
+    if (kSample) {
+      // Scores z / T + gumbel cost a division, a hash and two logf each. Most tokens cannot win:
+      // bound the score with one multiply-add and one MUFU.LG2, evaluate exactly only when the
+      // bound reaches the running best (a NaN z or bound also takes the exact path).
+      DINFER_UNROLL
+      for (int j = 0; j < E; ++j) {
+        const uint32_t v = static_cast<uint32_t>(base + j);
+        const float bound = fmaf(z[j], c.inv_t, gumbel_upper_bound(decode_math::mix32(c.key ^ v)));
+        if (!(bound < thr)) offer_score(decode_math::sanitize(z[j]), base + j, c);
+      }
+    }
+  }
+
+  DINFER_HD Partial partial() const {
+    // Nothing but -inf (or no elements): merge as empty, like the CPU backend's all -inf chunks.
+    Partial p = decode_math::empty_partial();
+    p.nonfinite = zmin == -INFINITY ? 1 : 0;
+    if (m == -INFINITY) return p;
+    p.max = m;
+    p.sum = sum;
+    p.arg = arg;
+    p.nm_score = nmv;
+    p.nm_arg = nmi;
+    if (kSample) {
+      const bool mb = decode_math::beats(maskv, maski, nmv, nmi);
+      p.score = mb ? maskv : nmv;
+      p.score_arg = mb ? maski : nmi;
+    } else {
+      p.score = m;
+      p.score_arg = arg;
+    }
+    return p;
+  }
+};
+
+// Thread `tid` of `nt` scans elements [c0, c1) of `row`: a scalar head up to the first 16-byte
+// boundary (row strides need not be multiples of the vector width), aligned vectors, a scalar tail.
+// Per thread, indices increase from head to vectors to tail.
+template <class Tag, bool kSample>
+DINFER_HD Partial scan_chunk(const typename Tag::Raw* row, int32_t c0, int32_t c1, int tid, int nt,
+                             const ScanCtx& c) {
+  using Raw = typename Tag::Raw;
+  constexpr int E = Tag::kVec;
+  ScanState<kSample> st;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(row + c0);
+  const int32_t head = static_cast<int32_t>(((16u - (addr & 15u)) & 15u) / sizeof(Raw));
+  const int32_t va = c1 - c0 < head ? c1 : c0 + head;
+  const int32_t nvec = (c1 - va) / E;
+  const int32_t ve = va + nvec * E;
+  const int32_t mask_vec = c.mask_id >= va && c.mask_id < ve ? (c.mask_id - va) / E : -1;
+
+  for (int32_t v = c0 + tid; v < va; v += nt) st.scalar(to_float(row[v], Tag{}), v, c);
+
+  const Load16* vp = reinterpret_cast<const Load16*>(row + va);
+  for (int32_t i = tid; i < nvec; i += nt * kUnroll) {
+    Load16 q[kUnroll];
+    DINFER_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {  // all loads first: kUnroll requests in flight
+      const int32_t k = i + u * nt;
+      q[u] = k < nvec ? load_stream(vp + k) : Load16{0u, 0u, 0u, 0u};
+    }
+    DINFER_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int32_t k = i + u * nt;
+      if (k < nvec) {
+        float z[E];
+        unpack(q[u], z, Tag{});
+        st.vector(z, va + k * E, k == mask_vec, c);
+      }
+    }
+  }
+
+  for (int32_t v = ve + tid; v < c1; v += nt) st.scalar(to_float(row[v], Tag{}), v, c);
+  return st.partial();
+}
+
+// ---- split pass: one CTA per (row, vocabulary split) ---------------------------------------------
+
+struct SplitArgs {
+  const void* logits;
+  int64_t row_stride;  // elements
+  int32_t vocab;
+  int32_t num_splits;
+  int32_t chunk;  // elements per split, a multiple of 8
+  int32_t mask_id;  // -1 when outside [0, V)
+  float temperature;
+  uint32_t seed, offset;
+  const int64_t* row_keys;  // [N] or null (decode_math::row_counter)
+  Partial* partials;  // [N, num_splits]
+};
+
+// The split pass's arguments for a call (V <= kMaxVocab) with num_splits splits per row. Chunks of
+// whole vectors of both widths, so split boundaries never cut a vector.
+inline SplitArgs split_args(const DecodeStepParams& p, int num_splits, Partial* partials) {
+  SplitArgs sa;
+  sa.logits = p.logits;
+  sa.row_stride = p.row_stride;
+  sa.vocab = static_cast<int32_t>(p.vocab);
+  sa.num_splits = num_splits;
+  sa.chunk = static_cast<int32_t>(((p.vocab + num_splits - 1) / num_splits + 7) / 8 * 8);
+  sa.mask_id = p.mask_id >= 0 && p.mask_id < p.vocab ? static_cast<int32_t>(p.mask_id) : -1;
+  sa.temperature = p.temperature;
+  sa.seed = p.seed;
+  sa.offset = p.offset;
+  sa.row_keys = p.row_keys;
+  sa.partials = partials;
+  return sa;
+}
+
+// Partial of thread `tid` of CTA `cta` (row cta / num_splits, split cta % num_splits), before the
+// CTA's reduction.
+template <class Tag, bool kSample>
+DINFER_HD Partial split_thread_partial(const SplitArgs& a, uint32_t cta, int tid) {
+  using Raw = typename Tag::Raw;
+  const int64_t n = cta / static_cast<uint32_t>(a.num_splits);
+  const int32_t s = static_cast<int32_t>(cta % static_cast<uint32_t>(a.num_splits));
+  const int32_t c0 = s * a.chunk < a.vocab ? s * a.chunk : a.vocab;
+  const int32_t c1 = c0 + a.chunk < a.vocab ? c0 + a.chunk : a.vocab;
+  const Raw* row = static_cast<const Raw*>(a.logits) + n * a.row_stride;
+
+  ScanCtx c;
+  c.mask_id = a.mask_id;
+  c.temperature = a.temperature;
+  c.inv_t = 1.0f / a.temperature;
+  c.key = decode_math::row_key(a.seed, a.offset, decode_math::row_counter(a.row_keys, n));
+  return scan_chunk<Tag, kSample>(row, c0, c1, tid, kSplitThreads, c);
+}
+
+// The CTA reduction is a shuffle-down tree per warp (offsets 16, 8, 4, 2, 1; a lane whose source
+// is past the warp keeps its own value), then warp 0 reduces the warps' results the same way, lanes
+// past the warp count holding empty partials.
+constexpr int kWarpSize = 32;
+constexpr int kFirstShuffleOffset = kWarpSize / 2;
+
+// ---- finalize: one CTA per sequence ---------------------------------------------------------------
+
+struct FinalizeArgs {
+  DecodeStepParams p;
+  const Partial* partials;  // [N, num_splits]
+  int64_t* fb_token;  // [N] scratch: fallback token per row
+  float* fb_conf;  // [N] scratch: its probability (-inf: none)
+  int32_t num_splits;
+};
+
+// What the phases share: the CTA's shared memory on the device.
+struct FinalizeShared {
+  int64_t tokens[kStageRows], cand[kStageRows];
+  float conf[kStageRows], fb_conf[kStageRows];
+  decode_math::SeqStats stats;
+};
+
+struct FinalizeSeq {
+  int64_t lo, L;  // rows [lo, lo + L) of the batch
+  bool staged;  // L <= kStageRows: phases b and c read shared memory, else the global copies
+};
+
+// x clamped to [lo, hi] (hi >= lo). The device's min / max instructions: the same clamp written with
+// selects costs the finalize kernel a 16-byte spill.
+DINFER_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
+#if defined(__CUDA_ARCH__)
+  return min(max(x, lo), hi);
+#else
+  return x < lo ? lo : (x > hi ? hi : x);
+#endif
+}
+
+// Bad offsets must not read or write out of bounds: clamp to [0, N] with hi >= lo.
+DINFER_HD FinalizeSeq finalize_seq(const FinalizeArgs& a, int64_t b) {
+  const int64_t N = a.p.num_rows;
+  const int64_t lo = clamp64(a.p.seq_offsets[b], 0, N);
+  const int64_t hi = clamp64(a.p.seq_offsets[b + 1], lo, N);
+  return FinalizeSeq{lo, hi - lo, hi - lo <= kStageRows};
+}
+
+// Phase a, thread tid: its rows (strided) merge their splits in split order and finalize.
+DINFER_HD void finalize_rows(const FinalizeArgs& a, const FinalizeSeq& q, FinalizeShared& sh, int tid) {
+  const DecodeStepParams& p = a.p;
+  const int64_t esize = p.logits_dtype == ScalarType::kFloat32 ? 4 : 2;
+  const int S = a.num_splits;
+  for (int64_t i = tid; i < q.L; i += kFinalizeThreads) {
+    const int64_t n = q.lo + i;
+    const Partial* pp = a.partials + n * S;
+    Partial part = pp[0];
+    for (int s = 1; s < S; ++s) part = decode_math::merge(part, pp[s]);
+    const void* row = static_cast<const char*>(p.logits) + n * p.row_stride * esize;
+    const int64_t token = p.tokens[n];
+    const uint32_t key = decode_math::row_key(p.seed, p.offset, decode_math::row_counter(p.row_keys, n));
+    const decode_math::RowResult r = decode_math::finalize_row(part, row, p, n, token == p.mask_id, key);
+    if (p.nonfinite != nullptr) p.nonfinite[n] = part.nonfinite != 0;
+    p.candidate[n] = r.candidate;
+    p.confidence[n] = r.confidence;
+    p.row_max[n] = r.max;
+    p.row_lse[n] = r.lse;
+    a.fb_token[n] = r.fallback;
+    a.fb_conf[n] = r.fallback_conf;
+    if (q.staged) {
+      sh.tokens[i] = token;
+      sh.cand[i] = r.candidate;
+      sh.conf[i] = r.confidence;
+      sh.fb_conf[i] = r.fallback_conf;
+    }
+  }
+}
+
+// Phases b and c read the sequence's rows from here.
+struct SeqView {
+  const int64_t *tokens, *cand;
+  const float *conf, *fb_conf;
+};
+
+DINFER_HD SeqView seq_view(const FinalizeArgs& a, const FinalizeSeq& q, const FinalizeShared& sh) {
+  if (q.staged) return SeqView{sh.tokens, sh.cand, sh.conf, sh.fb_conf};
+  return SeqView{a.p.tokens + q.lo, a.p.candidate + q.lo, a.p.confidence + q.lo, a.fb_conf + q.lo};
+}
+
+// Phase b, thread 0 only: sequence statistics, O(L) serial (L is a block length).
+DINFER_HD void finalize_stats(const FinalizeArgs& a, const FinalizeSeq& q, const SeqView& v,
+                              FinalizeShared& sh) {
+  sh.stats =
+      decode_math::sequence_stats(q.L, v.tokens, v.cand, v.conf, v.fb_conf, a.p.mask_id, a.p.vocab > 1);
+}
+
+// Phase c, thread tid: commit decisions of its rows, from the tokens as they were before this step.
+DINFER_HD void finalize_decide(const FinalizeArgs& a, const FinalizeSeq& q, const SeqView& v,
+                               const decode_math::SeqStats& st, int64_t b, int tid) {
+  const DecodeStepParams& p = a.p;
+  const float tau = p.threshold != nullptr ? p.threshold[b] : 1.0f;
+  const int32_t k = p.num_commit != nullptr ? p.num_commit[b] : 0;
+  for (int64_t i = tid; i < q.L; i += kFinalizeThreads) {
+    const bool c = decode_math::row_commits(i, q.L, v.tokens, v.cand, v.conf, st, p.rule, tau,
+                                            p.low_threshold, k, p.mask_id) ||
+                   i == st.fallback_row;
+    p.commit[q.lo + i] = c ? 1 : 0;
+  }
+}
+
+// Phase d, thread tid: the progress guarantee, then the commit (only the owner touches row i).
+DINFER_HD void finalize_write(const FinalizeArgs& a, const FinalizeSeq& q, const decode_math::SeqStats& st,
+                              int tid) {
+  const DecodeStepParams& p = a.p;
+  for (int64_t i = tid; i < q.L; i += kFinalizeThreads) {
+    const int64_t n = q.lo + i;
+    if (i == st.fallback_row) {
+      p.candidate[n] = a.fb_token[n];
+      p.confidence[n] = fmaxf(a.fb_conf[n], 0.f);  // 0 for the default token (-inf fallback)
+    }
+    if (p.commit[n]) p.tokens[n] = p.candidate[n];
+  }
+}
+
+}  // namespace decode_split
+DINFER_ISA_END
+}  // namespace dinfer_kernels

@@ -1,0 +1,37 @@
+"""dinfer_kernels: fused kernels for diffusion-LLM inference.
+
+Ops (each a torch.library custom op with backend="auto"|"cuda"|"triton"|"cpu"|"torch"):
+  decode_step     one diffusion decode step: candidates, confidences, commits, sparse credit
+  soft_embedding  the iteration-smoothing input E[MASK] + w * softmax(z / tau) @ E
+  rms_norm, rope  the models' normalisation and rotary embedding
+  attention       window attention over a per-layer KV cache with in-place partial refresh,
+                  block sparsity (BlockMask), log-sum-exp and per-key-block attention mass
+  moe             routed mixture of experts (router, top-k, SwiGLU experts, weighted combine)
+Contracts: dinfer_kernels/reference/.
+"""
+
+from ._backend import available_backends, prefer_backend
+from .ops.attention import BlockMask, attention
+from .ops.decode import CreditState, decode_step
+from .ops.moe import moe
+from .ops.rms_norm import rms_norm
+from .ops.rope import rope
+from .ops.soft_embedding import soft_embedding
+from .reference.decode import DecodeOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockMask",
+    "CreditState",
+    "DecodeOutput",
+    "attention",
+    "available_backends",
+    "decode_step",
+    "moe",
+    "prefer_backend",
+    "rms_norm",
+    "rope",
+    "soft_embedding",
+    "__version__",
+]

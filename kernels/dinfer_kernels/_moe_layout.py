@@ -1,0 +1,17 @@
+"""The MoE arrays as the compiled kernels (CUDA and host) take them."""
+
+import torch
+
+
+def compiled_layout(hidden, router_weight, router_logits, w13, w2, expert_bias):
+    """The arrays as the compiled kernels take them (no-ops in the usual case): contiguous, the router
+    weight fp32 or hidden's dtype, the router logits and expert bias fp32."""
+    if router_weight is not None:
+        if router_weight.dtype not in (torch.float32, hidden.dtype):
+            router_weight = router_weight.float()
+        router_weight = router_weight.contiguous()
+    if router_logits is not None:
+        router_logits = router_logits.float().contiguous()
+    if expert_bias is not None:
+        expert_bias = expert_bias.float().contiguous()
+    return hidden.contiguous(), router_weight, router_logits, w13.contiguous(), w2.contiguous(), expert_bias

@@ -1,0 +1,60 @@
+"""attention on a GPU through the compiled CUDA kernels (csrc/attention/attention.cu).
+
+The workspace comes from torch's caching allocator (capture-safe) and the kernels run on the current
+stream, so the call can sit inside a CUDA graph. Outputs are caller-allocated; contract:
+dinfer_kernels/reference/attention.py.
+"""
+
+import torch
+
+from .._backend import compiled
+
+
+def attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    positions,
+    seq_lens,
+    write_back,
+    kv_num_blocks,
+    kv_indices,
+    q_block,
+    kv_block,
+    scale,
+    out,
+    lse,
+    block_mass,
+):
+    ext = compiled()
+    B, W, Hq, D = q.shape
+    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    max_blocks = -1 if kv_indices is None else kv_indices.shape[-1]
+    nbytes = ext.attention_workspace_bytes(
+        B, W, Hq, Hkv, D, S, q_block, kv_block, max_blocks, bool(write_back), block_mass is not None
+    )
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    with torch.cuda.device(q.device):  # launches go to the current device
+        ext.attention(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            positions,
+            seq_lens,
+            out,
+            lse,
+            block_mass,
+            kv_num_blocks,
+            kv_indices,
+            write_back=bool(write_back),
+            q_block=int(q_block),
+            kv_block=int(kv_block),
+            scale=float(scale),
+            workspace=workspace,
+            stream=stream,
+        )

@@ -1,0 +1,68 @@
+"""decode_step on a GPU through the compiled CUDA kernels.
+
+The workspace comes from torch's caching allocator (capture-safe) and the kernels run on the current
+stream, so the call can sit inside a CUDA graph.
+"""
+
+import torch
+
+from .._backend import compiled
+
+
+def decode_step(
+    logits,
+    tokens,
+    seq_offsets,
+    threshold,
+    num_commit,
+    credit_ids,
+    credit_vals,
+    mask_id,
+    rule,
+    low_threshold,
+    temperature,
+    seed,
+    offset,
+    alpha,
+    beta,
+    gamma,
+    candidate,
+    confidence,
+    commit,
+    row_max,
+    row_lse,
+    nonfinite=None,
+    row_keys=None,
+):
+    ext = compiled()
+    N, V = logits.shape
+    workspace = torch.empty(ext.cuda_workspace_bytes(N, V), dtype=torch.uint8, device=logits.device)
+    stream = torch.cuda.current_stream(logits.device).cuda_stream
+    with torch.cuda.device(logits.device):  # launches go to the current device
+        ext.decode_step(
+            logits,
+            tokens,
+            seq_offsets,
+            threshold,
+            num_commit,
+            credit_ids,
+            credit_vals,
+            candidate,
+            confidence,
+            commit,
+            row_max,
+            row_lse,
+            mask_id=mask_id,
+            rule=rule,
+            low_threshold=low_threshold,
+            temperature=temperature,
+            seed=seed,
+            offset=offset,
+            credit_alpha=alpha,
+            credit_beta=beta,
+            credit_gamma=gamma,
+            workspace=workspace,
+            stream=stream,
+            row_keys=row_keys,
+            nonfinite=nonfinite,
+        )

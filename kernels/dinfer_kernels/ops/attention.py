@@ -1,0 +1,461 @@
+"""dinfer_kernels.attention, the torch.library op `dinfer::attention`: window queries attending
+bidirectionally over a per-layer KV cache whose window rows are refreshed (in place with
+write_back=True), optionally restricted to listed key blocks (BlockMask) and returning the
+log-sum-exp and the per-key-block attention mass. Contract: dinfer_kernels/reference/attention.py.
+
+Backends: torch (the reference; the only one that takes a dense attn_mask), triton and cuda (D in
+{64, 128}; cuda: fp16/bf16) and cpu (host arrays, any D, fp32/fp16/bf16). backend="auto" picks
+torch when attn_mask is given or no kernel backend can take the inputs. Every kernel backend module
+`dinfer_kernels/{triton,cuda,cpu}/attention.py` exposes
+
+    attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back, kv_num_blocks, kv_indices,
+              q_block, kv_block, scale, out, lse, block_mass) -> None
+
+with caller-allocated outputs (lse / block_mass None = not wanted; kv_num_blocks / kv_indices None =
+every key block, and then q_block / kv_block are only tiling hints).
+"""
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from .. import _backend, _checks, _dispatch
+from ..reference.attention import attention_reference, block_mask_dense
+
+KERNEL_HEAD_DIMS = (64, 128)  # of the GPU kernels; the host kernel takes any
+_KERNEL_DTYPES = {
+    "triton": (torch.float16, torch.bfloat16, torch.float32),
+    "cuda": (torch.float16, torch.bfloat16),
+    "cpu": (torch.float16, torch.bfloat16, torch.float32),
+}
+
+
+def _takes_head_dim(backend: str, D: int) -> bool:
+    return backend == "cpu" or D in KERNEL_HEAD_DIMS
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _start_tensor(start, B, device):
+    """start as a [B] int64 tensor (an int is broadcast)."""
+    if isinstance(start, torch.Tensor):
+        _checks.tensor("start", start, (torch.int32, torch.int64), ndim=1)
+        _checks.shape("start", start, [B])
+        return start.to(device=device, dtype=torch.int64)
+    _checks.integer("start", start, 0)
+    return torch.full((B,), start, dtype=torch.int64, device=device)
+
+
+class BlockMask(NamedTuple):
+    """FlexAttention-style block sparsity that lives on the device (fixed shapes, no host planning).
+
+    kv_num_blocks [B, Hkv, NQB] int32 and kv_indices [B, Hkv, NQB, MAXB] int32: the query heads of kv
+    head g in query block j (window rows [j * q_block, (j + 1) * q_block)) attend only the keys of the
+    key blocks kv_indices[b, g, j, :kv_num_blocks[b, g, j]] (key block i = keys [i * kv_block,
+    (i + 1) * kv_block)). NQB = ceil(W / q_block); listed indices are distinct and in
+    [0, ceil(S / kv_block)); entries past the count are ignored; a count of 0 gives the rows output 0
+    and lse -inf. Query blocks are blocks of *window rows*, not of positions.
+
+    Examples (W window rows at positions start + w, S the cache length):
+      full bidirectional   BlockMask.full(B, Hkv, W, S, q_block, kv_block)
+      LLaDA2 block-causal  BlockMask.block_causal(B, Hkv, W, S, block_len, q_block, kv_block, start)
+      vicinity window      BlockMask.vicinity(B, Hkv, W, S, q_block, kv_block, start, before=256,
+                                              after=128, sink=1)   # sink block + local neighbourhood
+      pruned far suffix    BlockMask.vicinity(..., before=None, after=256): everything before the
+                           query block, only 256 positions of the (still masked) suffix after it
+      anything else        BlockMask.from_dense(mask [B, Hkv, NQB, NKB] bool, q_block, kv_block)
+    """
+
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    q_block: int
+    kv_block: int
+
+    @staticmethod
+    def full(B: int, Hkv: int, W: int, S: int, q_block: int, kv_block: int, device="cpu") -> "BlockMask":
+        """Every query block attends every key block."""
+        for name, val in (("B", B), ("Hkv", Hkv), ("W", W), ("S", S)):
+            _checks.integer(name, val, 0)
+        _checks.integer("q_block", q_block, 1)
+        _checks.integer("kv_block", kv_block, 1)
+        nqb, nkb = _cdiv(W, q_block), _cdiv(S, kv_block)
+        counts = torch.full((B, Hkv, nqb), nkb, dtype=torch.int32, device=device)
+        idx = torch.arange(nkb, dtype=torch.int32, device=device).expand(B, Hkv, nqb, nkb).contiguous()
+        return BlockMask(counts, idx, q_block, kv_block)
+
+    @staticmethod
+    def from_dense(mask: torch.Tensor, q_block: int, kv_block: int) -> "BlockMask":
+        """From a [B, Hkv, NQB, NKB] bool block mask: listed blocks in ascending order, MAXB = NKB.
+        No host sync (capturable)."""
+        _checks.tensor("mask", mask, (torch.bool,), ndim=4)
+        _checks.integer("q_block", q_block, 1)
+        _checks.integer("kv_block", kv_block, 1)
+        nkb = mask.shape[-1]
+        counts = mask.sum(-1, dtype=torch.int32)
+        # listed blocks first, in ascending order: sort by (not listed, index)
+        order = torch.arange(nkb, device=mask.device) + (~mask).to(torch.int64) * nkb
+        idx = order.argsort(-1).to(torch.int32)
+        return BlockMask(counts, idx.contiguous(), q_block, kv_block)
+
+    @staticmethod
+    def block_causal(
+        B: int,
+        Hkv: int,
+        W: int,
+        S: int,
+        block_len: int,
+        q_block: int,
+        kv_block: int,
+        start: Union[int, torch.Tensor] = 0,
+        device="cpu",
+    ) -> "BlockMask":
+        """LLaDA2's block-causal mask: a query at absolute position p sees the keys of every diffusion
+        block up to its own, i.e. keys s < (p // block_len + 1) * block_len.
+
+        Alignment, needed for the mask to be exact at block granularity: window row w sits at
+        position start[b] + w, start is a multiple of block_len, and q_block and kv_block divide
+        block_len (so a query block lies in one diffusion block and a key block never straddles a
+        diffusion-block boundary). Otherwise pass a dense attn_mask (torch backend) instead.
+        start: int or [B] tensor (a device tensor keeps it capturable; its values are not checked).
+        """
+        _checks.integer("block_len", block_len, 1)
+        _checks.integer("q_block", q_block, 1)
+        _checks.integer("kv_block", kv_block, 1)
+        if block_len % q_block:
+            raise ValueError(f"q_block: must divide block_len ({block_len}), got {q_block}")
+        if block_len % kv_block:
+            raise ValueError(f"kv_block: must divide block_len ({block_len}), got {kv_block}")
+        if isinstance(start, int) and not isinstance(start, bool) and start % block_len:
+            raise ValueError(f"start: must be a multiple of block_len ({block_len}), got {start}")
+        st = _start_tensor(start, B, device)
+        nqb, nkb = _cdiv(W, q_block), _cdiv(S, kv_block)
+        q_pos = st[:, None] + torch.arange(nqb, device=device) * q_block  # [B, NQB]
+        limit = (torch.div(q_pos, block_len, rounding_mode="floor") + 1) * block_len  # keys < limit
+        counts = torch.clamp(_cdiv_t(limit, kv_block), 0, nkb).to(torch.int32)
+        counts = counts[:, None, :].expand(B, Hkv, nqb).contiguous()
+        idx = torch.arange(nkb, dtype=torch.int32, device=device).expand(B, Hkv, nqb, nkb).contiguous()
+        return BlockMask(counts, idx, q_block, kv_block)
+
+    @staticmethod
+    def vicinity(
+        B: int,
+        Hkv: int,
+        W: int,
+        S: int,
+        q_block: int,
+        kv_block: int,
+        start: Union[int, torch.Tensor] = 0,
+        before: Optional[int] = None,
+        after: Optional[int] = None,
+        sink: int = 0,
+        device="cpu",
+    ) -> "BlockMask":
+        """Local attention at block granularity: query block j (window rows [j*q_block, ...), at
+        positions start + j*q_block ...) attends every key block that overlaps positions
+        [first - before, last + after] (first/last: the block's first and last query position), plus
+        the first `sink` key blocks. before/after None = unbounded: vicinity(before=None, after=A)
+        is far-suffix pruning (the whole prefix, A positions of the suffix).
+        start: int or [B] tensor, as in block_causal."""
+        _checks.integer("q_block", q_block, 1)
+        _checks.integer("kv_block", kv_block, 1)
+        _checks.integer("sink", sink, 0)
+        if before is not None:
+            _checks.integer("before", before, 0)
+        if after is not None:
+            _checks.integer("after", after, 0)
+        st = _start_tensor(start, B, device)
+        nqb, nkb = _cdiv(W, q_block), _cdiv(S, kv_block)
+        first = st[:, None] + torch.arange(nqb, device=device) * q_block  # [B, NQB]
+        last = first + q_block - 1
+        lo = first - before if before is not None else torch.full_like(first, -1 << 40)
+        hi = last + after if after is not None else torch.full_like(first, 1 << 40)
+        kb = torch.arange(nkb, device=device)
+        k_first, k_last = kb * kv_block, kb * kv_block + kv_block - 1
+        dense = (k_last[None, None, :] >= lo[..., None]) & (k_first[None, None, :] <= hi[..., None])
+        dense = dense | (kb < sink)[None, None, :]
+        dense = dense[:, None].expand(B, Hkv, nqb, nkb)
+        return BlockMask.from_dense(dense, q_block, kv_block)
+
+    def to_dense(self, S: int) -> torch.Tensor:
+        """[B, Hkv, NQB, ceil(S / kv_block)] bool: the listed key blocks."""
+        return block_mask_dense(self.kv_num_blocks, self.kv_indices, _cdiv(S, self.kv_block))
+
+
+def _cdiv_t(t, d):
+    return torch.div(t + (d - 1), d, rounding_mode="floor")
+
+
+@_dispatch.op("attention", mutates_args=("k_cache", "v_cache"))
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    write_back: bool,
+    attn_mask: Optional[torch.Tensor],
+    kv_num_blocks: Optional[torch.Tensor],
+    kv_indices: Optional[torch.Tensor],
+    q_block: int,
+    kv_block: int,
+    scale: float,
+    return_lse: bool,
+    return_block_mass: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Always returns (out, lse, block_mass); an unrequested extra is an empty [0] fp32 tensor."""
+    B, W, Hq, D = q.shape
+    S = k_cache.shape[1]
+    empty = q.new_empty((0,), dtype=torch.float32)
+    if backend == "torch":
+        bm = None if kv_num_blocks is None else (kv_num_blocks, kv_indices, q_block, kv_block)
+        res = attention_reference(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            positions,
+            seq_lens,
+            write_back,
+            attn_mask,
+            scale,
+            block_mask=bm,
+            return_lse=return_lse,
+            return_block_mass=return_block_mass,
+        )
+        if not (return_lse or return_block_mass):
+            return res, empty, empty.clone()
+        res = list(res)
+        out = res.pop(0)
+        lse = res.pop(0) if return_lse else empty
+        mass = res.pop(0) if return_block_mass else empty.clone()
+        return out, lse, mass
+    out = torch.empty((B, W, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, W, Hq), dtype=torch.float32, device=q.device) if return_lse else None
+    mass = (
+        torch.empty((B, Hq, _cdiv(S, kv_block)), dtype=torch.float32, device=q.device)
+        if return_block_mass
+        else None
+    )
+    if backend == "triton":
+        from ..triton.attention import attention as impl
+    elif backend == "cuda":
+        from ..cuda.attention import attention as impl
+    elif backend == "cpu":
+        from ..cpu.attention import attention as impl
+    else:
+        raise ValueError(f"backend: {backend!r} does not implement attention")
+    impl(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        positions,
+        seq_lens,
+        write_back,
+        kv_num_blocks,
+        kv_indices,
+        q_block,
+        kv_block,
+        scale,
+        out,
+        lse,
+        mass,
+    )
+    return out, (lse if lse is not None else empty), (mass if mass is not None else empty.clone())
+
+
+@_attention_op.register_fake
+def _(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    positions,
+    seq_lens,
+    write_back,
+    attn_mask,
+    kv_num_blocks,
+    kv_indices,
+    q_block,
+    kv_block,
+    scale,
+    return_lse,
+    return_block_mass,
+    backend,
+):
+    B, W, Hq, D = q.shape
+    S = k_cache.shape[1]
+    out = q.new_empty((B, W, Hq, D))
+    lse = q.new_empty((B, W, Hq) if return_lse else (0,), dtype=torch.float32)
+    mass = q.new_empty((B, Hq, _cdiv(S, kv_block)) if return_block_mass else (0,), dtype=torch.float32)
+    return out, lse, mass
+
+
+def _pick_backend(backend, dev, dtype, D, attn_mask):
+    if backend == "auto":
+        if attn_mask is not None:
+            return "torch"
+        for b in _backend.auto_backends(dev, "attention"):
+            if b == "torch":
+                return b
+            if _takes_head_dim(b, D) and dtype in _KERNEL_DTYPES[b]:
+                return b
+        return "torch"
+    backend = _backend.resolve(backend, dev, "attention")
+    if backend != "torch":
+        if attn_mask is not None:
+            raise ValueError(
+                f"attn_mask: a dense mask is only supported by the torch backend, got "
+                f"backend={backend!r} (express it as a block_mask, or use 'torch')"
+            )
+        if not _takes_head_dim(backend, D):
+            raise ValueError(
+                f"q: head dim {D} is not supported by the {backend} backend "
+                f"(supported: {KERNEL_HEAD_DIMS}; the torch backend takes any)"
+            )
+        if dtype not in _KERNEL_DTYPES[backend]:
+            raise TypeError(
+                f"q: dtype {str(dtype).replace('torch.', '')} is not supported by the {backend} backend"
+            )
+    return backend
+
+
+def attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    positions,
+    seq_lens,
+    *,
+    write_back: bool = True,
+    attn_mask: Optional[torch.Tensor] = None,
+    block_mask: Optional[BlockMask] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    return_block_mass: bool = False,
+    backend: str = "auto",
+    validate: Optional[bool] = None,
+):
+    """out [B, W, Hq, D], or (out, lse?, block_mass?) with only the requested extras, in that order.
+    See the reference docstring for every argument; block_mask is a BlockMask.
+
+    validate: check tensor *values* (positions, seq_lens, block lists). Default: on host tensors only
+    (on a GPU it would synchronise, and under capture it is impossible); the kernels never read out
+    of bounds whatever the values are."""
+    _checks.tensor("q", q, _checks.FLOAT_DTYPES, ndim=4)
+    dev = q.device
+    B, W, Hq, D = q.shape
+    _checks.tensor("k_cache", k_cache, (q.dtype,), ndim=4, device=dev)
+    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    _checks.shape("k_cache", k_cache, [B, S, Hkv, D])
+    _checks.tensor("v_cache", v_cache, (q.dtype,), ndim=4, device=dev)
+    _checks.shape("v_cache", v_cache, [B, S, Hkv, D])
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"k_cache: query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    for name, t in (("k", k), ("v", v)):
+        _checks.tensor(name, t, (q.dtype,), ndim=4, device=dev)
+        _checks.shape(name, t, [B, W, Hkv, D])
+    _checks.tensor("positions", positions, (torch.int64,), ndim=2, device=dev)
+    _checks.shape("positions", positions, [B, W])
+    _checks.tensor("seq_lens", seq_lens, (torch.int32,), ndim=1, device=dev)
+    _checks.shape("seq_lens", seq_lens, [B])
+    if attn_mask is not None:
+        _checks.tensor("attn_mask", attn_mask, (torch.bool,), ndim=3, device=dev)
+        _checks.shape("attn_mask", attn_mask, [B, W, S])
+    scale = D**-0.5 if scale is None else _checks.number("scale", scale, lo=0.0, lo_open=True)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(
+                f"block_mask: expected a dinfer_kernels.BlockMask or None, got {type(block_mask).__name__}"
+            )
+        counts, indices, q_block, kv_block = block_mask
+        _checks.integer("block_mask.q_block", q_block, 1)
+        _checks.integer("block_mask.kv_block", kv_block, 1)
+        nqb, nkb = _cdiv(W, q_block), _cdiv(S, kv_block)
+        _checks.tensor("block_mask.kv_num_blocks", counts, (torch.int32,), ndim=3, device=dev)
+        _checks.shape("block_mask.kv_num_blocks", counts, [B, Hkv, nqb])
+        _checks.tensor("block_mask.kv_indices", indices, (torch.int32,), ndim=4, device=dev)
+        _checks.shape("block_mask.kv_indices", indices, [B, Hkv, nqb, indices.shape[-1]])
+        counts, indices = counts.contiguous(), indices.contiguous()
+    else:
+        if return_block_mass:
+            raise ValueError(
+                "block_mask: return_block_mass needs a block mask (its kv_block sets the "
+                "key blocks; BlockMask.full(...) for dense attention)"
+            )
+        counts = indices = None
+        q_block, kv_block = max(W, 1), 64  # tiling hints only
+    # The caches are only written with write_back; without it they are read like q, k and v.
+    caches = {"k_cache": k_cache, "v_cache": v_cache}
+    reads = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "positions": positions,
+        "seq_lens": seq_lens,
+        "attn_mask": attn_mask,
+        "block_mask.kv_num_blocks": block_mask and block_mask.kv_num_blocks,
+        "block_mask.kv_indices": block_mask and block_mask.kv_indices,
+    }
+    _checks.disjoint(caches if write_back else {}, reads)
+    backend = _pick_backend(backend, dev, q.dtype, D, attn_mask)
+
+    if _checks.data_checks_possible(q) if validate is None else validate:
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= S):
+            raise ValueError(f"positions: must be in [0, {S}) (the cache length)")
+        if seq_lens.numel() and (int(seq_lens.min()) < 0 or int(seq_lens.max()) > S):
+            raise ValueError(f"seq_lens: must be in [0, {S}]")
+        if counts is not None:
+            _check_block_lists(counts, indices, nkb)
+    if backend != "torch":
+        # The kernels read positions / seq_lens as dense arrays and q / k / v rows with a unit last
+        # stride: make them so (no-ops in the usual case; an expanded arange of positions is not).
+        # The caches are written in place, so their layout is the caller's (errors name them).
+        positions, seq_lens = positions.contiguous(), seq_lens.contiguous()
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out, lse, mass = _attention_op(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        positions,
+        seq_lens,
+        bool(write_back),
+        attn_mask,
+        counts,
+        indices,
+        int(q_block),
+        int(kv_block),
+        float(scale),
+        bool(return_lse),
+        bool(return_block_mass),
+        backend,
+    )
+    if not (return_lse or return_block_mass):
+        return out
+    return (out,) + ((lse,) if return_lse else ()) + ((mass,) if return_block_mass else ())
+
+
+def _check_block_lists(counts, indices, nkb):
+    maxb = indices.shape[-1]
+    if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > maxb):
+        raise ValueError(f"block_mask.kv_num_blocks: counts must be in [0, {maxb}] (MAXB)")
+    listed = torch.arange(maxb, device=counts.device) < counts[..., None]
+    idx = indices.to(torch.int64)
+    if bool(((idx < 0) | (idx >= nkb))[listed].any()):
+        raise ValueError(f"block_mask.kv_indices: listed key blocks must be in [0, {nkb})")
+    if maxb > 1:
+        s = torch.where(listed, idx, -1 - torch.arange(maxb, device=idx.device)).sort(-1).values
+        if bool(((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any()):
+            raise ValueError("block_mask.kv_indices: listed key blocks must be distinct")

@@ -1,0 +1,263 @@
+"""Fused decode step — the contract every backend reproduces.
+
+One call turns the logits of a batch of diffusion blocks into committed tokens, the way dInfer's
+threshold / credit / hierarchical / fixed-steps decoders do (dinfer-algorithms.md §2), in one read of
+the logits and with all state on the device.
+
+Inputs
+------
+logits       [N, V] fp32 / fp16 / bf16, last dim contiguous, row stride >= V. Row n is one block
+             position of one sequence. Rows of sequence b are rows seq_offsets[b] .. seq_offsets[b+1]-1,
+             in position order (the hierarchical rule needs adjacency).
+tokens       [N] int64, current tokens of those positions, each in [0, V). Updated in place.
+seq_offsets  [B+1] int32, non-decreasing, seq_offsets[0] == 0, seq_offsets[B] == N. Empty sequences ok.
+             Unchecked values (the op checks them on host tensors only) never reach outside the rows:
+             sequence b is rows [lo, hi) with lo = clamp(seq_offsets[b], 0, N), hi = clamp(
+             seq_offsets[b+1], lo, N); rows covered twice or never have unspecified outputs.
+mask_id      int in [0, V). A position is *masked* when tokens[n] == mask_id.
+rule         "threshold" | "hierarchical" | "fixed".
+threshold    [B] fp32: tau for "threshold", tau_high for "hierarchical" (unused by "fixed").
+low_threshold  float: tau_low for "hierarchical".
+num_commit   [B] int32 >= 0: k for "fixed".
+temperature  float >= 0. 0: candidate = argmax. > 0: Gumbel-max sample from softmax(z'/T) with the
+             counter-based noise of reference/rng.py keyed by (seed, offset, row key, token v).
+row_keys     [N] int64 or None: row n's noise key (low 32 bits); None: the row index n. Any values
+             (nothing is read through them), so unchecked device tensors are safe.
+credit_ids   [N, K] int32 and credit_vals [N, K] fp32 (K may be 0: no credit). Slot j of row n holds
+             (token id, credit) or id -1 for an empty slot. Updated in place. The caller resets them
+             (ids = -1, vals = 0) at a block start. A slot whose id is outside [0, V) (-1, or an
+             unchecked bad id) is empty: it becomes (-1, 0) and is never read.
+credit_alpha, credit_beta, credit_gamma   floats (dInfer: 0.7, 0.8, 0.2).
+
+Semantics (all math in fp32 unless compute_dtype says otherwise)
+---------------------------------------------------------------
+0. Sanitise: z = float(logits); NaN -> -inf; +inf -> the largest finite fp32 value.
+   nonfinite[n] = whether row n of the *raw* logits holds a NaN or a +-inf anywhere (sanitising
+   does not hide it: the caller can stop a run whose model produces them).
+   A row whose z is -inf everywhere is *dead*: candidate = mask_id, confidence = 0, not eligible,
+   row_max = row_lse = -inf, credit only decays (it may still commit through step 5).
+1. Raw statistics: m = max z, a = argmax z (lowest index on ties), s = sum exp(z - m),
+   lse = m + log s, p* = 1 / s. (Probabilities are always exp(z - m) / s, never exp(z - lse):
+   near FLT_MAX, lse cannot hold m + log s.) Outputs row_max = m, row_lse = lse (what iteration smoothing needs).
+2. Credit (K > 0), dInfer's CreditDecoding kept sparse:
+   every slot value *= beta; then, for masked live rows, the raw top-1 token a gains p* ** gamma:
+   added to its slot if it has one, else stored in the first empty slot, else it replaces the slot
+   with the smallest value (lowest slot on ties). With at most K distinct top-1 tokens per position
+   this equals dInfer's dense credit matrix exactly.
+3. Fused logits z' = z + alpha * log1p(C) (C = credit of the token, 0 if none).
+   score = z' (T == 0) or z' / T + gumbel (T > 0).
+   candidate = argmax score (lowest index on ties); confidence = softmax(z')[candidate].
+   fallback = argmax of score over v != mask_id (none when every such z' is -inf).
+4. eligible = masked and candidate != mask_id (the mask token is never committed).
+   Per sequence, with c = confidence where eligible else -inf:
+   - threshold:    commit eligible rows with c >= min(tau, max c - 1e-5) (dInfer's at-least-one rule);
+   - hierarchical: runs = maximal runs of consecutive masked rows; commit eligible rows that hold the
+                   maximum c of their run and c > tau_low, plus every eligible row with c > tau_high,
+                   plus the first row holding the sequence's maximum c;
+   - fixed:        commit the min(k, #eligible) eligible rows of highest c (lower row first on ties).
+5. Progress guarantee (dInfer can loop forever here): if a sequence has masked rows but none is
+   eligible (all predict the mask token, or are dead), the masked row whose fallback token has the
+   highest probability softmax(z')[fallback] (lowest row on ties) commits its fallback token; its
+   candidate and confidence outputs become that token and probability. If no masked row has a
+   fallback (every one is dead or has only the mask token finite, e.g. NaN logits everywhere), the
+   lowest masked row commits DEFAULT_TOKEN = the lowest id != mask_id (0, or 1 when mask_id == 0)
+   with confidence 0 -- unless V == 1, where no such token exists. So, for V >= 2, every call
+   commits at least one row of every sequence holding a masked row unless the rule commits none on
+   purpose (fixed with k = 0): a block of L rows is done after at most L calls, whatever the
+   logits. And tokens[n] == candidate[n] wherever commit[n], always.
+6. tokens[n] = candidate[n] where commit[n].
+
+Outputs: DecodeOutput(candidate [N] int64, confidence [N] fp32, commit [N] bool,
+row_max [N] fp32, row_lse [N] fp32, nonfinite [N] bool).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from . import rng
+
+RULES = ("threshold", "hierarchical", "fixed")
+FLT_MAX = torch.finfo(torch.float32).max
+AT_LEAST_ONE_EPS = 1e-5
+
+
+class DecodeOutput(NamedTuple):
+    candidate: torch.Tensor
+    confidence: torch.Tensor
+    commit: torch.Tensor
+    row_max: torch.Tensor
+    row_lse: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+def default_token(mask_id: int) -> int:
+    """Step 5's token when no masked row has a fallback: the lowest id that is not the mask."""
+    return 1 if mask_id == 0 else 0
+
+
+def sanitize_logits(logits: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """float(logits) with NaN -> -inf and +inf -> FLT_MAX (step 0)."""
+    z = logits.to(dtype)
+    z = torch.where(torch.isnan(z), torch.full_like(z, float("-inf")), z)
+    return z.clamp(max=FLT_MAX)
+
+
+def _max_sumexp(z: torch.Tensor):
+    """Row max m and s = sum exp(z - m) (s = 0 on dead rows). Probabilities are exp(z - m) / s:
+    forming m + log(s) first would lose them when m is near FLT_MAX."""
+    m = z.max(dim=-1).values
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return m, torch.exp(z - safe[:, None]).sum(-1)
+
+
+def update_credit(credit_ids, credit_vals, top1, boost, boosted, beta, vocab):
+    """Step 2 on the slot tensors, in place. top1/boost/boosted are per row."""
+    empty = (credit_ids < 0) | (credit_ids >= vocab)
+    credit_ids.masked_fill_(empty, -1)
+    credit_vals.masked_fill_(empty, 0.0)
+    credit_vals.mul_(beta)
+    for n in torch.nonzero(boosted).flatten().tolist():
+        ids, vals, tok = credit_ids[n], credit_vals[n], int(top1[n])
+        hit = torch.nonzero(ids == tok).flatten()
+        if hit.numel():
+            vals[hit[0]] += boost[n]
+            continue
+        empty = torch.nonzero(ids < 0).flatten()
+        slot = int(empty[0]) if empty.numel() else int(torch.argmin(vals))
+        ids[slot] = tok
+        vals[slot] = boost[n]
+
+
+def commit_sequence(c, eligible, masked, rule, tau, tau_low, k):
+    """Step 4 for one sequence. c: confidences (-inf where not eligible). Returns a bool mask."""
+    L = c.numel()
+    commit = torch.zeros(L, dtype=torch.bool)
+    if not bool(eligible.any()):
+        return commit
+    if rule == "threshold":
+        cut = torch.minimum(torch.tensor(tau, dtype=c.dtype), c.max() - AT_LEAST_ONE_EPS)
+        return eligible & (c >= cut)
+    if rule == "hierarchical":
+        start = masked & ~torch.cat([torch.zeros(1, dtype=torch.bool), masked[:-1]])
+        seg = torch.cumsum(start.to(torch.int64), 0) - 1
+        for s in range(int(seg.max()) + 1 if bool(masked.any()) else 0):
+            run = masked & (seg == s)
+            segmax = c[run].max()
+            commit |= run & eligible & (c == segmax) & (c > tau_low)
+        commit |= eligible & (c > tau)
+        commit[int(torch.argmax(c))] = True
+        return commit
+    order = sorted(range(L), key=lambda i: (-float(c[i]), i))
+    for i in order[: min(int(k), int(eligible.sum()))]:
+        commit[i] = True
+    return commit
+
+
+def decode_step_reference(
+    logits,
+    tokens,
+    seq_offsets,
+    mask_id,
+    *,
+    rule="threshold",
+    threshold=None,
+    low_threshold=0.4,
+    num_commit=None,
+    temperature=0.0,
+    seed=0,
+    offset=0,
+    credit_ids=None,
+    credit_vals=None,
+    credit_alpha=0.7,
+    credit_beta=0.8,
+    credit_gamma=0.2,
+    row_keys=None,
+    compute_dtype=torch.float32,
+) -> DecodeOutput:
+    """The spec (module docstring). Mutates tokens and the credit slots in place.
+
+    compute_dtype=torch.float64 gives the high-precision truth used to size test tolerances.
+    """
+    N, V = logits.shape
+    B = seq_offsets.numel() - 1
+    dev = logits.device
+    nonfinite = ~torch.isfinite(logits).all(dim=-1)
+    z = sanitize_logits(logits, compute_dtype)
+    masked = tokens == mask_id
+
+    m, s = _max_sumexp(z)
+    a = torch.argmax(z, dim=-1)
+    dead = m == float("-inf")
+    lse = torch.where(dead, m, m + torch.log(s))
+    p_top = torch.where(dead, torch.zeros_like(m), 1.0 / s)
+
+    if credit_ids is not None and credit_ids.shape[1] > 0:
+        boost = p_top.to(torch.float32) ** credit_gamma
+        update_credit(credit_ids, credit_vals, a, boost, masked & ~dead, credit_beta, V)
+        dense = torch.zeros(N, V, dtype=torch.float32, device=dev)
+        live = credit_ids >= 0
+        rows = torch.arange(N, device=dev)[:, None].expand_as(credit_ids)
+        dense[rows[live], credit_ids[live].long()] = credit_vals[live]
+        zf = z + credit_alpha * torch.log1p(dense.to(compute_dtype))
+    else:
+        zf = z
+
+    if temperature > 0:
+        score = zf / temperature + rng.gumbel(seed, offset, N, V, dev, row_keys).to(compute_dtype)
+    else:
+        score = zf
+    cand = torch.argmax(score, dim=-1)
+    m_f, s_f = _max_sumexp(zf)
+    m_f = torch.where(dead, torch.zeros_like(m_f), m_f)
+
+    def prob(tok):  # softmax(z')[tok]
+        return torch.exp(zf.gather(1, tok[:, None])[:, 0] - m_f) / s_f
+
+    conf = prob(cand)
+    cand = torch.where(dead, torch.full_like(cand, mask_id), cand)
+    conf = torch.where(dead, torch.zeros_like(conf), conf)
+
+    score_nm = score.clone()
+    score_nm[:, mask_id] = float("-inf")
+    fb = torch.argmax(score_nm, dim=-1)
+    fb_valid = zf.gather(1, fb[:, None])[:, 0] > float("-inf")
+    fb_valid &= torch.arange(V, device=dev)[fb] != mask_id
+    fb_conf = torch.where(fb_valid, prob(fb), torch.full_like(conf, float("-inf")))
+    fb = torch.where(fb_valid, fb, torch.full_like(fb, default_token(mask_id)))
+
+    eligible = masked & (cand != mask_id) & ~dead
+    c_all = torch.where(eligible, conf, torch.full_like(conf, float("-inf")))
+    commit = torch.zeros(N, dtype=torch.bool, device=dev)
+    offs = seq_offsets.tolist()
+    for b in range(B):
+        lo = min(max(offs[b], 0), N)
+        hi = min(max(offs[b + 1], lo), N)
+        if hi == lo:
+            continue
+        tau = float(threshold[b]) if threshold is not None else 1.0
+        k = int(num_commit[b]) if num_commit is not None else 0
+        sl = slice(lo, hi)
+        commit[sl] = commit_sequence(
+            c_all[sl].cpu(), eligible[sl].cpu(), masked[sl].cpu(), rule, tau, low_threshold, k
+        ).to(dev)
+        if masked[sl].any() and not eligible[sl].any() and (V > 1 or fb_valid[sl][masked[sl]].any()):
+            cands = torch.where(
+                masked[sl] & fb_valid[sl], fb_conf[sl], torch.full_like(fb_conf[sl], float("-inf"))
+            )
+            r = lo + int(
+                torch.argmax(cands) if fb_valid[sl][masked[sl]].any() else torch.argmax(masked[sl].int())
+            )
+            commit[r] = True
+            cand[r] = fb[r]
+            conf[r] = fb_conf[r].clamp(min=0.0)  # 0 for the default token
+
+    tokens.copy_(torch.where(commit, cand, tokens))
+    return DecodeOutput(
+        cand.to(torch.int64),
+        conf.to(torch.float32),
+        commit,
+        m.to(torch.float32),
+        lse.to(torch.float32),
+        nonfinite,
+    )

@@ -1,0 +1,148 @@
+"""Mixture-of-experts layer (LLaDA-MoE, LLaDA2-MoE) — the spec.
+
+hidden          [T, H] fp32 / fp16 / bf16
+router_weight   [E, H] (kept in fp32 by the loaders, as dInfer does), or None when router_logits is given
+router_logits   [T, E] or None: precomputed router logits (any float dtype, read as fp32)
+w13             [E, 2I, H]: rows [0, I) are the gate projection, [I, 2I) the up projection (vLLM layout)
+w2              [E, H, I]
+top_k           1 <= top_k <= experts in the kept groups
+renormalize     divide the top-k weights by (their sum + 1e-20) (LLaDA-MoE: False; LLaDA2: True)
+scoring         "softmax" (LLaDA-MoE) or "sigmoid" (LLaDA2)
+expert_bias     [E] or None. softmax: added to the probabilities before top-k and *kept in the weights*
+                (the released LLaDA-MoE HF code does this); sigmoid: used for the choice only (LLaDA2)
+num_groups      experts split into num_groups equal consecutive groups (1: no grouping)
+topk_groups     groups kept per token (group score: the sum of the top-2 selection scores in the group,
+                or the one score of a single-expert group)
+routed_scaling  multiplies the final weights (LLaDA2: 2.5)
+expert_range    (e0, e1) or None: only experts in [e0, e1) contribute (expert parallelism: the caller
+                sums the partial outputs over ranks)
+
+    l = hidden·router_weightᵀ in fp32 (or router_logits in fp32)
+    s = softmax(l) | sigmoid(l);  c = s + bias (selection score)
+    groups: keep the topk_groups best groups by group score (lower group first on ties), c = -inf elsewhere
+    e = top_k experts by c (lower expert first on ties), in descending order of c (the slot order)
+    A NaN selection score ranks like -inf (in group scores and in the top-k): such an expert is chosen
+    only when fewer than top_k others can be.
+    w = c[e] (softmax) | s[e] (sigmoid);  w /= Σw + 1e-20 if renormalize;  w *= routed_scaling
+    out[t] = Σ_k w_k · W2_e · cast(silu(g) ⊙ u),  [g; u] = W13_e · hidden[t]
+
+GEMMs run in the weights' dtype (fp32 accumulation); silu(g)·u in fp32, rounded to the dtype before
+the second GEMM; the routed sum in fp32; result in hidden's dtype, [T, H]. Backends may keep more
+precision (no rounding of g, u or W2·a to the dtype) and sum the k slots in slot order.
+"""
+
+import torch
+
+SCORINGS = ("softmax", "sigmoid")
+RENORM_EPS = 1e-20
+
+
+def route(
+    hidden,
+    router_weight,
+    top_k,
+    renormalize=False,
+    expert_bias=None,
+    *,
+    router_logits=None,
+    scoring="softmax",
+    num_groups=1,
+    topk_groups=1,
+    routed_scaling=1.0,
+):
+    """(weights [T, k] fp32, experts [T, k] int64) of the router; slot j holds the j-th best expert."""
+    if router_logits is not None:
+        logits = router_logits.float()
+    else:
+        logits = hidden.float() @ router_weight.float().t()
+    if scoring == "softmax":
+        score = torch.softmax(logits, dim=-1)
+    elif scoring == "sigmoid":
+        score = torch.sigmoid(logits)
+    else:
+        raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
+    sel = score if expert_bias is None else score + expert_bias.float()
+    weight_src = sel if scoring == "softmax" else score
+    sel = torch.where(sel.isnan(), float("-inf"), sel)  # ranks like -inf
+    if num_groups > 1:
+        T, E = sel.shape
+        size = E // num_groups
+        grouped = sel.view(T, num_groups, size)
+        group_score = grouped.topk(min(2, size), dim=-1).values.sum(-1)
+        kept = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
+        sel = sel.masked_fill(~keep.repeat_interleave(size, dim=1), float("-inf"))
+    # A stable descending sort gives the lower expert first among equal scores.
+    order = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    w = weight_src.gather(1, order)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + RENORM_EPS)
+    if routed_scaling != 1.0:
+        w = w * routed_scaling
+    return w, order
+
+
+def _expert(x, w13_e, w2_e, dt, acc):
+    """One expert on rows x: W2 · cast(silu(g) ⊙ u), [g; u] = W13 · x, as the docstring above says."""
+    gu = (x @ w13_e.to(dt).t()).to(acc)
+    inter = gu.shape[1] // 2
+    a = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(dt)
+    return (a @ w2_e.to(dt).t()).to(acc)
+
+
+def moe_reference(
+    hidden,
+    router_weight,
+    w13,
+    w2,
+    top_k,
+    renormalize=False,
+    expert_bias=None,
+    expert_range=None,
+    compute_dtype=None,
+    static_shapes=None,
+    *,
+    router_logits=None,
+    scoring="softmax",
+    num_groups=1,
+    topk_groups=1,
+    routed_scaling=1.0,
+):
+    T, H = hidden.shape
+    E = w13.shape[0]
+    e0, e1 = (0, E) if expert_range is None else expert_range
+    dt = hidden.dtype if compute_dtype is None else compute_dtype
+    acc = torch.float32 if compute_dtype is None else compute_dtype
+    w, experts = route(
+        hidden,
+        router_weight,
+        top_k,
+        renormalize,
+        expert_bias,
+        router_logits=router_logits,
+        scoring=scoring,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        routed_scaling=routed_scaling,
+    )
+    out = torch.zeros(T, H, dtype=acc, device=hidden.device)
+    x = hidden.to(dt)
+    # Under CUDA-graph capture no shape may depend on the routing: every expert then runs on every
+    # token with weight 0 where it was not chosen (same sums, more FLOPs).
+    if static_shapes is None:
+        static_shapes = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    if static_shapes:
+        for e in range(e0, e1):
+            out += _expert(x, w13[e], w2[e], dt, acc) * (w * (experts == e)).sum(-1, keepdim=True).to(acc)
+    elif e0 < e1:  # (an empty expert range contributes nothing)
+        # The (token, slot) pairs grouped by expert once: one sort, one gather, one index_add.
+        flat = experts.flatten()
+        counts = torch.bincount(flat, minlength=E).tolist()
+        order = flat.argsort(stable=True)[sum(counts[:e0]) : sum(counts[:e1])]
+        token = order // top_k
+        ys = [
+            _expert(rows, w13[e], w2[e], dt, acc)
+            for e, rows in zip(range(e0, e1), x.index_select(0, token).split(counts[e0:e1]))
+        ]
+        out.index_add_(0, token, torch.cat(ys) * w.flatten()[order, None].to(acc))
+    return out.to(hidden.dtype if compute_dtype is None else compute_dtype)

@@ -1,0 +1,37 @@
+"""bench_kernels/bench_e2e.py end to end on a tiny run: every recipe and backend, the batch-8 row, the
+issue's ratios computed from the rows, one block layout for all recipes, and the JSON it writes."""
+
+import json
+
+import pytest
+from conftest import load_bench
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("bench_e2e")
+
+
+def test_bench_e2e_quick_run(bench, tmp_path):
+    out = tmp_path / "e2e.json"
+    bench.main(["--tasks", "reverse", "--quick", "--device", "cpu", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    rows = {(r["recipe"], r["backend"], r["batch"]): r for r in payload["results"]}
+    want = {(name, backend, 1) for name in bench.RECIPES for backend in ("auto", "torch")}
+    assert set(rows) == want | {("dinfer-full", "auto", 8)}
+    for r in rows.values():
+        assert r["options"]["align_blocks"] is False  # the same block layout for every recipe
+        assert r["forwards"] >= 1 and 0.0 <= r["accuracy"] <= 1.0 and r["tokens_per_second"] > 0
+        assert r["tps_runs"] == [r["tokens_per_second"]]  # --quick: one timed run
+    van, fast = rows["vanilla", "auto", 1], rows["fast-dllm", "auto", 1]
+    assert van["tokens_per_forward"] < 1.0 and van["speedup_vs_vanilla"] == 1.0  # one token per step
+    full = rows["dinfer-full", "auto", 1]
+    assert full["speedup_vs_fast_dllm"] == round(full["tokens_per_second"] / fast["tokens_per_second"], 2)
+    assert any(n.startswith("batch 8 TPS / batch 1 TPS") for n in payload["notes"])
+    thr = rows["dinfer", "auto", 1]
+    assert thr["forwards"] >= thr["refreshes"] >= 4  # >= one block per prompt, one forward per block
+    ceiling = (
+        f"threshold-only forwards / blocks (the most any decoder can gain at this layout): "
+        f"{round(thr['forwards'] / thr['refreshes'], 2)}"
+    )
+    assert ceiling in payload["notes"]

@@ -1,0 +1,66 @@
+"""The build: what `python -m dinfer_kernels` reports, the ptxas report of the CUDA kernels (0 spill
+bytes), and the torch-free C++ API used from a plain C++ program."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import EXT
+
+import dinfer_kernels
+
+BUILD_LOG = Path(dinfer_kernels.__file__).parent / "build_log.txt"
+
+
+def test_info_command():
+    out = subprocess.run(
+        [sys.executable, "-m", "dinfer_kernels"], capture_output=True, text=True, check=True
+    ).stdout
+    for field in (
+        "dinfer_kernels",
+        "torch",
+        "triton",
+        "compiled layer",
+        "GPU visible",
+        "backends (cpu)",
+        "host kernel ISA",
+    ):
+        assert field in out
+
+
+def test_cuda_required_means_built():
+    """CI sets DINFER_CUDA=1 for the install: then the CUDA kernels must be in the extension."""
+    if os.environ.get("DINFER_CUDA") != "1":
+        pytest.skip("DINFER_CUDA=1 not requested")
+    assert EXT is not None and EXT.built_with_cuda()
+    assert EXT.cuda_archs()
+
+
+def test_ptxas_reports_no_spills():
+    if EXT is None or not EXT.built_with_cuda():
+        pytest.skip("the extension was built without CUDA")
+    log = BUILD_LOG.read_text()
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    kernels = re.findall(r"Compiling entry function '(\w+)' for '(sm_\w+)'", log)
+    assert kernels, "no ptxas report in the build log (is -Xptxas -v set?)"
+    assert spills and len(spills) >= len(kernels)
+    assert all(s == ("0", "0") for s in spills), f"register spills: {spills}"
+    assert {arch for _, arch in kernels} >= {f"sm_{a}" for a in EXT.cuda_archs().split(",")}
+
+
+@pytest.mark.parametrize(
+    "example",
+    [
+        "decode_cpu_example",
+        "attention_cpu_example",
+        "rms_norm_cpu_example",
+        "rope_cpu_example",
+        "moe_cpu_example",
+    ],
+)
+def test_cpp_runtime_calls_the_kernel_without_python(cpp_examples, example):
+    out = subprocess.run([str(cpp_examples[example])], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "OK"

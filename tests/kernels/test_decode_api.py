@@ -1,0 +1,263 @@
+"""The public op dinfer_kernels.decode_step: backend switch, torch.library registration (opcheck,
+torch.compile fullgraph, CUDA-graph capture), CreditState, and clear errors on bad input."""
+
+import pytest
+import torch
+from conftest import assert_precision, device_backends
+
+import dinfer_kernels as dk
+from dinfer_kernels.reference import decode_step_reference
+
+
+def case(N=6, V=50, device="cpu", dtype=torch.float32):
+    logits = (torch.randn(N, V) * 3).to(dtype).to(device)
+    tokens = torch.full((N,), 3, dtype=torch.int64, device=device)
+    tokens[0] = 1
+    offsets = torch.tensor([0, 2, N], dtype=torch.int32, device=device)
+    return logits, tokens, offsets
+
+
+@pytest.mark.parametrize("backend,device", device_backends())
+@pytest.mark.usefixtures("host_isa")
+def test_public_op_matches_reference(backend, device):
+    logits, tokens, offsets = case(device=device)
+    ref_tokens, tokens_before = tokens.cpu().clone(), tokens.cpu().clone()
+    credit = dk.CreditState.empty(6, 4, device=device)
+    ref_ids, ref_vals = credit.ids.cpu().clone(), credit.vals.cpu().clone()
+    out = dk.decode_step(logits, tokens, offsets, 3, threshold=0.6, credit=credit, backend=backend)
+    ref = decode_step_reference(
+        logits.cpu(),
+        ref_tokens,
+        offsets.cpu(),
+        3,
+        threshold=torch.full((2,), 0.6),
+        credit_ids=ref_ids,
+        credit_vals=ref_vals,
+    )
+    assert isinstance(out, dk.DecodeOutput)
+    assert torch.equal(out.candidate.cpu(), ref.candidate)
+    assert torch.equal(out.commit.cpu(), ref.commit)
+    assert torch.equal(tokens.cpu(), ref_tokens)
+    assert torch.equal(credit.ids.cpu(), ref_ids)
+    truth = decode_step_reference(
+        logits.cpu(),
+        tokens_before,
+        offsets.cpu(),
+        3,
+        threshold=torch.full((2,), 0.6),
+        credit_ids=torch.full((6, 4), -1, dtype=torch.int32),
+        credit_vals=torch.zeros(6, 4),
+        compute_dtype=torch.float64,
+    )
+    assert_precision(out.confidence.cpu(), ref.confidence, truth.confidence, "confidence")
+
+
+@pytest.mark.parametrize("backend,device", device_backends())
+@pytest.mark.usefixtures("host_isa")
+def test_public_op_flags_nonfinite_rows_and_takes_row_keys(backend, device):
+    logits, tokens, offsets = case(device=device)
+    logits[1, 4] = float("nan")
+    logits[4, 0] = float("-inf")
+    keys = torch.tensor([7, 2**40 + 3, 5, 2**32 - 1, 0, 11], device=device)
+    ref_tokens = tokens.cpu().clone()
+    out = dk.decode_step(
+        logits, tokens, offsets, 3, threshold=0.6, temperature=1.5, seed=4, row_keys=keys, backend=backend
+    )
+    ref = decode_step_reference(
+        logits.cpu(),
+        ref_tokens,
+        offsets.cpu(),
+        3,
+        threshold=torch.full((2,), 0.6),
+        temperature=1.5,
+        seed=4,
+        row_keys=keys.cpu(),
+    )
+    assert out.nonfinite.tolist() == [False, True, False, False, True, False] == ref.nonfinite.tolist()
+    assert torch.equal(out.candidate.cpu(), ref.candidate) and torch.equal(tokens.cpu(), ref_tokens)
+
+
+@pytest.mark.usefixtures("host_isa")
+def test_auto_backend_on_host():
+    assert dk.available_backends("cpu")[-1] == "torch"
+    from dinfer_kernels._backend import cpu_fast_ops, resolve
+
+    fast = "cpu" in dk.available_backends("cpu") and "decode_step" in cpu_fast_ops()
+    expected = "cpu" if fast else "torch"
+    assert resolve("auto", torch.device("cpu"), "decode_step") == expected
+
+
+def test_prefer_backend():
+    from dinfer_kernels._backend import resolve
+
+    cpu = torch.device("cpu")
+    usual = resolve("auto", cpu, "decode_step")
+    with dk.prefer_backend("torch"):
+        assert resolve("auto", cpu, "decode_step") == "torch"
+        assert resolve("auto", cpu, "rms_norm") == "torch"
+        with dk.prefer_backend("cuda"):  # cannot run on the host: the usual choice stays
+            assert resolve("auto", cpu, "decode_step") == usual
+        assert resolve("auto", cpu, "decode_step") == "torch"
+        assert resolve(usual, cpu, "decode_step") == usual  # an explicit backend wins
+    assert resolve("auto", cpu, "decode_step") == usual
+    with pytest.raises(ValueError, match="backend"):
+        with dk.prefer_backend("fast"):
+            pass
+
+
+def test_opcheck():
+    logits, tokens, offsets = case()
+    ids = torch.full((6, 4), -1, dtype=torch.int32)
+    vals = torch.zeros(6, 4)
+    args = (
+        logits,
+        tokens,
+        offsets,
+        torch.full((2,), 0.7),
+        torch.ones(2, dtype=torch.int32),
+        ids,
+        vals,
+        3,
+        0,
+        0.4,
+        0.0,
+        0,
+        0,
+        0.7,
+        0.8,
+        0.2,
+        torch.arange(6) * 977,
+        "auto_placeholder",
+    )
+    backend = "cpu" if "cpu" in dk.available_backends("cpu") else "torch"
+    args = args[:-1] + (backend,)
+    torch.library.opcheck(
+        torch.ops.dinfer.decode_step.default,
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+
+
+def test_torch_compile_fullgraph():
+    logits, tokens, offsets = case()
+    credit = dk.CreditState.empty(6, 4)
+    eager_tokens, eager_credit = tokens.clone(), dk.CreditState(credit.ids.clone(), credit.vals.clone())
+
+    def step(lg, tok, offs, ids, vals):
+        out = dk.decode_step(lg, tok, offs, 3, threshold=0.5, credit=dk.CreditState(ids, vals))
+        return out.candidate, out.confidence
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(logits, tokens, offsets, credit.ids, credit.vals)
+    want = step(logits, eager_tokens, offsets, eager_credit.ids, eager_credit.vals)
+    assert torch.equal(got[0], want[0]) and torch.equal(tokens, eager_tokens)
+    assert torch.equal(credit.ids, eager_credit.ids) and torch.equal(credit.vals, eager_credit.vals)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_cuda_graph_capture(backend):
+    if backend not in dk.available_backends("cuda"):
+        pytest.skip(f"{backend} not available")
+    logits, tokens, offsets = case(N=64, V=32003, device="cuda", dtype=torch.bfloat16)
+    credit = dk.CreditState.empty(64, 16, device="cuda")
+    static_tokens = tokens.clone()
+    dk.decode_step(
+        logits, tokens.clone(), offsets, 3, credit=dk.CreditState.empty(64, 16, "cuda"), backend=backend
+    )  # warm-up (Triton compiles outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dk.decode_step(logits, static_tokens, offsets, 3, credit=credit, backend=backend)
+    for _ in range(3):
+        static_tokens.copy_(tokens)
+        credit.reset_()
+        graph.replay()
+        ref_tokens = tokens.clone()
+        ref = dk.decode_step(
+            logits, ref_tokens, offsets, 3, credit=dk.CreditState.empty(64, 16, "cuda"), backend=backend
+        )
+        torch.cuda.synchronize()
+        assert torch.equal(out.candidate, ref.candidate) and torch.equal(static_tokens, ref_tokens)
+
+
+def test_credit_state_reset():
+    c = dk.CreditState.empty(4, 3)
+    c.ids.fill_(5)
+    c.vals.fill_(1.0)
+    c.reset_(torch.tensor([1, 2]))
+    assert c.ids[0].eq(5).all() and c.ids[1:3].eq(-1).all() and c.vals[1:3].eq(0).all()
+    c.reset_()
+    assert c.ids.eq(-1).all() and c.vals.eq(0).all()
+
+
+BAD = [
+    (dict(logits=torch.zeros(6, 50, dtype=torch.int32)), TypeError, "logits"),
+    (dict(logits=torch.zeros(6, 50, 1)), ValueError, "logits"),
+    (dict(logits=torch.zeros(50, 6).t()), ValueError, "logits"),
+    (dict(logits=torch.zeros(6, 0)), ValueError, "logits"),
+    (dict(tokens=torch.zeros(6, dtype=torch.int32)), TypeError, "tokens"),
+    (dict(tokens=torch.zeros(5, dtype=torch.int64)), ValueError, "tokens"),
+    (dict(tokens=torch.full((6,), 50, dtype=torch.int64)), ValueError, "tokens"),
+    (dict(tokens=torch.full((6,), -1, dtype=torch.int64)), ValueError, "tokens"),
+    (dict(seq_offsets=torch.tensor([0, 6], dtype=torch.int64)), TypeError, "seq_offsets"),
+    (dict(seq_offsets=torch.tensor([0, 4, 3, 6], dtype=torch.int32)), ValueError, "seq_offsets"),
+    (dict(seq_offsets=torch.tensor([0, 5], dtype=torch.int32)), ValueError, "seq_offsets"),
+    (dict(mask_id=50), ValueError, "mask_id"),
+    (dict(mask_id=-1), ValueError, "mask_id"),
+    (dict(mask_id=2.0), TypeError, "mask_id"),
+    (dict(rule="greedy"), ValueError, "rule"),
+    (dict(threshold=float("nan")), ValueError, "threshold"),
+    (dict(threshold=torch.ones(3)), ValueError, "threshold"),
+    (dict(rule="fixed"), ValueError, "num_commit"),
+    (dict(rule="fixed", num_commit=-1), ValueError, "num_commit"),
+    (dict(temperature=-0.5), ValueError, "temperature"),
+    (dict(seed=-1), ValueError, "seed"),
+    (dict(offset=2**32), ValueError, "offset"),
+    (dict(credit_beta=1.5), ValueError, "credit_beta"),
+    (dict(credit_alpha=float("inf")), ValueError, "credit_alpha"),
+    (dict(credit=(1, 2)), TypeError, "credit"),
+    (
+        dict(credit=dk.CreditState(torch.zeros(6, 4, dtype=torch.int64), torch.zeros(6, 4))),
+        TypeError,
+        "credit.ids",
+    ),
+    (
+        dict(credit=dk.CreditState(torch.full((5, 4), -1, dtype=torch.int32), torch.zeros(5, 4))),
+        ValueError,
+        "credit.ids",
+    ),
+    (
+        dict(credit=dk.CreditState(torch.full((6, 4), 99, dtype=torch.int32), torch.zeros(6, 4))),
+        ValueError,
+        "credit.ids",
+    ),
+    (dict(row_keys=torch.arange(6, dtype=torch.int32)), TypeError, "row_keys"),
+    (dict(row_keys=torch.arange(5)), ValueError, "row_keys"),
+    (dict(row_keys=torch.arange(12).view(6, 2)), ValueError, "row_keys"),
+    (dict(row_keys=[0, 1, 2, 3, 4, 5]), TypeError, "row_keys"),
+    (dict(backend="fpga"), ValueError, "backend"),
+    (dict(logits="not a tensor"), TypeError, "logits"),
+]
+
+
+@pytest.mark.parametrize("override,exc,name", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_names_the_argument(override, exc, name):
+    logits, tokens, offsets = case()
+    kw = dict(logits=logits, tokens=tokens, seq_offsets=offsets, mask_id=3)
+    kw.update(override)
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        dk.decode_step(kw.pop("logits"), kw.pop("tokens"), kw.pop("seq_offsets"), kw.pop("mask_id"), **kw)
+
+
+@pytest.mark.gpu
+def test_device_mismatch_is_named():
+    logits, tokens, offsets = case(device="cuda")
+    with pytest.raises(ValueError, match="^tokens"):
+        dk.decode_step(logits, tokens.cpu(), offsets, 3)
+
+
+def test_unavailable_backend_is_named():
+    logits, tokens, offsets = case()
+    with pytest.raises(ValueError, match="^backend"):
+        dk.decode_step(logits, tokens, offsets, 3, backend="cuda")

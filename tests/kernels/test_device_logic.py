@@ -1,0 +1,759 @@
+"""The CUDA kernels' host-callable logic executed thread by thread on the host, against the reference.
+
+tests/device_logic/*.cpp drive the kernels' own `__host__ __device__` functions (decode_split.h,
+decode_math.h, ...) with the kernels' grids, thread striding, reduction trees and barrier order;
+they are compiled here with g++ into one library loaded through ctypes, so CI without a GPU runs
+the code the GPU runs (hardware exp2 / log2 approximations aside: scalar.h). The decode emulation
+is a backend of tests/test_decode.py's harness (poisoned outputs, fp64 truth, precision-tied
+tolerances) and runs that file's edge cases.
+"""
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import test_decode
+import torch
+from conftest import EXT, HAS_GPU, assert_precision
+
+from dinfer_kernels.reference import decode_step_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = sorted((Path(__file__).resolve().parent / "device_logic").glob("*.cpp"))
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+EMULATED = "cuda-on-host"
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+
+
+def build(so, *flags):
+    subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-O2",
+            "-fPIC",
+            "-shared",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            *flags,
+            f"-I{ROOT / 'kernels/csrc/include'}",
+            *map(str, SOURCES),
+            "-o",
+            str(so),
+        ],
+        check=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    so = tmp_path_factory.mktemp("device_logic") / "device_logic.so"
+    build(so)
+    return ctypes.CDLL(str(so))
+
+
+def _ptr(t):
+    return ctypes.c_void_p(t.data_ptr() if t is not None and t.numel() else 0)
+
+
+def emulated_decode_step(lib):
+    """The internal decode_step signature of dinfer_kernels/{cpu,cuda}/decode.py, on host tensors."""
+    f = lib.dinfer_decode_step_cuda_on_host
+    i64, i32, u32, flt, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
+    f.argtypes = [
+        vp,
+        i32,
+        i64,
+        i64,
+        i64,
+        vp,
+        vp,
+        i64,
+        i64,
+        i32,
+        vp,
+        vp,
+        flt,
+        flt,
+        u32,
+        u32,
+        vp,
+        vp,
+        i32,
+        flt,
+        flt,
+        flt,
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+    ]
+    f.restype = ctypes.c_int
+
+    def decode_step(
+        logits,
+        tokens,
+        seq_offsets,
+        threshold,
+        num_commit,
+        credit_ids,
+        credit_vals,
+        mask_id,
+        rule,
+        low_threshold,
+        temperature,
+        seed,
+        offset,
+        alpha,
+        beta,
+        gamma,
+        candidate,
+        confidence,
+        commit,
+        row_max,
+        row_lse,
+        nonfinite=None,
+        row_keys=None,
+    ):
+        assert logits.stride(1) == 1 or logits.shape[1] <= 1
+        N, V = logits.shape
+        rc = f(
+            _ptr(logits),
+            DTYPES[logits.dtype],
+            N,
+            V,
+            logits.stride(0) if N > 1 else V,
+            _ptr(tokens),
+            _ptr(seq_offsets),
+            seq_offsets.numel() - 1,
+            mask_id,
+            rule,
+            _ptr(threshold),
+            _ptr(num_commit),
+            low_threshold,
+            temperature,
+            seed,
+            offset,
+            _ptr(credit_ids),
+            _ptr(credit_vals),
+            credit_ids.shape[1],
+            alpha,
+            beta,
+            gamma,
+            _ptr(candidate),
+            _ptr(confidence),
+            _ptr(commit),
+            _ptr(row_max),
+            _ptr(row_lse),
+            _ptr(nonfinite),
+            _ptr(row_keys),
+        )
+        assert rc == 0
+
+    return decode_step
+
+
+@pytest.fixture
+def emulated(lib, monkeypatch):
+    """test_decode's harness, with the emulated CUDA kernels as backend EMULATED."""
+    impl = emulated_decode_step(lib)
+    real = test_decode.backend_impl
+    monkeypatch.setattr(test_decode, "backend_impl", lambda b: impl if b == EMULATED else real(b))
+    return impl
+
+
+# ---- decode step -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", list(test_decode.RULES))
+@pytest.mark.parametrize("N,V", [(1, 1), (3, 7), (2, 255), (64, 1000), (3, 32003), (5, 157184)])
+def test_decode_shapes_and_rules(emulated, rule, N, V):
+    """Rows shorter than one thread's vector, than a CTA's 256 threads, and the real vocabulary
+    (splits whose chunks end inside a vector of the next)."""
+    test_decode.test_shapes_and_rules(EMULATED, "cpu", rule, N, V)
+
+
+@pytest.mark.parametrize("rule", list(test_decode.RULES))
+def test_decode_sequence_longer_than_the_shared_stage(emulated, rule):
+    """A sequence of more rows than the finalize kernel stages in shared memory (1024) reads the
+    global copies in phases b and c."""
+    N, V = 1030, 40
+    logits, tokens, offsets, mask_id = test_decode.make_case(N, V, [0, 3, N], scale=1.0)
+    test_decode.check_backend(
+        EMULATED,
+        "cpu",
+        logits,
+        tokens,
+        offsets,
+        mask_id,
+        rule,
+        num_commit=torch.tensor([1, 700], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_decode_dtypes_and_misaligned_rows(emulated, dtype):
+    test_decode.test_dtypes_and_row_stride(EMULATED, "cpu", dtype)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "test_ties_pick_lowest_index",
+        "test_inf_nan_and_dead_rows",
+        "test_many_sequences_and_empty_ones",
+        "test_sampling_reproducible_per_seed",
+        "test_row_keys_key_the_noise",
+    ],
+)
+def test_decode_edge_cases(emulated, case):
+    getattr(test_decode, case)(EMULATED, "cpu")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_decode_nonfinite_flags(emulated, dtype):
+    """The split pass's per-thread flag, merged through the kernels' reduction trees."""
+    test_decode.test_nonfinite_flags(EMULATED, "cpu", dtype)
+
+
+@pytest.mark.parametrize("rule", list(test_decode.RULES))
+@pytest.mark.parametrize("mask_id", [0, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_default_token(emulated, rule, mask_id, dtype):
+    test_decode.test_sequences_without_any_fallback_commit_the_default_token(
+        EMULATED, "cpu", rule, mask_id, dtype
+    )
+
+
+@pytest.mark.parametrize("rule", list(test_decode.RULES))
+def test_decode_mask_predictions_and_sampling(emulated, rule):
+    test_decode.test_no_mask_all_mask_and_mask_predictions(EMULATED, "cpu", rule)
+    test_decode.test_sampling_matches_reference(EMULATED, "cpu", rule)
+
+
+@pytest.mark.parametrize("slots", [4, 16])
+def test_decode_credit(emulated, slots):
+    test_decode.test_credit_over_a_block(EMULATED, "cpu", slots)
+
+
+def test_decode_all_equal_rows_across_splits(emulated):
+    """Every split holds the maximum: the merges of the reduction tree and of the splits must keep
+    the lowest index, in every dtype. With the mask token at index 0 the candidates are the mask
+    token, and each sequence's progress-guarantee row (its first) takes token 1."""
+    N, V = 4, 157184
+    offsets = torch.tensor([0, 1, 4], dtype=torch.int32)
+    for dtype in DTYPES:
+        for mask_id, expected in ((V - 1, [0, 0, 0, 0]), (0, [1, 1, 0, 0])):
+            logits = torch.zeros(N, V, dtype=dtype)
+            tokens = torch.full((N,), mask_id, dtype=torch.int64)
+            outs = test_decode.check_backend(EMULATED, "cpu", logits, tokens, offsets, mask_id, "threshold")
+            assert outs[0].tolist() == expected
+
+
+def test_decode_bad_credit_ids_are_empty_slots(emulated):
+    """Slot ids outside [0, V) are treated as empty slots, never read: the result equals the
+    reference's with those slots emptied."""
+    N, V, K = 6, 4099, 4
+    logits, tokens, offsets, mask_id = test_decode.make_case(N, V, [0, 3, 6], masked_frac=1.0)
+    ids = torch.randint(0, V, (N, K), dtype=torch.int32)
+    ids[:, 1] = V
+    ids[0, 2] = -5
+    ids[N - 1, 3] = 2**31 - 1  # last row: past the buffer if it were read
+    vals = torch.rand(N, K)
+    bad = (ids < 0) | (ids >= V)
+    thr, k = torch.full((2,), 0.5), torch.zeros(2, dtype=torch.int32)
+    outs, tok, (ids_e, vals_e) = test_decode.run_backend(
+        EMULATED, "cpu", logits, tokens, offsets, mask_id, "threshold", thr, k, (ids, vals)
+    )
+    ref_ids, ref_vals = ids.masked_fill(bad, -1), vals.masked_fill(bad, 0.0)
+    ref = decode_step_reference(
+        logits, tokens.clone(), offsets, mask_id, threshold=thr, credit_ids=ref_ids, credit_vals=ref_vals
+    )
+    assert torch.equal(outs[0], ref.candidate) and torch.equal(ids_e, ref_ids)
+    assert torch.equal(outs[2], ref.commit)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (HAS_GPU and EXT is not None and EXT.built_with_cuda()), reason="needs the CUDA kernels"
+)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature):
+    """The GPU and its host run take the same decisions: candidates, commits, tokens, credit slots and
+    row maxima agree exactly; confidences and lse, where MUFU.EX2 / LG2 stand against exp2f / log2f,
+    are as close to the fp64 truth as the host run's."""
+    N, V, B = 64, 157184, 5
+    logits, tokens, offsets, mask_id = test_decode.make_case(N, V, test_decode.ragged_offsets(N, B), dtype)
+    thr, k = torch.rand(B), torch.randint(0, 4, (B,), dtype=torch.int32)
+    credit = (torch.full((N, 4), -1, dtype=torch.int32), torch.zeros(N, 4))
+    for _ in range(3):
+        kw = dict(temperature=temperature, seed=3)
+        args = (logits, tokens, offsets, mask_id, "hierarchical", thr, k, credit)
+        gpu, tok_g, cred_g = test_decode.run_backend("cuda", "cuda", *args, **kw)
+        host, tok_h, cred_h = test_decode.run_backend(EMULATED, "cpu", *args, **kw)
+        ids, vals = credit[0].clone(), credit[1].clone()
+        truth = decode_step_reference(
+            logits,
+            tokens.clone(),
+            offsets,
+            mask_id,
+            rule="hierarchical",
+            threshold=thr,
+            num_commit=k,
+            credit_ids=ids,
+            credit_vals=vals,
+            compute_dtype=torch.float64,
+            **kw,
+        )
+        for i in (0, 2, 3):
+            assert torch.equal(gpu[i], host[i])
+        assert torch.equal(tok_g, tok_h) and torch.equal(cred_g[0], cred_h[0])
+        assert_precision(gpu[1], host[1], truth.confidence.double(), "confidence")
+        assert_precision(gpu[4], host[4], truth.row_lse.double(), "row_lse")
+        assert_precision(cred_g[1], cred_h[1], vals.double(), "credit values")
+        tokens, credit = tok_h, cred_h
+
+
+# ---- MoE routing and alignment -----------------------------------------------------------------------
+
+
+def emulated_route(
+    lib,
+    logits,
+    top_k,
+    *,
+    scoring="softmax",
+    renormalize=False,
+    bias=None,
+    num_groups=1,
+    topk_groups=1,
+    scaling=1.0,
+    e0=0,
+    e1=None,
+    bm=16,
+    order_seed=0,
+):
+    """route_kernel on given logits: (topk_ids, topk_w [T, k] by increasing expert, sorted_ids,
+    tile_expert, num_tiles) as the GEMMs read them."""
+    f = lib.dinfer_moe_route_cuda_on_host
+    i32, flt, vp = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    f.argtypes = [vp, i32, i32, i32, i32, i32, vp, i32, i32, flt, i32, i32, i32, vp, vp, vp, vp, vp, vp]
+    T, E = logits.shape
+    e1 = E if e1 is None else e1
+    tt = 16 if T > 256 else 4
+    order = torch.randperm((T + tt - 1) // tt, generator=torch.Generator().manual_seed(order_seed))
+    order = order.to(torch.int32)
+    entries = T * top_k
+    max_tiles = (entries + min(E, entries) * (bm - 1)) // bm
+    ids = torch.full((T, top_k), -7, dtype=torch.int32)
+    w = torch.full((T, top_k), float("nan"))
+    sorted_ids = torch.full((max_tiles * bm,), -7, dtype=torch.int32)
+    tile_expert = torch.full((max_tiles,), -7, dtype=torch.int32)
+    num_tiles = torch.full((1,), -7, dtype=torch.int32)
+    rc = f(
+        _ptr(logits),
+        T,
+        E,
+        top_k,
+        {"softmax": 0, "sigmoid": 1}[scoring],
+        int(renormalize),
+        _ptr(bias),
+        num_groups,
+        topk_groups,
+        scaling,
+        e0,
+        e1,
+        bm,
+        _ptr(order),
+        _ptr(ids),
+        _ptr(w),
+        _ptr(sorted_ids),
+        _ptr(tile_expert),
+        _ptr(num_tiles),
+    )
+    assert rc == 0, "the emulated CTA deadlocked" if rc == 2 else f"rc {rc}"
+    return ids, w, sorted_ids, tile_expert, int(num_tiles)
+
+
+def route_truth(logits, bias, scoring, renormalize, scaling, experts):
+    """The weights of the given experts in fp64 (the reference's formula)."""
+    lg = logits.double()
+    score = torch.softmax(lg, -1) if scoring == "softmax" else torch.sigmoid(lg)
+    src = score + bias.double() if (bias is not None and scoring == "softmax") else score
+    w = src.gather(1, experts)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling
+
+
+def check_alignment(ids, sorted_ids, tile_expert, num_tiles, e0, e1, bm):
+    """Each local expert's entries (token * k + slot) in increasing order, padded with -1 to whole
+    tiles of bm rows, tiles in expert order; nothing else written."""
+    flat = ids.flatten().long()
+    tiles, rows = [], []
+    for e in range(e0, e1):
+        entries = torch.nonzero(flat == e).flatten().tolist()
+        n = -(-len(entries) // bm)
+        tiles += [e] * n
+        rows += entries + [-1] * (n * bm - len(entries))
+    assert num_tiles == len(tiles)
+    assert tile_expert[:num_tiles].tolist() == tiles and (tile_expert[num_tiles:] == -7).all()
+    assert sorted_ids[: num_tiles * bm].tolist() == rows and (sorted_ids[num_tiles * bm :] == -7).all()
+
+
+ROUTE_CASES = {
+    # name: (T, E, top_k, kwargs)
+    "llada_moe": (37, 64, 8, dict(scoring="softmax")),
+    "llada_moe_renorm_bias": (5, 64, 8, dict(scoring="softmax", renormalize=True, bias=True)),
+    "llada2_groups": (
+        41,
+        256,
+        8,
+        dict(scoring="sigmoid", renormalize=True, bias=True, num_groups=8, topk_groups=4, scaling=2.5),
+    ),
+    "single_expert_groups": (9, 16, 3, dict(scoring="sigmoid", num_groups=16, topk_groups=5)),
+    "max_experts_top32": (3, 512, 32, dict(scoring="softmax")),
+    "one_token_prime_experts": (1, 7, 7, dict(scoring="softmax")),
+    "prefill_tiles_of_16": (300, 8, 2, dict(scoring="softmax", bm=128)),
+    "expert_range": (50, 64, 8, dict(scoring="sigmoid", e0=13, e1=40)),
+    "empty_expert_range": (6, 8, 2, dict(scoring="softmax", e0=3, e1=3)),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTE_CASES))
+def test_moe_route_matches_reference(lib, case):
+    from dinfer_kernels.reference.moe import route
+
+    T, E, k, kw = ROUTE_CASES[case]
+    kw = dict(kw)
+    bias = torch.randn(E) * 0.1 if kw.pop("bias", False) else None
+    bm, e0, e1 = kw.pop("bm", 16), kw.pop("e0", 0), kw.pop("e1", E)
+    logits = torch.randn(T, E) * 2
+    for seed in range(2):  # two CTA orders: a different CTA aligns
+        ids, w, sorted_ids, tile_expert, num_tiles = emulated_route(
+            lib, logits, k, bias=bias, e0=e0, e1=e1, bm=bm, order_seed=seed, **kw
+        )
+        ref_w, ref_order = route(
+            None,
+            None,
+            k,
+            kw.get("renormalize", False),
+            bias,
+            router_logits=logits,
+            scoring=kw["scoring"],
+            num_groups=kw.get("num_groups", 1),
+            topk_groups=kw.get("topk_groups", 1),
+            routed_scaling=kw.get("scaling", 1.0),
+        )
+        by_expert = ref_order.sort(-1)
+        assert torch.equal(ids.long(), by_expert.values)
+        ref_w = ref_w.gather(1, by_expert.indices)
+        truth = route_truth(
+            logits,
+            bias,
+            kw["scoring"],
+            kw.get("renormalize", False),
+            kw.get("scaling", 1.0),
+            by_expert.values,
+        )
+        assert_precision(w, ref_w, truth, "routing weights")
+        check_alignment(ids, sorted_ids, tile_expert, num_tiles, e0, e1, bm)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_moe_route_ties_nan_and_inf(lib, scoring):
+    """All-equal logits pick the lowest experts (and groups); NaN ranks like -inf; +-inf logits."""
+    from dinfer_kernels.reference.moe import route
+
+    T, E, k = 6, 32, 4
+    logits = torch.zeros(T, E)
+    logits[1, 5] = float("nan")
+    logits[2, :] = float("nan")  # every expert unrankable: still k distinct ones, lowest first
+    logits[3, 7] = float("inf")
+    logits[4, :8] = float("-inf")
+    logits[5, 20:] = 1.0  # a tie among the higher experts
+    for groups in (1, 8):
+        ids, *_ = emulated_route(lib, logits, k, scoring=scoring, num_groups=groups, topk_groups=2)
+        ref = (
+            route(None, None, k, router_logits=logits, scoring=scoring, num_groups=groups, topk_groups=2)[1]
+            .sort(-1)
+            .values
+        )
+        assert torch.equal(ids.long(), ref)
+        assert ids[0].tolist() == [0, 1, 2, 3] and ids[2].tolist() == [0, 1, 2, 3]
+    assert ids[5].tolist() == [20, 21, 22, 23] and ids[4].tolist() == [8, 9, 10, 11]
+
+
+# ---- the shared scalar math ------------------------------------------------------------------------
+
+
+def ulps(out, truth):
+    """|out - truth| in units of fp32's spacing at truth (subnormal spacing below 2^-126)."""
+    t = truth.abs().clamp_min(2.0**-126)
+    spacing = 2.0 ** (torch.floor(torch.log2(t)) - 23)
+    return ((out.double() - truth) / spacing).abs()
+
+
+def shared_math(lib, fn, x, y=None):
+    f = lib.dinfer_shared_math
+    f.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    out = torch.full_like(x, float("nan"))
+    f(fn, _ptr(x), _ptr(y if y is not None else x), _ptr(out), x.numel())
+    return out
+
+
+def test_shared_exp_sigmoid_silu_ulps(lib):
+    """The one exp of SiLU, sigmoid, the MoE router and the host softmaxes (scalar::exp_nonpositive),
+    on both host and device: within 2 ulp of exp over [-87.3, 0] (measured max: 1), 0 below, NaN kept.
+    sigmoid within 3 ulp, silu(g) * u within 4 ulp of fp64 (measured: 2 and 3). The device's attention
+    and decode inner loops deliberately use MUFU.EX2 instead (scalar::fast_exp2: <= 2 ulp by the PTX
+    ISA, ~1 instruction against ~12): only its host stand-in exp2f runs here."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat(
+        [
+            -torch.rand(1 << 20, generator=g) * 87.3,
+            -torch.logspace(-30, 1.94, 4096),
+            torch.tensor([0.0, -0.0, -87.29, -1e-45]),
+        ]
+    )
+    assert ulps(shared_math(lib, 0, x), torch.exp(x.double())).max() <= 2
+    low = torch.tensor([-87.31, -100.0, -1e30, float("-inf")])
+    assert (shared_math(lib, 0, low) == 0).all()
+    assert shared_math(lib, 0, torch.tensor([float("nan")])).isnan().all()
+
+    # Below x = -87.3, exp(x) flushes to 0: sigmoid loses < exp(-87.3) < 2^-125, silu < |g u| 2^-125.
+    s = torch.cat(
+        [(torch.rand(1 << 18, generator=g) - 0.5) * 200, torch.tensor([0.0, 88.0, -88.0, 1e30, -1e30])]
+    )
+    u = torch.randn(s.numel(), generator=g)
+    flush = s < -87.3
+    sig, sig_truth = shared_math(lib, 1, s), torch.sigmoid(s.double())
+    assert ulps(sig[~flush], sig_truth[~flush]).max() <= 3
+    assert ((sig.double() - sig_truth).abs() <= 2.0**-125)[flush].all()
+    silu = shared_math(lib, 2, s, u)
+    truth = s.double() * sig_truth * u.double()
+    assert ulps(silu[~flush], truth[~flush]).max() <= 4
+    assert ((silu.double() - truth).abs() <= (s.double() * u.double()).abs() * 2.0**-125)[flush].all()
+    inf = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    assert shared_math(lib, 1, inf)[:2].tolist() == [1.0, 0.0] and shared_math(lib, 1, inf)[2].isnan()
+
+
+# ---- attention: key walks of the splits, and the split combine --------------------------------------
+
+
+def emulated_walk(lib, S, seq_len, kv_block, *, blocks=None, count=None, mass=False, units=1):
+    """(tiles [(split, kb, k0, k1, last)], num_splits) of one work unit's key list."""
+    f = lib.dinfer_attention_walk_on_host
+    i32, i64, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [vp, i32, i32, i32, i32, i32, i32, i64, vp, i64, vp]
+    f.restype = i64
+    lst = None if blocks is None else torch.tensor(blocks, dtype=torch.int32)
+    out = torch.full((4096, 5), -7, dtype=torch.int32)
+    ns = torch.zeros(1, dtype=torch.int32)
+    n = f(
+        _ptr(lst),
+        0 if count is None else count,
+        0 if lst is None else lst.numel(),
+        seq_len,
+        S,
+        kv_block,
+        int(mass),
+        units,
+        _ptr(out),
+        out.shape[0],
+        _ptr(ns),
+    )
+    assert n <= out.shape[0]
+    return [tuple(r) for r in out[:n].tolist()], int(ns)
+
+
+def expected_walk(S, seq_len, kv_block, blocks, count, mass):
+    """The keys the reference attends, as the kernel's 64-key tiles, in list order."""
+    L = max(0, min(seq_len, S))
+    if blocks is None:
+        wkb = kv_block if mass else 64
+        slots = list(range(-(-L // wkb)))
+    else:
+        wkb = kv_block
+        slots = blocks[: max(0, min(count, len(blocks)))]
+    nkb = -(-S // wkb)
+    tiles = []
+    for kb in slots:
+        if not 0 <= kb < nkb:
+            continue
+        bs, be = kb * wkb, min(kb * wkb + wkb, L)
+        for k0 in range(bs, be, 64):
+            tiles.append((kb, k0, min(k0 + 64, be), int(min(k0 + 64, be) >= be)))
+    return tiles
+
+
+WALK_CASES = [
+    # S, seq_len, kv_block, blocks, count, mass
+    (1000, 999, 64, None, None, False),
+    (1000, 1000, 100, None, None, True),
+    (4096, 0, 128, None, None, False),
+    (300, -3, 64, None, None, True),
+    (300, 5000, 32, None, None, False),  # seq_len past the cache: clamped to S
+    (2048, 2048, 128, [15, 3, 7, 0, 9], 5, False),
+    (2048, 1500, 128, [15, 3, 7, 0, 9], 5, True),  # block 15 past L: skipped
+    (1000, 1000, 100, [9, -1, 10, 1_000_000, 2, 4], 6, False),  # invalid ids skipped
+    (1000, 1000, 100, [1, 2, 3, 4, 5, 6], 3, True),  # entries past the count are never read
+    (1000, 1000, 100, [1, 2, 3], 99, False),  # count past max_blocks: clamped
+    (1000, 1000, 100, [1, 2, 3], -4, False),
+    (100, 100, 1000, [0], 1, True),  # one block larger than the cache
+    (8192, 8191, 256, list(range(31, -1, -1)), 32, False),
+]
+
+
+@pytest.mark.parametrize("case", range(len(WALK_CASES)))
+@pytest.mark.parametrize("units", [1, 20, 264])
+def test_attention_key_walk_covers_each_listed_key_once(lib, case, units):
+    S, seq_len, kv_block, blocks, count, mass = WALK_CASES[case]
+    tiles, ns = emulated_walk(lib, S, seq_len, kv_block, blocks=blocks, count=count, mass=mass, units=units)
+    assert 1 <= ns <= 32 and (units < 264 or ns == 1)
+    assert [t[1:] for t in tiles] == expected_walk(S, seq_len, kv_block, blocks, count, mass)
+    splits = [t[0] for t in tiles]
+    assert splits == sorted(splits)
+    if mass:  # block statistics need each block's tiles in one split
+        owner = {}
+        for split, kb, *_ in tiles:
+            assert owner.setdefault(kb, split) == split
+
+
+def emulated_combine(lib, part_lse, part_o):
+    f = lib.dinfer_attention_combine_on_host
+    vp, i32 = ctypes.c_void_p, ctypes.c_int32
+    f.argtypes = [vp, vp, i32, i32, i32, vp, vp]
+    ns, rows, D = part_o.shape
+    out = torch.full((rows, D), float("nan"))
+    lse2 = torch.full((rows,), float("nan"))
+    assert f(_ptr(part_lse), _ptr(part_o), ns, rows, D, _ptr(out), _ptr(lse2)) == 0
+    return out, lse2
+
+
+@pytest.mark.parametrize("ns", [1, 2, 5, 32])
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_split_combine(lib, ns, D):
+    """The (O, lse) partials of the splits merge into softmax-weighted sums; splits without keys
+    (lse -inf) contribute nothing, a row without any key gets lse -inf and output 0, and a split's
+    NaN (its softmax undefined) makes the whole row NaN."""
+    rows = 7
+    part_lse = torch.randn(ns, rows) * 8
+    part_lse[0, 1] = float("-inf")
+    part_lse[:, 2] = float("-inf")
+    part_lse[-1, 3] = 130.0  # 2^130 overflows fp32: the max shift must keep it finite
+    part_lse[-1, 4] = float("nan")  # fmaxf would drop it
+    part_lse[:, 5] = float("nan")
+    part_o = torch.randn(ns, rows, D)
+    out, lse2 = emulated_combine(lib, part_lse, part_o)
+    ln2 = torch.log(torch.tensor(2.0, dtype=torch.float64))
+
+    def merged(ls, o):
+        w = torch.softmax(ls * ln2.to(ls.dtype), 0).nan_to_num(0.0)
+        return (w[:, :, None] * o).sum(0), torch.logsumexp(ls * ln2.to(ls.dtype), 0) / ln2.to(ls.dtype)
+
+    same_out, same_lse = merged(part_lse, part_o)
+    truth_out, truth_lse = merged(part_lse.double(), part_o.double())
+    nan = part_lse.isnan().any(0)
+    live = part_lse.isfinite().any(0) & ~nan
+    assert_precision(out[live], same_out[live], truth_out[live], "combined output")
+    assert_precision(lse2[live], same_lse[live], truth_lse[live], "combined lse")
+    assert out[nan].isnan().all() and lse2[nan].isnan().all()
+    empty = ~live & ~nan
+    assert (out[empty] == 0).all() and (lse2[empty] == float("-inf")).all()
+
+
+# ---- hostile inputs under AddressSanitizer ---------------------------------------------------------
+
+
+def hostile_inputs(so):
+    """Values the kernels must survive without an out-of-bounds access (run under ASan): bad
+    sequence offsets, credit ids outside [0, V), a mask id outside the vocabulary, block lists with
+    invalid ids and counts. Buffers are exactly sized, so any read past them is reported."""
+    lib = ctypes.CDLL(so)
+    decode_step = emulated_decode_step(lib)
+    N, V, K = 9, 1031, 3
+    full = torch.randn(N, V + 3)
+    logits = full[:, 1 : V + 1]  # misaligned rows, the last one ending 2 elements before the buffer
+    for offsets, mask_id in (([-5, 3, 2, 100], 7), ([0, 4, 9], V + 5), ([9, 0, -1, 4], -2)):
+        offs = torch.tensor(offsets, dtype=torch.int32)
+        B = offs.numel() - 1
+        tokens = torch.full((N,), 7, dtype=torch.int64)
+        before = tokens.clone()
+        ids = torch.randint(-3, V + 3, (N, K), dtype=torch.int32)
+        ids[N - 1, K - 1] = 2**31 - 1
+        vals = torch.rand(N, K)
+        outs = [
+            torch.full((N,), -7, dtype=torch.int64),
+            torch.full((N,), float("nan")),
+            torch.zeros(N, dtype=torch.bool),
+            torch.full((N,), float("nan")),
+            torch.full((N,), float("nan")),
+        ]
+        for rule in range(3):
+            decode_step(
+                logits,
+                tokens,
+                offs,
+                torch.rand(B),
+                torch.randint(0, 3, (B,), dtype=torch.int32),
+                ids,
+                vals,
+                mask_id,
+                rule,
+                0.4,
+                0.5 * rule,
+                1,
+                2,
+                0.7,
+                0.8,
+                0.2,
+                *outs,
+            )
+        covered = torch.zeros(N, dtype=torch.bool)
+        for b in range(B):  # the rows the kernels' clamp assigns to a sequence
+            lo = min(max(offsets[b], 0), N)
+            covered[lo : min(max(offsets[b + 1], lo), N)] = True
+        assert (outs[0][~covered] == -7).all() and torch.equal(tokens[~covered], before[~covered])
+        assert ((ids == -1) | ((ids >= 0) & (ids < V)))[covered].all()  # bad ids became empty slots
+    for blocks, count in (([5, -1, 99, 2], 4), ([1, 2], 7), ([3], -1)):
+        emulated_walk(lib, 640, 600, 64, blocks=blocks, count=count, mass=True)
+    logits = torch.randn(3, 8)
+    logits[1] = float("nan")
+    emulated_route(lib, logits, 2, num_groups=4, topk_groups=1, e0=2, e1=6)
+
+
+@pytest.mark.skipif(
+    not Path(
+        subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    ).exists()
+    if shutil.which("g++")
+    else True,
+    reason="needs libasan",
+)
+def test_hostile_inputs_stay_in_bounds(tmp_path):
+    so = tmp_path / "device_logic_asan.so"
+    build(so, "-fsanitize=address", "-fno-omit-frame-pointer")
+    asan = subprocess.run(
+        ["g++", "-print-file-name=libasan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    env = dict(os.environ, LD_PRELOAD=asan, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=99")
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import test_device_logic as t; t.hostile_inputs({str(so)!r})"],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,0 +1,342 @@
+"""The compiled MoE entry on its own: dinfer_kernels._C.moe over DLPack. Its argument checks run
+before the device is looked at, so they are tested with NumPy (host) arrays; host arrays run the host
+kernel (poisoned outputs, against the reference, thread-count independence, no CUDA limits). With a
+GPU: agreement with the reference, bit-reproducibility and the workspace checks. Numerical coverage of
+every backend is in tests/test_moe.py (it runs every available backend)."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import EXT, assert_precision
+
+from dinfer_kernels.reference.moe import moe_reference
+
+pytestmark = pytest.mark.skipif(
+    EXT is None or "moe" not in getattr(EXT, "host_kernels", list)(),
+    reason="dinfer_kernels._C was built without the MoE kernels",
+)
+needs_cuda_build = pytest.mark.skipif(
+    EXT is None or not hasattr(EXT, "moe_workspace_bytes"),
+    reason="dinfer_kernels._C was built without the CUDA kernels",
+)
+
+T, H, E, I, K = 5, 24, 8, 16, 2
+ORDER = [
+    "hidden",
+    "router_weight",
+    "router_logits",
+    "w13",
+    "w2",
+    "top_k",
+    "renormalize",
+    "scoring",
+    "expert_bias",
+    "num_groups",
+    "topk_groups",
+    "routed_scaling",
+    "e0",
+    "e1",
+    "out",
+]
+
+
+def host_args(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return dict(
+        hidden=rng.standard_normal((T, H)).astype(dtype),
+        router_weight=rng.standard_normal((E, H)).astype(np.float32),
+        router_logits=None,
+        w13=rng.standard_normal((E, 2 * I, H)).astype(dtype),
+        w2=rng.standard_normal((E, H, I)).astype(dtype),
+        top_k=K,
+        renormalize=False,
+        scoring="softmax",
+        expert_bias=np.zeros(E, np.float32),
+        num_groups=1,
+        topk_groups=1,
+        routed_scaling=1.0,
+        e0=0,
+        e1=E,
+        out=np.zeros((T, H), dtype),
+    )
+
+
+def call(a, **kw):
+    EXT.moe(*[a[k] for k in ORDER], **kw)
+
+
+def reference_of(a):
+    """The reference's output for a dict of host arguments (NumPy)."""
+    t = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in a.items()}
+    return moe_reference(
+        t["hidden"],
+        t["router_weight"],
+        t["w13"],
+        t["w2"],
+        t["top_k"],
+        t["renormalize"],
+        t["expert_bias"],
+        (t["e0"], t["e1"]),
+        router_logits=t["router_logits"],
+        scoring=t["scoring"],
+        num_groups=t["num_groups"],
+        topk_groups=t["topk_groups"],
+        routed_scaling=t["routed_scaling"],
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.usefixtures("host_isa")
+def test_host_arrays_run_the_host_kernel(dtype, threads):
+    a = host_args(dtype)
+    a["out"] = np.full((T, H), np.nan, dtype)
+    call(a, num_threads=threads)
+    assert np.isfinite(a["out"]).all()
+    want = reference_of(a)
+    truth = moe_reference(
+        *[torch.from_numpy(a[k]).double() for k in ("hidden", "router_weight", "w13", "w2")],
+        K,
+        False,
+        torch.from_numpy(a["expert_bias"]),
+        compute_dtype=torch.float64,
+    )
+    assert_precision(torch.from_numpy(a["out"]), want, truth, "host moe")
+    first = a["out"].copy()
+    call(a, num_threads=1)
+    assert np.array_equal(a["out"], first), "the result must not depend on the thread count"
+
+
+def _readonly(x):
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+BAD = [
+    ("hidden", lambda a: a["hidden"].astype(np.float64), TypeError),
+    ("hidden", lambda a: a["hidden"][0], ValueError),
+    ("hidden", lambda a: np.asfortranarray(a["hidden"]), ValueError),
+    ("hidden", lambda a: [[1.0]], TypeError),
+    ("w13", lambda a: a["w13"].astype(np.float16), TypeError),
+    ("w13", lambda a: a["w13"][:, :-1], ValueError),
+    ("w13", lambda a: a["w13"][:, :, :-1], ValueError),
+    ("w13", lambda a: a["w13"][:0], ValueError),
+    ("w13", lambda a: a["w13"][None], ValueError),
+    ("w2", lambda a: a["w2"][:, :, :-1], ValueError),
+    ("w2", lambda a: a["w2"].astype(np.float16), TypeError),
+    ("w2", lambda a: a["w2"].transpose(0, 2, 1).copy().transpose(0, 2, 1), ValueError),
+    ("router_weight", lambda a: a["router_weight"][:, :-1], ValueError),
+    ("router_weight", lambda a: a["router_weight"].astype(np.int32), TypeError),
+    ("router_weight", lambda a: a["router_weight"].astype(np.float16), TypeError),  # hidden is fp32
+    ("expert_bias", lambda a: a["expert_bias"][:-1], ValueError),
+    ("expert_bias", lambda a: a["expert_bias"].astype(np.float16), TypeError),
+    ("out", lambda a: a["out"][:-1], ValueError),
+    ("out", lambda a: a["out"].astype(np.float16), TypeError),
+    ("out", lambda a: _readonly(a["out"]), ValueError),
+    ("top_k", lambda a: 0, ValueError),
+    ("top_k", lambda a: E + 1, ValueError),
+    ("top_k", lambda a: 2.0, TypeError),
+    ("top_k", lambda a: True, TypeError),
+    ("renormalize", lambda a: 1, TypeError),
+    ("scoring", lambda a: "relu", ValueError),
+    ("scoring", lambda a: 0, TypeError),
+    ("num_groups", lambda a: 0, ValueError),
+    ("num_groups", lambda a: 3, ValueError),
+    ("num_groups", lambda a: E + 8, ValueError),
+    ("topk_groups", lambda a: 2, ValueError),  # num_groups is 1
+    ("routed_scaling", lambda a: float("nan"), ValueError),
+    ("routed_scaling", lambda a: 1e39, ValueError),  # not finite in fp32
+    ("routed_scaling", lambda a: "2", TypeError),
+    ("e0", lambda a: -1, ValueError),
+    ("e0", lambda a: E + 1, ValueError),
+    ("e1", lambda a: E + 1, ValueError),
+]
+
+
+@pytest.mark.parametrize("name,make,exc", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_binding_errors_name_the_argument(name, make, exc):
+    a = host_args()
+    a[name] = make(a)
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        call(a)
+
+
+def test_router_source_and_group_errors():
+    a = host_args()
+    a["router_logits"] = np.zeros((T, E), np.float32)  # both given
+    with pytest.raises(ValueError, match=r"^router_weight\b.*exactly one"):
+        call(a)
+    a["router_weight"] = None
+    a["router_logits"] = None  # neither
+    with pytest.raises(ValueError, match=r"^router_weight\b.*exactly one"):
+        call(a)
+    a["router_logits"] = np.zeros((T, E + 1), np.float32)
+    with pytest.raises(ValueError, match=r"^router_logits\b"):
+        call(a)
+    a["router_logits"] = np.zeros((T, E), np.float16)
+    with pytest.raises(TypeError, match=r"^router_logits\b"):
+        call(a)
+    a = host_args()
+    a.update(num_groups=4, topk_groups=1, top_k=3)  # 1 group of 2 experts: at most 2
+    with pytest.raises(ValueError, match=r"^top_k\b"):
+        call(a)
+    a.update(top_k=2, e0=5, e1=4)
+    with pytest.raises(ValueError, match=r"^e1\b"):
+        call(a)
+    a = host_args()
+    a["e0"] = a["e1"] = 3  # an empty expert range is valid: zeros
+    a["out"] = np.full((T, H), np.nan, np.float32)
+    call(a)
+    assert not a["out"].any()
+
+
+@pytest.mark.usefixtures("host_isa")
+def test_host_kernel_has_no_cuda_limits():
+    """More than 512 experts and top_k past 32 (the CUDA kernels' limits) run on the host."""
+    rng = np.random.default_rng(1)
+    for E_, k in ((40, 33), (600, 3)):
+        a = host_args()
+        a.update(
+            w13=(rng.standard_normal((E_, 2 * I, H)) / H**0.5).astype(np.float32),
+            w2=(rng.standard_normal((E_, H, I)) / I**0.5).astype(np.float32),
+            router_weight=(rng.standard_normal((E_, H)) * 0.2).astype(np.float32),
+            expert_bias=None,
+            e1=E_,
+            top_k=k,
+            out=np.full((T, H), np.nan, np.float32),
+        )
+        call(a)
+        truth = moe_reference(
+            *[torch.from_numpy(a[n]).double() for n in ("hidden", "router_weight", "w13", "w2")],
+            k,
+            compute_dtype=torch.float64,
+        )
+        assert_precision(torch.from_numpy(a["out"]), reference_of(a), truth, f"host moe E={E_} k={k}")
+
+
+@needs_cuda_build
+def test_workspace_bytes():
+    small = EXT.moe_workspace_bytes(96, 64, 8, 2048, 1024)
+    assert small > 96 * 8 * 2048 * 4  # at least the per-slot fp32 rows
+    assert EXT.moe_workspace_bytes(2048, 64, 8, 2048, 1024) > small
+    assert EXT.moe_workspace_bytes(0, 64, 8, 2048, 1024) == 0
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------------
+
+
+def gpu_case(T_, E_, k, dtype, h=256, inter=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T_, h, generator=g).to(dtype)
+    router = torch.randn(E_, h, generator=g) * 0.1
+    w13 = (torch.randn(E_, 2 * inter, h, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(E_, h, inter, generator=g) / inter**0.5).to(dtype)
+    return [x.cuda() for x in (hidden, router, w13, w2)]
+
+
+def run_cuda(hidden, router, w13, w2, k, **kw):
+    from dinfer_kernels.cuda.moe import moe
+
+    out = torch.full_like(hidden, float("nan"))
+    E_ = w13.shape[0]
+    moe(
+        hidden,
+        router,
+        None,
+        w13,
+        w2,
+        k,
+        kw.get("renormalize", False),
+        kw.get("scoring", "softmax"),
+        kw.get("expert_bias"),
+        kw.get("num_groups", 1),
+        kw.get("topk_groups", 1),
+        kw.get("routed_scaling", 1.0),
+        *kw.get("expert_range", (0, E_)),
+        out,
+    )
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "T_,E_,k,dtype",
+    [
+        (1, 64, 8, torch.bfloat16),
+        (96, 64, 8, torch.bfloat16),
+        (96, 64, 8, torch.float16),
+        (700, 16, 4, torch.bfloat16),
+        (33, 8, 2, torch.float32),
+    ],
+)
+def test_gpu_matches_reference_and_is_bit_reproducible(T_, E_, k, dtype):
+    from conftest import assert_precision
+
+    from dinfer_kernels.reference.moe import moe_reference
+
+    hidden, router, w13, w2 = gpu_case(T_, E_, k, dtype)
+    a = run_cuda(hidden, router, w13, w2, k)
+    b = run_cuda(hidden, router, w13, w2, k)
+    assert torch.equal(a, b)  # no float atomics anywhere
+    same = moe_reference(hidden, router, w13, w2, k)
+    truth = moe_reference(
+        hidden.double(), router.double(), w13.double(), w2.double(), k, compute_dtype=torch.float64
+    )
+    assert_precision(a.cpu(), same.cpu(), truth.cpu(), f"moe cuda T={T_}")
+
+
+@pytest.mark.gpu
+def test_gpu_limits_of_the_cuda_kernels():
+    hidden, router, w13, w2 = gpu_case(4, 40, 2, torch.bfloat16)
+    args = [
+        hidden,
+        router,
+        None,
+        w13,
+        w2,
+        33,
+        False,
+        "softmax",
+        None,
+        1,
+        1,
+        1.0,
+        0,
+        40,
+        torch.empty_like(hidden),
+    ]
+    with pytest.raises(ValueError, match=r"^top_k\b.*at most 32"):
+        EXT.moe(*args)
+    big = gpu_case(4, 513, 2, torch.bfloat16, h=8, inter=8)
+    with pytest.raises(ValueError, match=r"^w13\b.*at most 512"):
+        EXT.moe(
+            big[0],
+            big[1],
+            None,
+            big[2],
+            big[3],
+            2,
+            False,
+            "softmax",
+            None,
+            1,
+            1,
+            1.0,
+            0,
+            513,
+            torch.empty_like(big[0]),
+        )
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_checks():
+    hidden, router, w13, w2 = gpu_case(4, 8, 2, torch.bfloat16)
+    out = torch.empty_like(hidden)
+    args = [hidden, router, None, w13, w2, 2, False, "softmax", None, 1, 1, 1.0, 0, 8, out]
+    with pytest.raises(ValueError, match=r"^workspace\b"):
+        EXT.moe(*args)
+    with pytest.raises(ValueError, match=r"^workspace\b"):
+        EXT.moe(*args, workspace=torch.empty(16, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(ValueError, match=r"^out\b"):
+        EXT.moe(*args[:-1], out.cpu(), workspace=torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
