@@ -77,6 +77,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if not REAL_GPU and item.get_closest_marker("gpu") is not None:
             item.add_marker(no_gpu)
+        if "cpp_examples" in getattr(item, "fixturenames", ()):  # builds and installs the C++ package
+            item.add_marker(pytest.mark.slow)
     _drop_needless_isa_cases(config, items)
 
 

@@ -1,0 +1,60 @@
+"""The kernels are a distribution of their own: `pip install ./kernels` alone builds the extension and
+the op package, which import and run with the engine absent (a runtime that embeds our kernels
+installs only them)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Runs in a child whose only copy of dinfer_kernels is the installed one and where `import dinfer`
+# fails: the op package must need nothing from the engine.
+CHILD = """
+import sys
+sys.modules["dinfer"] = None
+import torch
+import dinfer_kernels
+assert dinfer_kernels.__file__.startswith(sys.argv[1]), dinfer_kernels.__file__
+from dinfer_kernels import _backend
+ext = _backend.compiled()
+assert ext is not None and ext.__file__.startswith(sys.argv[1]), ext
+x = torch.randn(3, 8)
+w = torch.rand(8) + 0.5
+out = dinfer_kernels.rms_norm(x, w, 1e-6, backend="cpu")
+def torch_rms_norm(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+truth = torch_rms_norm(x.double(), w.double())
+bound = 2 * (torch_rms_norm(x, w).double() - truth).abs().max() + 1e-12  # twice fp32 torch's error
+assert (out.double() - truth).abs().max() <= bound, (out.double() - truth).abs().max()
+print("OK", dinfer_kernels.__version__)
+"""
+
+
+@pytest.mark.slow
+def test_pip_install_of_the_kernels_alone(tmp_path):
+    if shutil.which("cmake") is None or shutil.which("ninja") is None:
+        pytest.skip("needs cmake and ninja")
+    pytest.importorskip("pybind11")
+    target = tmp_path / "site"
+    # No build isolation: the build requirements (setuptools, pybind11, cmake, ninja) are the
+    # test environment's, so the test needs no index. The CPU kernels only, to keep it short.
+    env = dict(os.environ, DINFER_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-cache-dir",
+         "--target", str(target), str(ROOT / "kernels")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    installed = {p.name for p in target.iterdir()}
+    assert "dinfer_kernels" in installed and "dinfer" not in installed, installed
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD, str(target)],
+        env=dict(env, PYTHONPATH=str(target)), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout.startswith("OK"), run.stdout + run.stderr[-3000:]
