@@ -169,8 +169,13 @@ if [ "$CALL" != 2 ] || [ "$DRY" = 1 ]; then
   if [ "$DRY" = 0 ] && [ "$workers" -gt 0 ] && "$PY" -c 'import xdist' 2>/dev/null; then
     test_args+=(-n "$workers")
   fi
-  run_step gpu-tests "${TEST_TIMEOUT_S:-150}" "$PY" -m pytest -q -rfE -p no:cacheprovider -m gpu \
+  # Hypothesis keeps its example database in a temporary folder, not in the checkout (the dry run
+  # writes nothing there).
+  hypothesis_dir=$(mktemp -d)
+  run_step gpu-tests "${TEST_TIMEOUT_S:-150}" env HYPOTHESIS_STORAGE_DIRECTORY="$hypothesis_dir" \
+    "$PY" -m pytest -q -rfE -p no:cacheprovider -m gpu \
     "${test_args[@]}" --junitxml "$OUT_DIR/junit.xml" -o junit_family=xunit2 tests
+  rm -rf "$hypothesis_dir"
 
   run_step kernel-calls 30 "$PY" bench_kernels/kernel_calls.py --device "$DEVICE"
   if [ "$DRY" = 1 ]; then
