@@ -15,7 +15,7 @@ Recipes (dinfer.generate options; every one decodes the same canvas of the model
   hierarchy    hierarchical decoding (0.9 / 0.6) + vicinity refresh + unrolled loop + early stop
 Every recipe decodes the same block layout, LLaDA's: block 0 starts right after the prompt (dInfer's
 start_block_align, the engine's default, starts it at the block boundary below the prompt's end,
-which on these models costs accuracy and tokens/forward alike; see RESULTS.md).
+which on these models costs accuracy and tokens/forward alike; see docs/notes/results-log.md).
 Each runs with our kernels (backend "auto") and on the pure-torch references ("/torch"), and
 dinfer-full also at batch 8. Speedups are tokens/s over vanilla and over fast-dllm, both with kernels.
 Each row is timed --repeats times, in passes over all rows (so the host's drift lands on every row

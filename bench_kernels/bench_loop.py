@@ -1,5 +1,5 @@
 """The generation loop's own overhead on the host: everything outside model forwards, decode steps and
-smoothing, as a fraction of the run, on a small random LLaDA-MoE-shaped model (issue target: < 10%).
+smoothing, as a fraction of the run, on a small random LLaDA-MoE-shaped model (target: < 10%).
 
     python bench_kernels/bench_loop.py [--hidden 256] [--layers 4] [--experts 16] [--vocab 8192]
                                        [--gen-length 128] [--block-length 32] [--batch 1] [--device cpu]

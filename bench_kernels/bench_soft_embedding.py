@@ -3,7 +3,7 @@
     python bench_kernels/bench_soft_embedding.py [--device cpu|cuda] [--rows 64,256,1024]
         [--vocab 157184] [--dim 2048] [--small] [--dtype bf16] [--quick] [--json out.json]
 
-out[i] = E[x_i] + w * softmax(z_i / tau) @ E on masked rows (dinfer-algorithms.md §3; LLaDA-MoE:
+out[i] = E[x_i] + w * softmax(z_i / tau) @ E on masked rows (iteration smoothing, dInfer: arXiv 2510.08666; LLaDA-MoE:
 V = 157184, d = 2048). Baseline = what dInfer's H2Embed does in eager torch: an fp32 softmax [M, V]
 materialised, cast to the embedding dtype, a GEMM with E, then the additive blend. --small (default
 on the CPU) shrinks V and d so that the host finishes in seconds.

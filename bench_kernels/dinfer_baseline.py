@@ -1,4 +1,4 @@
-"""dInfer's own decoders, written from dinfer-algorithms.md §2 — the *baseline*, not our spec.
+"""dInfer's own decoders (the dInfer paper, arXiv 2510.08666) — the *baseline*, not our spec.
 
 This module restates how dInfer computes a decode step, in eager torch and in dInfer's layout, so
 that tests can prove our spec (reference/decode.py) commits the same tokens and benchmarks have
@@ -24,7 +24,7 @@ AT_LEAST_ONE_EPS = 1e-5
 
 # --------------------------------------------------------------------------------------- threshold
 def dinfer_transfer_index_threshold(logits, x_block, mask_id: int, threshold: float):
-    """dInfer's threshold transfer rule (§2.1), pure: returns (x0, confidence, transfer).
+    """dInfer's threshold transfer rule, pure: returns (x0, confidence, transfer).
 
     x0 [B, L] int64: the argmax candidate where it may commit, else the current token.
     confidence [B, L] fp32: softmax(fp32 logits)[x0] where eligible, else -inf.
@@ -69,7 +69,7 @@ def dinfer_threshold_decode_compiled(logits, x_block, mask_id: int, threshold: f
 
 # ------------------------------------------------------------------------------------------ credit
 class DinferCreditDecoder:
-    """dInfer's CreditThresholdParallelDecoder (§2.2) with a dense fp32 credit matrix per block.
+    """dInfer's CreditThresholdParallelDecoder with a dense fp32 credit matrix per block.
 
     decode(logits [B, L, V], x_block [B, L], block=None, threshold=None) mutates x_block and returns
     (x0, confidence, transfer) of the threshold rule applied to the fused logits.
@@ -114,7 +114,7 @@ class DinferCreditDecoder:
 
 # ------------------------------------------------------------------------------------- hierarchical
 def dinfer_hierarchy_decode(logits, x_block, mask_id: int, threshold: float, low_threshold: float = 0.4):
-    """dInfer's HierarchyDecoder transfer rule (§2.3), B == 1. Mutates x_block; returns (x0, c, transfer)."""
+    """dInfer's HierarchyDecoder transfer rule, B == 1. Mutates x_block; returns (x0, c, transfer)."""
     assert logits.shape[0] == 1 and x_block.shape[0] == 1, "dInfer's hierarchy decoder is B == 1 only"
     m = (x_block == mask_id)[0]
     x0 = torch.argmax(logits, dim=-1)[0]

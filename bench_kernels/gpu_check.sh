@@ -3,8 +3,8 @@
 #
 #   bash bench_kernels/gpu_check.sh [--call 1|2|all] [--dry-run] OUT_DIR
 #
-# On the device machine (one H200, 15 min of device time per session start included, <= 10 min per
-# command, a bare machine at the start, warm for ~30 s after a call), in two calls of the `run` tool:
+# On a lent GPU machine (one H200, 15 min of device time per lease, its start included, <= 10 min per
+# command, a bare machine at the start, warm for ~30 s after a call), in two commands:
 #   call 1, timeout_s=510:  bash bench_kernels/gpu_check.sh --call 1 "$OUT"
 #       environment; build in place (DINFER_CUDA=1, archs 90a, DINFER_WERROR=0: the image's compiler
 #       is not the one CI proves warning-free; limit 200 s); then `python -m dinfer_kernels selftest`
@@ -16,9 +16,9 @@
 #       every bench_kernels/bench_*.py --quick --device cuda, the kernels' first, the engine's after;
 #       each appends its JSON case by case, so a step cut at its limit loses at most the case in
 #       flight. Budget 220 s.
-#   Then give_back. A machine's start (~1.5 min) + 510 s + 250 s stays inside the 15 minutes. Each
-#   call returns OUT/report.md, report.json, gpu_check.log and raw.tar.gz (junit, logs, JSON: the tool
-#   brings back at most 8 files).
+#   Then hand the machine back. A machine's start (~1.5 min) + 510 s + 250 s stays inside the 15 minutes. Each
+#   call returns OUT/report.md, report.json, gpu_check.log and raw.tar.gz (junit, logs, JSON: at most 8
+#   files come back from the machine).
 # --call all (the default) runs both calls' steps in one go, for a machine without those limits.
 # --dry-run: the same plumbing on a CPU machine (host and interpreter backends, tiny shapes; no build:
 #   the existing one is used; nothing is written into the checkout) and the same report, each section

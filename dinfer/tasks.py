@@ -16,7 +16,7 @@ running values and ranks still tie each answer token to others. Recall writes it
 entry, key included: the value is then read by matching the two characters before it (`e=`) to the
 table, the copy-what-followed-last-time pattern small transformers learn first, and it depends on the
 key written before it. Its keys come from 8 letters and it asks one key: with 26 letters, or two to
-four keys asked, our 4-layer models did not learn the lookup in the training budget (RESULTS.md,
+four keys asked, our 4-layer models did not learn the lookup in the training budget (docs/training.md,
 recall probes rounds 9 and 10); the trainer brings the one-key lookup up with a curriculum
 (dinfer/train/curriculum.py).
 
@@ -70,7 +70,7 @@ def _recall(rng: random.Random) -> Problem:
 def _chain(rng: random.Random) -> Problem:
     # A +-1 counter rather than a running digit sum: each answer digit still depends on the previous
     # one, but a step is one of two moves, which a 4-layer model learns; the mod-10 digit sum it does
-    # not learn in the training budget (0% exact after 600 single-task steps; RESULTS.md).
+    # not learn in the training budget (0% exact after 600 single-task steps; docs/training.md).
     start = rng.randrange(10)
     ops = "".join(rng.choice("+-") for _ in range(CHAIN_STEPS))
     value, values = start, []

@@ -6,8 +6,8 @@ Canonical names (the models use these; per-layer names carry a `layers.{i}.` pre
   only), mlp_norm [H]; dense MLP: gate [I,H], up [I,H], down [H,I]; MoE: router [E,H] (fp32),
   w13 [E,2I,H] (per expert: gate rows, then up rows), w2 [E,H,I], expert_bias [E] (when enabled).
 
-Released layouts (shared/reference/models.md): LLaDA dense §1.2, LLaDA-MoE per-expert §2.2 and dInfer's fused
-stacked-expert layout §2.3. Loading parses safetensors over a private memory map, so a tensor that needs no
+Released layouts (as the checkpoints ship): LLaDA dense, LLaDA-MoE per-expert and dInfer's fused
+stacked-expert layout. Loading parses safetensors over a private memory map, so a tensor that needs no
 cast is a zero-copy view of the file and the model is never held twice in RAM. Before any tensor is used
 the checkpoint is checked against the config from the headers alone (load_weights), so a config that
 disagrees with the weights, or a broken file, is a CheckpointError naming the file, the key and both values.

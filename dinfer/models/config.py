@@ -2,7 +2,7 @@
 
 The two families store their hyper-parameters under different key names (OLMo-style `d_model`/`n_layers`
 for dense, HF-style `hidden_size`/... for MoE) and both say `model_type: "llada"`, so `from_hf` tells them
-apart by `architectures` or by which keys exist (shared/reference/models.md §0), then maps each onto the
+apart by `architectures` or by which keys exist, then maps each onto the
 same fields. Anything whose computation we do not implement is rejected with the offending key named,
 rather than loaded and run wrongly; so are values of the wrong type and special-token ids that would
 break decoding (outside the vocabulary, or a mask token that is also the eos/pad token). Every error is a
@@ -29,7 +29,7 @@ _MOE_ARCHS = {MOE_ARCH, "LLaDAMoEModel", FUSED_MOE_ARCH}  # some copies of the r
 _LLADA2_ARCHS = {"LLaDA2MoeModelLM"}
 _LLADA2_KEYS = ("first_k_dense_replace", "n_group")
 
-# Special-token ids the releases hard-code when config.json omits them (models.md §4).
+# Special-token ids the releases hard-code when config.json omits them.
 DENSE_MASK_ID, DENSE_EOS_ID = 126336, 126081
 MOE_MASK_ID, MOE_EOS_ID = 156895, 156892
 

@@ -3,7 +3,7 @@
 The template is rendered the way Hugging Face's `apply_chat_template(..., tokenize=False)` does (a
 sandboxed jinja2 environment with trim_blocks/lstrip_blocks, `raise_exception`, the special-token
 strings of tokenizer_config.json as variables), so prompts match what dInfer's tests feed the model
-(shared/reference/models.md §5.3) without depending on `transformers`.
+without depending on `transformers`.
 
 Broken files end in a CheckpointError naming the file: a tokenizer.json the `tokenizers` package cannot
 read, a config that is not a JSON object, a chat template that does not parse or render; and, given the
@@ -35,7 +35,7 @@ class Tokenizer:
     `eos_id` is where decoding stops; it defaults to the model config's id when `config` is given,
     else to the id of tokenizer_config.json's `eos_token`. With `config`, the tokenizer is checked
     against the model: every id it can produce has an embedding row, and the eos and pad ids are tokens
-    (the mask id is not checked: some released tokenizer copies lack the mask token, models.md §5.2).
+    (the mask id is not checked: some released tokenizer copies lack the mask token).
     """
 
     def __init__(self, path, eos_id: Optional[int] = None, config: Optional[ModelConfig] = None):

@@ -5,8 +5,8 @@ bring each value to its key by a fixed offset, and that head pays off only once 
 exists. A learned absolute-position table added to the inputs of recall sequences gives every token
 its position from the first step, and the lookup forms on two- and three-key tables within a few
 hundred steps if nothing else is trained (with the other four tasks in the batch and the table on
-recall rows only, it had not formed by step 600: RESULTS.md, round 11); the table then fades out, the
-model carries the lookup over to RoPE, and the tables grow to the suite's size (RESULTS.md, recall
+recall rows only, it had not formed by step 600: docs/training.md, "Recall learned"); the table then fades out, the
+model carries the lookup over to RoPE, and the tables grow to the suite's size (docs/training.md, recall
 probes rounds 8-10). The table is never saved: the checkpoints keep the released layouts. The
 schedule is in steps, not fractions of the run, because what it paces is the number of updates a
 lookup takes to form.

@@ -38,7 +38,7 @@ SOFT_WEIGHT = (SMOOTHING_WEIGHT[0], SMOOTHING_WEIGHT[2])  # the range of w_n at 
 def init_weights(preset: TrainPreset, gen: torch.Generator) -> Dict[str, torch.Tensor]:
     """torch's default init: norms at 1, embeddings N(0, 1), every other matrix N(0, 1 / (3 fan_in))
     (the variance of nn.Linear's uniform). At N(0, 0.02^2) the recall lookup did not form even with
-    the position scaffold (RESULTS.md, recall probes rounds 7-8)."""
+    the position scaffold (docs/training.md, recall probes rounds 7-8)."""
     weights = {}
     for name, shape in expected_shapes(preset.config).items():
         if name.endswith("norm"):
@@ -129,7 +129,7 @@ def loss_fn(
     c = model.config
     # The per-token form (mask each token with p ~ U(0, 1), weight 1/p) estimates the same bound, but
     # a sequence masked at small p weighs up to 1000x the rest, and on recall that noise kept the
-    # key lookup from forming at all (RESULTS.md, recall probes round 9). Here no weight exceeds L.
+    # key lookup from forming at all (docs/training.md, recall probes round 9). Here no weight exceeds L.
     # l is stratified over the batch (one uniform shifted by b / B), as t was.
     L = canvas_len.long()
     u = (torch.rand(1, generator=gen) + torch.arange(B) / B) % 1

@@ -1,7 +1,7 @@
 """The two embedded models: architecture, training schedule and generation defaults.
 
 Both train on a 2-core CPU in under 45 minutes (shipped runs, one thread each with the other core
-busy: MoE 42 min, dense 34 min; RESULTS.md, session 15) and ship in the package (bf16 weights,
+busy: MoE 42 min, dense 34 min; docs/training.md, 2026-12-02) and ship in the package (bf16 weights,
 < 20 MB each): tiny-llada-moe (the default model; LLaDA-MoE: QK-norm, 8 experts,
 top-2, no renormalisation) and tiny-llada (the dense LLaDA block: SwiGLU MLP, no QK-norm).
 """
@@ -21,8 +21,8 @@ GEN_LENGTH, BLOCK_LENGTH = 32, 8
 # over. Sort (ranks with repeats) and add learn slowest of the tasks, so they get more. Chain gets a
 # double share, not for vanilla decoding (100% at 1/7.75 of the batch) but so that its late digits are
 # right when several are committed from one forward: at 1/7.75, 8% of chains went wrong that way; at
-# 2/8.75, none of 100 (RESULTS.md, session 15). Recall's lookup forms in the recall-only steps; at a
-# double share after them add and sort fell below the bar (RESULTS.md, session 14).
+# 2/8.75, none of 100 (docs/notes/results-log.md, 2026-12-02). Recall's lookup forms in the recall-only steps; at a
+# double share after them add and sort fell below the bar (docs/training.md, 2026-12-02).
 TASK_WEIGHTS = (("add", 2.0), ("sort", 2.5), ("reverse", 1.25), ("recall", 1.0), ("chain", 2.0))
 
 

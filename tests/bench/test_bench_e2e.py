@@ -1,5 +1,5 @@
 """bench_kernels/bench_e2e.py end to end on a tiny run: every recipe and backend, the batch-8 row, the
-issue's ratios computed from the rows, one block layout for all recipes, and the JSON it writes."""
+target ratios computed from the rows, one block layout for all recipes, and the JSON it writes."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Every generation ends (issue #25): non-finite logits stop a run with NonFiniteLogitsError within a
+"""Every generation ends: non-finite logits stop a run with NonFiniteLogitsError within a
 chunk, a block never outlives its length in forwards, and seeded sampling is keyed on the request,
 not its slot in the batch."""
 

@@ -1,4 +1,4 @@
-"""Broken checkpoints end in clear errors (issue #25).
+"""Broken checkpoints end in clear errors.
 
 Each case copies an embedded model (dinfer/assets) into tmp_path, breaks one thing the way real
 checkpoints break (a config that disagrees with the weights, truncated or corrupt safetensors, a shard

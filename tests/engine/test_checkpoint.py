@@ -1,4 +1,4 @@
-"""ModelConfig parsing and checkpoint I/O against the released formats (shared/reference/models.md §0-§2).
+"""ModelConfig parsing and checkpoint I/O against the released formats.
 
 Tiny configs with awkward sizes; checkpoints are written with the real safetensors writer and read back
 by our memory-mapped parser.
@@ -22,7 +22,7 @@ from dinfer.models import (
     save_checkpoint,
 )
 
-# Released config.json values (models.md §1.1 and §2.1), used both as parsing tests and as templates.
+# Released config.json values, used both as parsing tests and as templates.
 DENSE_8B = {
     "architectures": ["LLaDAModelLM"],
     "model_type": "llada",
@@ -289,7 +289,7 @@ def test_round_trip_is_bit_exact(kind, layout, shards, tmp_path):
 
 
 def test_hf_layout_uses_released_names_and_expert_order(tmp_path):
-    """Read with the reference safetensors reader: w13 rows are gate then up, per expert (models.md §2.3)."""
+    """Read with the reference safetensors reader: w13 rows are gate then up, per expert."""
     c = tiny("moe")
     w = random_weights(c)
     save_checkpoint(tmp_path, c, w)

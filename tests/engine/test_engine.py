@@ -62,7 +62,7 @@ def model_of(cfg, seed=0, scale=None):
 
 
 def naive_forward(cfg, w, tokens, dtype=torch.float64):
-    """The released models' forward, written from models.md (no cache, all rows), in `dtype`
+    """The released models' forward, written out plainly (no cache, all rows), in `dtype`
     (float64: the truth; float32: the same-precision run)."""
     w = {k: v.to(dtype) for k, v in w.items()}
     T = tokens.shape[0]

@@ -97,7 +97,7 @@ def test_tokenizer_is_the_chat_template(tok_dir):
         assert tok.decode(tok.encode(answer) + [tok.eos_id] + tok.encode("junk")) == answer
     assert tok.encode("ADD") == tok.encode("add")
     assert HFTokenizer.from_file(str(tok_dir / "tokenizer.json")).encode("~").ids == [special_ids()[UNK]]
-    with pytest.raises(ValueError, match=r"position 0: '~'"):  # the checkpoint loader names it (issue #25)
+    with pytest.raises(ValueError, match=r"position 0: '~'"):  # the checkpoint loader names it
         tok.encode("~")
 
 

@@ -247,7 +247,7 @@ def test_fuzz_bindings_never_crash(case):
         assert str(e).split(":")[0] in set(ORDER) | set(PARAMS), str(e)
 
 
-# ---- overlapping arrays, hand-built credit states, NumPy scalars (issue #25) ---------------------
+# ---- overlapping arrays, hand-built credit states, NumPy scalars ---------------------------------
 
 from dinfer_kernels import attention, decode_step  # noqa: E402
 from dinfer_kernels.ops.decode import CreditState  # noqa: E402
@@ -262,7 +262,7 @@ def rms_norm_views(out_start):
 
 
 def test_rms_norm_partial_overlap_is_refused():
-    """The issue's repro: out one row past x in one buffer gave max error 2.76; now a ValueError
+    """The reproducer: out one row past x in one buffer gave max error 2.76; now a ValueError
     naming both arrays."""
     _, x, out = rms_norm_views(1)
     with pytest.raises(ValueError, match=r"^out: overlaps x"):
@@ -350,7 +350,7 @@ BAD_CREDIT = [
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("slots,message", BAD_CREDIT, ids=range(len(BAD_CREDIT)))
 def test_hand_built_credit_state_is_validated(backend, slots, message):
-    """The issue's repro: such states gave NaN confidences, or (a duplicate id) confidences above 1."""
+    """The reproducer: such states gave NaN confidences, or (a duplicate id) confidences above 1."""
     logits, tokens, offsets = decode_case()
     with pytest.raises(ValueError, match=message):
         decode_step(logits, tokens, offsets, 3, credit=hand_built(4, 2, slots), backend=backend)

@@ -1,4 +1,4 @@
-"""The op fuzz suite (issue #25): for every public op and every backend that runs here, >= 500 calls from
+"""The op fuzz suite: for every public op and every backend that runs here, >= 500 calls from
 a seeded generator, valid and broken.
 
 Valid calls draw odd shapes (1, primes, non-powers of two), every dtype the backend takes, strided

@@ -1,7 +1,7 @@
 """Fused decode step — the contract every backend reproduces.
 
 One call turns the logits of a batch of diffusion blocks into committed tokens, the way dInfer's
-threshold / credit / hierarchical / fixed-steps decoders do (dinfer-algorithms.md §2), in one read of
+threshold / credit / hierarchical / fixed-steps decoders do (dInfer, arXiv 2510.08666), in one read of
 the logits and with all state on the device.
 
 Inputs

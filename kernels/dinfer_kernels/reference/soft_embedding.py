@@ -1,4 +1,4 @@
-"""Soft embedding — the iteration-smoothing input (dinfer-algorithms.md §3), the spec.
+"""Soft embedding — the iteration-smoothing input (dInfer, arXiv 2510.08666), the spec.
 
     out[i] = E[tokens[i]]                                          if tokens[i] != mask_id
     out[i] = E[mask_id] + weight * softmax(z_i / tau) @ E          if tokens[i] == mask_id
