@@ -1,10 +1,10 @@
 """Decoding strategies: thin configurations of dinfer_kernels.decode_step (per sequence, any batch).
 
-threshold   commit every masked position with confidence >= tau (at least one per sequence)
-credit      threshold on credit-fused logits (dInfer's CreditDecoding, sparse slots)
-hierarchy   best of each masked run above tau_low, everything above tau_high, plus the top-1
-fixed       LLaDA's fixed-steps schedule: n_k = floor(m / S) + [k < m mod S] tokens at step k of a
-            block with m masked positions and S steps (lowest-confidence remasking)
+threshold     commit every masked position with confidence >= tau (at least one per sequence)
+credit        threshold on credit-fused logits (dInfer's CreditDecoding, sparse slots)
+hierarchical  best of each masked run above tau_low, everything above tau_high, plus the top-1
+fixed         LLaDA's fixed-steps schedule: n_k = floor(m / S) + [k < m mod S] tokens at step k of a
+              block with m masked positions and S steps (lowest-confidence remasking)
 """
 
 import copy
@@ -13,22 +13,24 @@ from dataclasses import dataclass
 import torch
 
 import dinfer_kernels as dk
+from dinfer_kernels.reference.decode import DEFAULTS
 
 from .params import Int, OneOf, Real, check
 
-DECODERS = ("threshold", "credit", "hierarchy", "fixed")
+# Every name but credit is the decode_step rule of that name; credit is the threshold rule on credit.
+DECODERS = ("threshold", "credit", "hierarchical", "fixed")
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
     name: str = "threshold"
-    threshold: float = 0.9  # tau, or tau_high for hierarchy
-    low_threshold: float = 0.6  # tau_low for hierarchy (dInfer's SamplingParams)
+    threshold: float = DEFAULTS.threshold  # tau, or tau_high for hierarchical
+    low_threshold: float = DEFAULTS.low_threshold  # tau_low for hierarchical
     steps_per_block: int = 0  # fixed: steps per block (0: one token per step)
     credit_slots: int = 16
-    credit_alpha: float = 0.7
-    credit_beta: float = 0.8
-    credit_gamma: float = 0.2
+    credit_alpha: float = DEFAULTS.credit_alpha
+    credit_beta: float = DEFAULTS.credit_beta
+    credit_gamma: float = DEFAULTS.credit_gamma
     temperature: float = 0.0
     seed: int = 0
 
@@ -98,7 +100,7 @@ class Decoder:
         """One step on logits [B * bl, V]; block_tokens [B * bl] updated in place. threshold [B].
         row_keys: [B * bl] int64 sampling-noise keys (decode_step's row_keys)."""
         c = self.cfg
-        rule = {"hierarchy": "hierarchical", "fixed": "fixed"}.get(c.name, "threshold")
+        rule = "threshold" if c.name == "credit" else c.name
         out = dk.decode_step(
             logits,
             block_tokens,

@@ -60,7 +60,7 @@ class NonFiniteLogitsError(RuntimeError):
 class GenerationConfig:
     gen_length: int = 1024
     block_length: int = 64  # capped to gen_length
-    decoder: DecoderConfig = field(default_factory=lambda: DecoderConfig(threshold=0.8))
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
     cache: str = "vicinity"  # none | prefix | dual | vicinity
     prefix_look: int = 16  # vicinity window: [block - prefix_look, block + after_look)
     after_look: int = 16
