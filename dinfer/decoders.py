@@ -1,14 +1,19 @@
-"""Decoding strategies: thin configurations of dinfer_kernels.decode_step (per sequence, any batch).
+"""Decoding strategies: thin configurations of dinfer_kernels.decode_step (per sequence, any batch),
+and the per-sequence schedules they follow.
 
 threshold     commit every masked position with confidence >= tau (at least one per sequence)
 credit        threshold on credit-fused logits (dInfer's CreditDecoding, sparse slots)
 hierarchical  best of each masked run above tau_low, everything above tau_high, plus the top-1
 fixed         LLaDA's fixed-steps schedule: n_k = floor(m / S) + [k < m mod S] tokens at step k of a
               block with m masked positions and S steps (lowest-confidence remasking)
+
+Schedules: the fixed steps above, and the threshold warm-up that comes with iteration smoothing,
+tau_n = max(start - decay * n, tau) over a request's iterations n.
 """
 
 import copy
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
@@ -55,10 +60,20 @@ class DecoderConfig:
 
 
 class Decoder:
-    """Per-block decoder state for B sequences of block_length rows each."""
+    """Per-block decoder state for B sequences of block_length rows each. warmup: (start, decay) of
+    the threshold warm-up, or None for the fixed tau."""
 
-    def __init__(self, cfg: DecoderConfig, batch: int, block_length: int, mask_id: int, device):
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        batch: int,
+        block_length: int,
+        mask_id: int,
+        device,
+        warmup: Optional[Tuple[float, float]] = None,
+    ):
         self.cfg = cfg
+        self.warmup = warmup
         self.mask_id = mask_id
         self.bl = block_length
         self.offsets = torch.arange(batch + 1, dtype=torch.int32, device=device) * block_length
@@ -96,9 +111,18 @@ class Decoder:
         # of those commits exactly one (decode_step's progress guarantee when none is eligible).
         return (m // steps + (self.step < m % steps).to(torch.int32)).to(torch.int32)
 
-    def __call__(self, logits, block_tokens, threshold, row_keys=None):
-        """One step on logits [B * bl, V]; block_tokens [B * bl] updated in place. threshold [B].
-        row_keys: [B * bl] int64 sampling-noise keys (decode_step's row_keys)."""
+    def _threshold(self, iters: torch.Tensor) -> torch.Tensor:
+        """[B] tau of each sequence after its iters [B] iterations."""
+        tau = torch.full(iters.shape, self.cfg.threshold, dtype=torch.float32, device=iters.device)
+        if self.warmup is None:
+            return tau
+        start, decay = self.warmup
+        return torch.maximum(start - decay * iters.float(), tau)
+
+    def __call__(self, logits, block_tokens, iters, row_keys=None):
+        """One step on logits [B * bl, V]; block_tokens [B * bl] updated in place. iters [B]: each
+        sequence's iterations so far (the threshold schedule). row_keys: [B * bl] int64
+        sampling-noise keys (decode_step's row_keys)."""
         c = self.cfg
         rule = "threshold" if c.name == "credit" else c.name
         out = dk.decode_step(
@@ -107,7 +131,7 @@ class Decoder:
             self.offsets,
             self.mask_id,
             rule=rule,
-            threshold=threshold,
+            threshold=self._threshold(iters),
             low_threshold=c.low_threshold,
             num_commit=self._num_commit() if rule == "fixed" else None,
             temperature=c.temperature,

@@ -139,7 +139,8 @@ class BlockState:
         # [B] the request's forward (its own count, from 1) whose logits first held a NaN or +-inf
         # in a valid row of this block; -1: none yet.
         self.nonfinite_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
-        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev)
+        warmup = (cfg.smoothing_threshold_start, cfg.smoothing_threshold_decay) if cfg.smoothing else None
+        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev, warmup)
         self.decoder.start_block(self.block_tokens().view(B, bl))
         self.soft = model.embed(self.block_tokens())  # hard embeddings until the block has logits
 
@@ -222,25 +223,20 @@ class Generator:
         with self.stats.phase("decode", dev):
             tokens = st.block_tokens()
             active = (tokens.view(B, bl) == self.mask_id).any(1)
-            n = st.iters.float()
-            tau = torch.full_like(n, cfg.decoder.threshold)
-            if cfg.smoothing:
-                tau = torch.maximum(cfg.smoothing_threshold_start - cfg.smoothing_threshold_decay * n, tau)
             keys = None
             if cfg.decoder.temperature > 0:
                 keys = rng.request_row_keys(st.request_keys, st.block_pos, st.iters).flatten()
-            out = st.decoder(logits, tokens, tau, keys)
+            out = st.decoder(logits, tokens, st.iters, keys)
             bad = (out.nonfinite.view(B, bl) & st.valid).any(1)
             st.nonfinite_at.copy_(torch.where(bad & (st.nonfinite_at < 0), st.iters + 1, st.nonfinite_at))
             st.store_block_tokens(tokens)
-            st.iters += active.to(st.iters.dtype)
         if cfg.smoothing:
             with self.stats.phase("smoothing", dev):
+                # The next forward's inputs of the rows still masked: w_n of each sequence.
                 w0, dw, wmax = cfg.smoothing_weight
-                w = torch.clamp(w0 + dw * n, max=wmax).repeat_interleave(bl)[:, None]
-                hard = model.embed(tokens)
-                soft = dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, 1.0)
-                st.soft.copy_(hard + w.to(hard.dtype) * (soft - hard))
+                w = torch.clamp(w0 + dw * st.iters.float(), max=wmax).repeat_interleave(bl)
+                st.soft.copy_(dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, w))
+        st.iters += active.to(st.iters.dtype)
 
     def _is_refresh(self, step: int, ran: int) -> bool:
         """Whether the block's iteration `step` is a full refresh; `ran`: the fewest forwards any
