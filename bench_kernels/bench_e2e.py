@@ -12,7 +12,7 @@ Recipes (dinfer.generate options; every one decodes the same canvas of the model
                smoothing without dInfer's threshold warm-up (tau from 1.0 down by 0.02 per forward),
                which is tuned for ~1k-token requests and holds back most of a 32-token one
   dinfer-credit  dinfer-full without iteration smoothing
-  hierarchy    hierarchical decoding (0.9 / 0.6) + vicinity refresh + unrolled loop + early stop
+  hierarchical hierarchical decoding (0.9 / 0.6) + vicinity refresh + unrolled loop + early stop
 Every recipe decodes the same block layout, LLaDA's: block 0 starts right after the prompt (dInfer's
 start_block_align, the engine's default, starts it at the block boundary below the prompt's end,
 which on these models costs accuracy and tokens/forward alike; see docs/notes/results-log.md).
@@ -46,8 +46,8 @@ RECIPES = {
         unroll=4,
     ),
     "dinfer-credit": dict(decoder="credit", threshold=0.9, cache="vicinity", write_back=False, unroll=4),
-    "hierarchy": dict(
-        decoder="hierarchy", threshold=0.9, low_threshold=0.6, cache="vicinity", write_back=False, unroll=4
+    "hierarchical": dict(
+        decoder="hierarchical", threshold=0.9, low_threshold=0.6, cache="vicinity", write_back=False, unroll=4
     ),
 }
 

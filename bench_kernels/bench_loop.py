@@ -67,7 +67,7 @@ def main(argv=None):
     model = DiffusionLM(cfg, {k: v.to(a.device) for k, v in weights.items()})
     prompts = [list(range(1, 40))] * a.batch
     rows = []
-    credit = DecoderConfig(name="credit", threshold=0.8)
+    credit = DecoderConfig(name="credit")
     for name, kw in [
         ("threshold, vicinity + write-back", {}),
         ("threshold, vicinity (dInfer: no write-back)", {"write_back": False}),

@@ -19,6 +19,8 @@ Known differences from our spec (both documented in reference/decode.py):
 
 import torch
 
+from dinfer_kernels.reference.decode import DEFAULTS
+
 AT_LEAST_ONE_EPS = 1e-5
 
 
@@ -79,7 +81,12 @@ class DinferCreditDecoder:
     """
 
     def __init__(
-        self, mask_id: int, threshold: float, alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2
+        self,
+        mask_id: int,
+        threshold: float,
+        alpha: float = DEFAULTS.credit_alpha,
+        beta: float = DEFAULTS.credit_beta,
+        gamma: float = DEFAULTS.credit_gamma,
     ):
         self.mask_id, self.threshold = mask_id, threshold
         self.alpha, self.beta, self.gamma = alpha, beta, gamma
@@ -113,7 +120,7 @@ class DinferCreditDecoder:
 
 
 # ------------------------------------------------------------------------------------- hierarchical
-def dinfer_hierarchy_decode(logits, x_block, mask_id: int, threshold: float, low_threshold: float = 0.4):
+def dinfer_hierarchy_decode(logits, x_block, mask_id: int, threshold: float, low_threshold: float):
     """dInfer's HierarchyDecoder transfer rule, B == 1. Mutates x_block; returns (x0, c, transfer)."""
     assert logits.shape[0] == 1 and x_block.shape[0] == 1, "dInfer's hierarchy decoder is B == 1 only"
     m = (x_block == mask_id)[0]

@@ -69,16 +69,23 @@ def _model_options(p: argparse.ArgumentParser, batch_default: str) -> None:
     )
 
 
-def _generation_options(p: argparse.ArgumentParser, d: Dict[str, object]) -> None:
+def _generation_options(parser: argparse.ArgumentParser, d: Dict[str, object]) -> None:
+    """The options of the run itself (GenerationConfig / DecoderConfig fields), in one group whose
+    destinations the command hands to LLM.generate / evaluate (`_options`)."""
+    group, dests = parser.add_argument_group("generation options"), []
+
+    def add(*flags, **kw):
+        dests.append(group.add_argument(*flags, **kw).dest)
+
     def opt(*flags, help, **kw):
         dest = flags[0].lstrip("-").replace("-", "_")
-        p.add_argument(*flags, dest=dest, help=f"{help} (default: {d[dest]})", **kw)
+        add(*flags, dest=dest, help=f"{help} (default: {d[dest]})", **kw)
 
     opt("--gen-length", "--max-new-tokens", type=int, help="tokens generated per prompt")
     opt("--block-length", type=int, help="tokens per block (capped to --gen-length)")
     opt("--decoder", choices=DECODERS, help="decoding strategy")
-    opt("--threshold", type=float, help="commit threshold in [0, 1] (tau_high for hierarchy)")
-    opt("--low-threshold", type=float, help="tau_low in [0, 1] for hierarchy")
+    opt("--threshold", type=float, help="commit threshold in [0, 1] (tau_high for hierarchical)")
+    opt("--low-threshold", type=float, help="tau_low in [0, 1] for hierarchical")
     opt("--steps-per-block", type=int, help="fixed decoder: steps per block (0: one token per step)")
     opt("--temperature", type=float, help="sampling temperature (0: the most likely token)")
     opt("--seed", type=int, help="sampling seed, in [0, 2**32)")
@@ -92,7 +99,7 @@ def _generation_options(p: argparse.ArgumentParser, d: Dict[str, object]) -> Non
     )
     opt("--smoothing-threshold-decay", type=float, help="... and its decay per iteration")
     on_off = lambda name: "on" if d[name] else "off"
-    p.add_argument(
+    add(
         "--no-write-back",
         dest="write_back",
         action="store_false",
@@ -100,20 +107,20 @@ def _generation_options(p: argparse.ArgumentParser, d: Dict[str, object]) -> Non
         help="window steps leave the KV cache as it was, dInfer's vicinity step "
         f"(default: write-back {on_off('write_back')})",
     )
-    p.add_argument(
+    add(
         "--smoothing",
         action="store_true",
         default=None,
         help=f"iteration smoothing (default: {on_off('smoothing')})",
     )
-    p.add_argument(
+    add(
         "--no-early-stop",
         dest="early_stop",
         action="store_false",
         default=None,
         help=f"decode every block even after EOS (default: early stop {on_off('early_stop')})",
     )
-    p.add_argument(
+    add(
         "--no-compact",
         dest="compact",
         action="store_false",
@@ -121,7 +128,7 @@ def _generation_options(p: argparse.ArgumentParser, d: Dict[str, object]) -> Non
         help="sequences whose block is done keep running its forwards, dInfer's batches "
         f"(default: compaction {on_off('compact')})",
     )
-    p.add_argument(
+    add(
         "--no-align-blocks",
         dest="align_blocks",
         action="store_false",
@@ -129,6 +136,7 @@ def _generation_options(p: argparse.ArgumentParser, d: Dict[str, object]) -> Non
         help="block 0 starts right after the prompt (LLaDA's sampler), not at a block boundary "
         f"(default: aligned {on_off('align_blocks')})",
     )
+    parser.set_defaults(run_options=tuple(dests))
 
 
 def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
@@ -192,28 +200,9 @@ def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
     return parser
 
 
-# Command-line settings that are not generation options.
-_RUN_ARGS = (
-    "command",
-    "model",
-    "prompt",
-    "prompts_file",
-    "stop",
-    "json",
-    "chat",
-    "device",
-    "dtype",
-    "batch_size",
-    "tasks",
-    "num_problems",
-    "problem_seed",
-    "output",
-    "progress",
-)
-
-
 def _options(args: argparse.Namespace) -> dict:
-    return {k: v for k, v in vars(args).items() if k not in _RUN_ARGS}
+    """The generation options given on the command line (None: not given)."""
+    return {k: getattr(args, k) for k in args.run_options}
 
 
 def _writable(path: str, option: str) -> None:

@@ -1,34 +1,41 @@
-"""Decoding strategies: thin configurations of dinfer_kernels.decode_step (per sequence, any batch).
+"""Decoding strategies: thin configurations of dinfer_kernels.decode_step (per sequence, any batch),
+and the per-sequence schedules they follow.
 
-threshold   commit every masked position with confidence >= tau (at least one per sequence)
-credit      threshold on credit-fused logits (dInfer's CreditDecoding, sparse slots)
-hierarchy   best of each masked run above tau_low, everything above tau_high, plus the top-1
-fixed       LLaDA's fixed-steps schedule: n_k = floor(m / S) + [k < m mod S] tokens at step k of a
-            block with m masked positions and S steps (lowest-confidence remasking)
+threshold     commit every masked position with confidence >= tau (at least one per sequence)
+credit        threshold on credit-fused logits (dInfer's CreditDecoding, sparse slots)
+hierarchical  best of each masked run above tau_low, everything above tau_high, plus the top-1
+fixed         LLaDA's fixed-steps schedule: n_k = floor(m / S) + [k < m mod S] tokens at step k of a
+              block with m masked positions and S steps (lowest-confidence remasking)
+
+Schedules: the fixed steps above, and the threshold warm-up that comes with iteration smoothing,
+tau_n = max(start - decay * n, tau) over a request's iterations n.
 """
 
 import copy
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
 import dinfer_kernels as dk
+from dinfer_kernels.reference.decode import DEFAULTS
 
 from .params import Int, OneOf, Real, check
 
-DECODERS = ("threshold", "credit", "hierarchy", "fixed")
+# Every name but credit is the decode_step rule of that name; credit is the threshold rule on credit.
+DECODERS = ("threshold", "credit", "hierarchical", "fixed")
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
     name: str = "threshold"
-    threshold: float = 0.9  # tau, or tau_high for hierarchy
-    low_threshold: float = 0.6  # tau_low for hierarchy (dInfer's SamplingParams)
+    threshold: float = DEFAULTS.threshold  # tau, or tau_high for hierarchical
+    low_threshold: float = DEFAULTS.low_threshold  # tau_low for hierarchical
     steps_per_block: int = 0  # fixed: steps per block (0: one token per step)
     credit_slots: int = 16
-    credit_alpha: float = 0.7
-    credit_beta: float = 0.8
-    credit_gamma: float = 0.2
+    credit_alpha: float = DEFAULTS.credit_alpha
+    credit_beta: float = DEFAULTS.credit_beta
+    credit_gamma: float = DEFAULTS.credit_gamma
     temperature: float = 0.0
     seed: int = 0
 
@@ -53,10 +60,20 @@ class DecoderConfig:
 
 
 class Decoder:
-    """Per-block decoder state for B sequences of block_length rows each."""
+    """Per-block decoder state for B sequences of block_length rows each. warmup: (start, decay) of
+    the threshold warm-up, or None for the fixed tau."""
 
-    def __init__(self, cfg: DecoderConfig, batch: int, block_length: int, mask_id: int, device):
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        batch: int,
+        block_length: int,
+        mask_id: int,
+        device,
+        warmup: Optional[Tuple[float, float]] = None,
+    ):
         self.cfg = cfg
+        self.warmup = warmup
         self.mask_id = mask_id
         self.bl = block_length
         self.offsets = torch.arange(batch + 1, dtype=torch.int32, device=device) * block_length
@@ -94,18 +111,27 @@ class Decoder:
         # of those commits exactly one (decode_step's progress guarantee when none is eligible).
         return (m // steps + (self.step < m % steps).to(torch.int32)).to(torch.int32)
 
-    def __call__(self, logits, block_tokens, threshold, row_keys=None):
-        """One step on logits [B * bl, V]; block_tokens [B * bl] updated in place. threshold [B].
-        row_keys: [B * bl] int64 sampling-noise keys (decode_step's row_keys)."""
+    def _threshold(self, iters: torch.Tensor) -> torch.Tensor:
+        """[B] tau of each sequence after its iters [B] iterations."""
+        tau = torch.full(iters.shape, self.cfg.threshold, dtype=torch.float32, device=iters.device)
+        if self.warmup is None:
+            return tau
+        start, decay = self.warmup
+        return torch.maximum(start - decay * iters.float(), tau)
+
+    def __call__(self, logits, block_tokens, iters, row_keys=None):
+        """One step on logits [B * bl, V]; block_tokens [B * bl] updated in place. iters [B]: each
+        sequence's iterations so far (the threshold schedule). row_keys: [B * bl] int64
+        sampling-noise keys (decode_step's row_keys)."""
         c = self.cfg
-        rule = {"hierarchy": "hierarchical", "fixed": "fixed"}.get(c.name, "threshold")
+        rule = "threshold" if c.name == "credit" else c.name
         out = dk.decode_step(
             logits,
             block_tokens,
             self.offsets,
             self.mask_id,
             rule=rule,
-            threshold=threshold,
+            threshold=self._threshold(iters),
             low_threshold=c.low_threshold,
             num_commit=self._num_commit() if rule == "fixed" else None,
             temperature=c.temperature,

@@ -1,18 +1,14 @@
-"""The diffusion generation loop: blocks, cache refreshes, window steps, decoding, smoothing, early stop,
-continuous batching.
+"""The diffusion generation loop: blocks, cache refreshes, window steps, decoding, smoothing.
 
-    until every prompt is finished:
-        fill: up to `batch_size` sequences in flight; a finished one's slot goes to the next prompt
-        one round: every sequence in flight decodes its own next block
+    until every prompt is finished (dinfer.scheduler: the queue, refills, early stop, the answers):
+        schedule: up to `batch_size` sequences in flight; a finished one's slot goes to the next prompt
+        run the round: every sequence in flight decodes its own next block
             repeat until the block holds no [MASK] (one host check per chunk of <= `unroll` iterations):
                 compact: sequences whose block is done leave the block's remaining iterations
                 iteration: forward (a full refresh at the block's start, else the cache mode's window)
                            + decode_step on the block's rows (+ soft embeddings for the next forward)
-        early stop: a sequence whose block holds EOS is finished, the rest of it EOS, and leaves;
+        postprocess: a sequence whose block holds EOS is finished (early stop), the rest of it EOS;
         so is one whose last block is done
-
-Refills happen at block boundaries because every block starts with a full refresh: the newcomer's
-first forward builds its cache rows along with everyone's, so nothing is prefilled apart.
 
 Every iteration is one model forward and one decode_step. Commits, thresholds, schedules and the
 stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU).
@@ -33,7 +29,6 @@ give n samples.
 
 import copy
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -46,6 +41,7 @@ from .batch import CACHE_MODES, Batch, make_batch, window
 from .decoders import Decoder, DecoderConfig
 from .graphs import StepGraphs
 from .params import Bool, Instance, Int, OneOf, Real, Tuple, check, check_memory
+from .scheduler import Round, Scheduler
 from .stats import Stats
 
 SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)  # dInfer's w_n = min(w0 + dw * n, w_max)
@@ -60,7 +56,7 @@ class NonFiniteLogitsError(RuntimeError):
 class GenerationConfig:
     gen_length: int = 1024
     block_length: int = 64  # capped to gen_length
-    decoder: DecoderConfig = field(default_factory=lambda: DecoderConfig(threshold=0.8))
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
     cache: str = "vicinity"  # none | prefix | dual | vicinity
     prefix_look: int = 16  # vicinity window: [block - prefix_look, block + after_look)
     after_look: int = 16
@@ -118,13 +114,14 @@ class GenerationConfig:
 class BlockState:
     """What the iterations of one block read and write. Tensors keep their addresses all block long."""
 
-    def __init__(
-        self, batch: Batch, k: torch.Tensor, cfg: GenerationConfig, model, cache, iters, request_keys
-    ):
+    def __init__(self, sched: Scheduler, rnd: Round, cfg: GenerationConfig, model, cache, request_keys):
+        """The round `rnd` of `sched`: its sequences' tokens and counters, taken from the run's."""
         c = model.config
-        self.batch = batch
+        dev = sched.batch.x.device
+        self.prompts, self.rows = rnd.prompts, rnd.prompts.to(dev)  # host and device indices
+        self.batch = batch = sched.batch.select(self.rows, trim=True)
         B, bl, S = batch.size, batch.block_length, batch.max_len
-        dev = batch.x.device
+        k = rnd.blocks.to(dev)
         # The round's cache: the head of each slot buffer seen as [B, S, Hkv, D], contiguous. What a
         # block leaves there is never read again (every block starts with a refresh).
         self.cache = type(cache)([_head(t, B, S) for t in cache.keys], [_head(t, B, S) for t in cache.values])
@@ -134,12 +131,13 @@ class BlockState:
         self.block_pos = pos.clamp(max=S - 1)
         self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
         self.window_lo, self.window_len = window(batch, k, cfg.cache, cfg.prefix_look, cfg.after_look)
-        self.iters = iters  # [B] iterations each sequence was active (schedules)
-        self.request_keys = request_keys  # [B] sampling keys of the requests (rng.sequence_key)
+        self.iters = sched.iters[self.rows]  # [B] iterations each sequence was active (schedules)
+        self.request_keys = request_keys[self.rows]  # [B] sampling keys (rng.sequence_key)
         # [B] the request's forward (its own count, from 1) whose logits first held a NaN or +-inf
         # in a valid row of this block; -1: none yet.
         self.nonfinite_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
-        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev)
+        warmup = (cfg.smoothing_threshold_start, cfg.smoothing_threshold_decay) if cfg.smoothing else None
+        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev, warmup)
         self.decoder.start_block(self.block_tokens().view(B, bl))
         self.soft = model.embed(self.block_tokens())  # hard embeddings until the block has logits
 
@@ -158,11 +156,13 @@ class BlockState:
         return both[0], both[1]
 
     def select(self, keep: torch.Tensor) -> "BlockState":
-        """The state of sequences `keep` (indices) only. Their cache rows are copied: nothing a block's
-        iterations write into the cache is read after the block, whose successor starts with a refresh."""
+        """The state of sequences `keep` (host indices) only. Their cache rows are copied: nothing a
+        block's iterations write into the cache is read after the block, whose successor starts with
+        a refresh."""
         new = copy.copy(self)
         bl = self.batch.block_length
-        new.batch = self.batch.select(keep)
+        new.prompts, keep = self.prompts[keep], keep.to(self.rows.device)
+        new.rows, new.batch = self.rows[keep], self.batch.select(keep)
         new.cache = type(self.cache)([t[keep] for t in self.cache.keys], [t[keep] for t in self.cache.values])
         new.valid, new.block_pos, new.pad_token = self.valid[keep], self.block_pos[keep], self.pad_token[keep]
         new.window_lo, new.iters = self.window_lo[keep], self.iters[keep]
@@ -198,6 +198,81 @@ class Generator:
         self.graphs = StepGraphs(enabled=use_graphs and not cfg.time_phases)
         self.stats = Stats(timed=cfg.time_phases or model.device.type == "cpu")
 
+    def run(
+        self,
+        prompts: List[List[int]],
+        batch_size: Optional[int] = None,
+        on_finish: Optional[Callable[[int, torch.Tensor], None]] = None,
+    ) -> List[torch.Tensor]:
+        """batch_size: the most sequences in flight (default: all); on_finish(i, tokens) is called
+        for prompt i as soon as it is finished (at a block boundary), with its generated tokens.
+        Raises NonFiniteLogitsError when the model's logits hold a NaN or +-inf."""
+        t0 = time.perf_counter()
+        sched = Scheduler(self._batch(prompts), batch_size, self.eos_id, self.cfg.early_stop, on_finish)
+        max_len = sched.batch.max_len
+        check_memory(self.model, sched.slots, max_len, self.cfg.block_length)  # a refusal, not an OOM
+        cache = self.model.new_cache(sched.slots, max_len)
+        request_keys = self._request_keys(prompts)
+        while (rnd := sched.schedule()) is not None:
+            self.run_round(BlockState(sched, rnd, self.cfg, self.model, cache, request_keys), sched)
+            sched.postprocess(rnd)
+        self.stats.seconds = time.perf_counter() - t0
+        self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in sched.outputs)
+        return sched.outputs
+
+    def _batch(self, prompts: List[List[int]]) -> Batch:
+        cfg, model = self.cfg, self.model
+        return make_batch(
+            prompts,
+            cfg.gen_length,
+            cfg.block_length,
+            self.mask_id,
+            self.eos_id,
+            model.device,
+            model.config.max_positions,
+            cfg.align_blocks,
+            cfg.after_look,
+        )
+
+    def _request_keys(self, prompts: List[List[int]]) -> torch.Tensor:
+        """[P] sampling keys of the prompts (zeros when nothing is sampled: no hashing to pay)."""
+        sampling = self.cfg.decoder.temperature > 0
+        keys = request_keys_of(prompts) if sampling else [0] * len(prompts)
+        return torch.tensor(keys, dtype=torch.int64, device=self.model.device)
+
+    def run_round(self, st: BlockState, sched: Scheduler):
+        """Every sequence of the round decodes its block, in chunks of iterations with one host
+        check each; the tokens and counters go back to `sched`."""
+        cfg = self.cfg
+        left, step = st.poll(self.mask_id)[0], 0
+        while left.any():
+            if cfg.compact and not left.all():  # sequences whose block is done leave it
+                sched.store(st.rows, st.batch.x, st.iters)
+                keep = left.nonzero().flatten()
+                st, left = st.select(keep), left[keep]
+            # The slowest sequence sets the chunk: a chunk never outruns the last block to finish.
+            chunk = max(1, min(int(left.max()) // cfg.expected_tpf, cfg.unroll))
+            first = int(sched.forwards[st.prompts].min())
+            kinds = tuple(self._is_refresh(step + j, first + j) for j in range(chunk))
+            self.graphs.run(self.iteration, st, kinds)
+            self.stats.count_chunk(kinds, st.batch.size)
+            sched.forwards[st.prompts] += chunk
+            step += chunk
+            left, nonfinite_at = st.poll(self.mask_id)
+            _check_chunk(left, nonfinite_at, st.prompts, sched.next_block, step, st.batch.block_length)
+        sched.store(st.rows, st.batch.x, st.iters)
+
+    def _is_refresh(self, step: int, ran: int) -> bool:
+        """Whether the block's iteration `step` is a full refresh; `ran`: the fewest forwards any
+        sequence in it has run before (the warm-up is per sequence: a newcomer gets its own)."""
+        c = self.cfg
+        return (
+            step == 0
+            or c.cache == "none"
+            or ran < c.warmup_steps
+            or (c.refresh_every > 0 and step % c.refresh_every == 0)
+        )
+
     def iteration(self, st: BlockState, refresh: bool):
         """One forward and one decode of the block; every state update is in place."""
         cfg, model, dev = self.cfg, self.model, self.model.device
@@ -222,154 +297,40 @@ class Generator:
         with self.stats.phase("decode", dev):
             tokens = st.block_tokens()
             active = (tokens.view(B, bl) == self.mask_id).any(1)
-            n = st.iters.float()
-            tau = torch.full_like(n, cfg.decoder.threshold)
-            if cfg.smoothing:
-                tau = torch.maximum(cfg.smoothing_threshold_start - cfg.smoothing_threshold_decay * n, tau)
             keys = None
             if cfg.decoder.temperature > 0:
                 keys = rng.request_row_keys(st.request_keys, st.block_pos, st.iters).flatten()
-            out = st.decoder(logits, tokens, tau, keys)
+            out = st.decoder(logits, tokens, st.iters, keys)
             bad = (out.nonfinite.view(B, bl) & st.valid).any(1)
             st.nonfinite_at.copy_(torch.where(bad & (st.nonfinite_at < 0), st.iters + 1, st.nonfinite_at))
             st.store_block_tokens(tokens)
-            st.iters += active.to(st.iters.dtype)
         if cfg.smoothing:
             with self.stats.phase("smoothing", dev):
+                # The next forward's inputs of the rows still masked: w_n of each sequence.
                 w0, dw, wmax = cfg.smoothing_weight
-                w = torch.clamp(w0 + dw * n, max=wmax).repeat_interleave(bl)[:, None]
-                hard = model.embed(tokens)
-                soft = dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, 1.0)
-                st.soft.copy_(hard + w.to(hard.dtype) * (soft - hard))
+                w = torch.clamp(w0 + dw * st.iters.float(), max=wmax).repeat_interleave(bl)
+                st.soft.copy_(dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, w))
+        st.iters += active.to(st.iters.dtype)
 
-    def _is_refresh(self, step: int, ran: int) -> bool:
-        """Whether the block's iteration `step` is a full refresh; `ran`: the fewest forwards any
-        sequence in it has run before (the warm-up is per sequence: a newcomer gets its own)."""
-        c = self.cfg
-        return (
-            step == 0
-            or c.cache == "none"
-            or ran < c.warmup_steps
-            or (c.refresh_every > 0 and step % c.refresh_every == 0)
+
+def _check_chunk(left, nonfinite_at, prompts, blocks, step: int, block_length: int):
+    """After a chunk (host values): no logits held a NaN or +-inf, and no block outlived its length
+    in forwards. prompts [B]: the prompt index of each sequence; blocks: each prompt's block."""
+    bad = (nonfinite_at >= 0).nonzero().flatten().tolist()
+    if bad:
+        i, f = int(prompts[bad[0]]), int(nonfinite_at[bad[0]])
+        more = f" (and {len(bad) - 1} more prompts)" if len(bad) > 1 else ""
+        raise NonFiniteLogitsError(
+            f"non-finite logits (NaN or inf) from the model at forward {f} of prompt {i}, block "
+            f"{int(blocks[i])}{more}: its weights are broken or its activations overflow their dtype"
         )
-
-    def run(
-        self,
-        prompts: List[List[int]],
-        batch_size: Optional[int] = None,
-        on_finish: Optional[Callable[[int, torch.Tensor], None]] = None,
-    ) -> List[torch.Tensor]:
-        """batch_size: the most sequences in flight (default: all); on_finish(i, tokens) is called
-        for prompt i as soon as it is finished (at a block boundary), with its generated tokens.
-        Raises NonFiniteLogitsError when the model's logits hold a NaN or +-inf."""
-        cfg, model = self.cfg, self.model
-        t0 = time.perf_counter()
-        full = make_batch(
-            prompts,
-            cfg.gen_length,
-            cfg.block_length,
-            self.mask_id,
-            self.eos_id,
-            model.device,
-            model.config.max_positions,
-            cfg.align_blocks,
-            cfg.after_look,
+    if step >= block_length and left.any():
+        b = int(left.nonzero()[0])
+        raise RuntimeError(
+            f"internal error: block {int(blocks[int(prompts[b])])} of prompt {int(prompts[b])} still holds "
+            f"{int(left[b])} [MASK] tokens after {step} forwards, more than its length {block_length} "
+            "(decode_step commits at least one per forward)"
         )
-        slots = full.size if batch_size is None else min(batch_size, full.size)
-        if slots < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        # Host-side schedule: each sequence's next block, its block count and its forwards so far.
-        next_block = torch.zeros(full.size, dtype=torch.int64)
-        blocks = full.num_blocks().cpu()
-        ran = torch.zeros(full.size, dtype=torch.int64)
-        done = torch.zeros(full.size, dtype=torch.bool)
-        iters = torch.zeros(full.size, dtype=torch.int64, device=model.device)
-        check_memory(model, slots, full.max_len, cfg.block_length)  # a clear refusal, not an OOM
-        cache = model.new_cache(slots, full.max_len)
-        sampling = cfg.decoder.temperature > 0
-        request_keys = torch.tensor(
-            request_keys_of(prompts) if sampling else [0] * len(prompts),
-            dtype=torch.int64,
-            device=model.device,
-        )
-        queue, flight = deque(range(full.size)), []
-        out: List[torch.Tensor] = [None] * full.size  # filled as sequences finish; all do
-        while True:
-            flight = [r for r in flight if not done[r]]
-            while len(flight) < slots and queue:
-                flight.append(queue.popleft())
-            if not flight:
-                break
-            round_rows = torch.tensor(flight)
-            k = next_block[round_rows]
-            rows = round_rows.to(model.device)
-            part = full.select(rows, trim=True)
-            st = BlockState(part, k.to(model.device), cfg, model, cache, iters[rows], request_keys[rows])
-            (left, _), step, host_rows = st.poll(self.mask_id), 0, round_rows
-            while left.any():
-                if cfg.compact and not left.all():
-                    full.x[rows, : part.max_len], iters[rows] = st.batch.x, st.iters
-                    keep = left.nonzero().flatten()
-                    st, rows, left = st.select(keep.to(model.device)), rows[keep.to(rows.device)], left[keep]
-                    host_rows = host_rows[keep]
-                # The slowest sequence sets the chunk: a chunk never outruns the last block to finish.
-                chunk = max(1, min(int(left.max()) // cfg.expected_tpf, cfg.unroll))
-                first = int(ran[host_rows].min())
-                kinds = tuple(self._is_refresh(step + j, first + j) for j in range(chunk))
-                self.graphs.run(self.iteration, st, kinds)
-                self.stats.forwards += chunk
-                self.stats.sequence_forwards += chunk * st.batch.size
-                self.stats.refreshes += sum(kinds)
-                ran[host_rows] += chunk
-                step += chunk
-                left, nonfinite_at = st.poll(self.mask_id)
-                self._check_chunk(left, nonfinite_at, host_rows, next_block, step, part.block_length)
-            full.x[rows, : part.max_len], iters[rows] = st.batch.x, st.iters
-            if cfg.early_stop:
-                self._early_stop(full, k, round_rows, done)
-            next_block[round_rows] += 1
-            done[round_rows] |= next_block[round_rows] >= blocks[round_rows]
-            # A finished sequence's tokens are final: read them once, hand them over now.
-            for b in round_rows[done[round_rows]].tolist():
-                out[b] = full.x[b, int(full.prompt_len[b]) : int(full.total_len[b])].cpu()
-                if on_finish is not None:
-                    on_finish(b, out[b])
-        self.stats.seconds = time.perf_counter() - t0
-        self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in out)
-        return out
-
-    @staticmethod
-    def _check_chunk(left, nonfinite_at, prompts, blocks, step: int, block_length: int):
-        """After a chunk (host values): no logits held a NaN or +-inf, and no block outlived its
-        length in forwards. prompts [B]: the prompt index of each sequence; blocks: each prompt's block."""
-        bad = (nonfinite_at >= 0).nonzero().flatten().tolist()
-        if bad:
-            i, f = int(prompts[bad[0]]), int(nonfinite_at[bad[0]])
-            more = f" (and {len(bad) - 1} more prompts)" if len(bad) > 1 else ""
-            raise NonFiniteLogitsError(
-                f"non-finite logits (NaN or inf) from the model at forward {f} of prompt {i}, block "
-                f"{int(blocks[i])}{more}: its weights are broken or its activations overflow their dtype"
-            )
-        if step >= block_length and left.any():
-            b = int(left.nonzero()[0])
-            raise RuntimeError(
-                f"internal error: block {int(blocks[int(prompts[b])])} of prompt {int(prompts[b])} still holds "
-                f"{int(left[b])} [MASK] tokens after {step} forwards, more than its length {block_length} "
-                "(decode_step commits at least one per forward)"
-            )
-
-    def _early_stop(self, full: Batch, k: torch.Tensor, rows: torch.Tensor, done: torch.Tensor):
-        """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS.
-        rows (host) were on their blocks k (host)."""
-        part = full.select(rows.to(full.x.device))
-        pos = part.block_positions(k.to(full.x.device))
-        valid = pos < part.total_len[:, None].to(torch.int64)
-        tokens = part.x.gather(1, pos.clamp(max=full.max_len - 1))
-        hit = ((tokens == self.eos_id) & valid).any(1).cpu()
-        for b in torch.nonzero(hit).flatten().tolist():
-            row = int(rows[b])
-            full.x[row, int(pos[b, -1]) + 1 : int(full.total_len[row])] = self.eos_id
-            done[row] = True
 
 
 def generate(

@@ -27,6 +27,12 @@ class Stats:
     phase_seconds: dict = field(default_factory=lambda: {"forward": 0.0, "decode": 0.0, "smoothing": 0.0})
     timed: bool = False  # phases are timed only when the device is synchronous (CPU) or asked
 
+    def count_chunk(self, kinds: tuple, sequences: int):
+        """A chunk of iterations (`kinds`: each one's refresh flag) over `sequences` sequences."""
+        self.forwards += len(kinds)
+        self.sequence_forwards += len(kinds) * sequences
+        self.refreshes += sum(kinds)
+
     @contextlib.contextmanager
     def phase(self, name: str, device: torch.device):
         with nvtx_range(name):

@@ -212,7 +212,7 @@ def test_dual_refreshed_every_iteration_equals_no_cache():
 
 
 @pytest.mark.parametrize("cache", ["none", "dual", "vicinity", "prefix"])
-@pytest.mark.parametrize("decoder", ["threshold", "credit", "hierarchy", "fixed"])
+@pytest.mark.parametrize("decoder", ["threshold", "credit", "hierarchical", "fixed"])
 def test_unroll_does_not_change_tokens(cache, decoder):
     model = model_of(MOE, seed=2, scale=20)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [9, 10, 11]]

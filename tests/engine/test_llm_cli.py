@@ -232,7 +232,7 @@ def test_options_defaults_and_overrides(llm):
     )  # one block of 8 masks in 4 steps
     assert r.stats["forwards"] == 4 and len(r.token_ids[0]) <= 8
     assert GenerationConfig().gen_length != FAST["gen_length"]
-    for decoder in ("credit", "hierarchy"):
+    for decoder in ("credit", "hierarchical"):
         assert len(llm.generate("hello", decoder=decoder, smoothing=True, unroll=1).texts) == 1
 
 

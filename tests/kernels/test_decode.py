@@ -11,6 +11,7 @@ import torch
 from conftest import assert_precision, device_backends
 
 from dinfer_kernels.reference import decode_step_reference
+from dinfer_kernels.reference.decode import DEFAULTS
 
 RULES = {"threshold": 0, "hierarchical": 1, "fixed": 2}
 BACKENDS = device_backends()
@@ -94,13 +95,13 @@ def run_backend(
             vals,
             mask_id,
             RULES[rule],
-            0.4,
+            DEFAULTS.low_threshold,
             temperature,
             seed,
             offset,
-            0.7,
-            0.8,
-            0.2,
+            DEFAULTS.credit_alpha,
+            DEFAULTS.credit_beta,
+            DEFAULTS.credit_gamma,
             *outs,
             row_keys=keys,
         )

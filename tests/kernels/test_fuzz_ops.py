@@ -349,7 +349,7 @@ def gen_soft_embedding(r, backend, floats, valid):
         embedding=rand(r, (V, d), dt),
         tokens=tokens,
         mask_id=r.choice((mask_id, np.int64(mask_id))),
-        weight=r.choice((0.5, 1.0, torch.tensor([0.3]))),
+        weight=r.choice((0.5, 1.0, torch.tensor([0.3]), torch.rand(M))),
         tau=r.choice((1.0, 0.7, 2.0)),
     )
     if valid:
@@ -379,7 +379,7 @@ def gen_soft_embedding(r, backend, floats, valid):
             (("tokens",), lambda a: a["tokens"].__setitem__(r.randrange(M), r.choice((-1, V, V + 7)))),
             (("mask_id",), lambda a: a.update(mask_id=r.choice((V, -1, True, 1.0, np.bool_(False))))),
             (("tau",), lambda a: a.update(tau=r.choice((0.0, -1.0, float("inf"))))),
-            (("weight",), lambda a: a.update(weight=r.choice((float("nan"), torch.ones(2), "w")))),
+            (("weight",), lambda a: a.update(weight=r.choice((float("nan"), torch.ones(M + 1), "w")))),
         ],
     )
     return Case(

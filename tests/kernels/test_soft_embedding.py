@@ -34,7 +34,8 @@ def run_triton(logits, embedding, tokens, mask_id, weight, tau):
     out = torch.full(
         (logits.shape[0], embedding.shape[1]), float("nan"), dtype=embedding.dtype, device=DEVICE
     )
-    w = torch.tensor([weight], dtype=torch.float32, device=DEVICE)
+    w = torch.as_tensor(weight, dtype=torch.float32).reshape(-1).expand(logits.shape[0]).contiguous()
+    w = w.to(DEVICE)
     soft_embedding(logits.to(DEVICE), embedding.to(DEVICE), tokens.to(DEVICE), mask_id, w, tau, out)
     return out.cpu()
 
@@ -135,6 +136,21 @@ def test_small_probabilities(dtype):
     E = torch.ones(V, 8, dtype=dtype)
     E[0] = E[1] = 0  # token 0 dominates; mask_id 1
     check(logits.to(dtype), E, torch.ones(3, dtype=torch.int64), 1, weight=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_weight_per_row(dtype):
+    """[M] weights (each sequence's w_n, repeated over its block): each row as with its own scalar."""
+    logits, E, tokens, mask_id = make_case(12, 300, 24, dtype, masked_frac=0.7)
+    w = torch.linspace(0.0, 1.0, 12)
+    check(logits, E, tokens, mask_id, weight=w)
+    per_row = soft_embedding_reference(logits, E, tokens, mask_id, w)
+    for i in (0, 5, 11):
+        scalar = soft_embedding_reference(logits, E, tokens, mask_id, float(w[i]))
+        assert torch.equal(per_row[i], scalar[i])
+    assert torch.equal(dk.soft_embedding(logits, E, tokens, mask_id, w, backend="torch"), per_row)
+    with pytest.raises(ValueError, match="^weight"):
+        dk.soft_embedding(logits, E, tokens, mask_id, torch.ones(13), backend="torch")
 
 
 def test_strided_logits_and_mixed_dtypes():

@@ -10,10 +10,9 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .. import _backend, _checks, _dispatch
-from ..reference.decode import DecodeOutput, decode_step_reference
+from ..reference.decode import DEFAULTS, RULES, DecodeOutput, decode_step_reference
 
-RULE_CODES = {"threshold": 0, "hierarchical": 1, "hierarchy": 1, "fixed": 2}
-_RULE_NAMES = ("threshold", "hierarchical", "fixed")
+RULE_CODES = {name: code for code, name in enumerate(RULES)}
 
 
 class CreditState(NamedTuple):
@@ -114,7 +113,7 @@ def _decode_step_op(
             tokens,
             seq_offsets,
             mask_id,
-            rule=_RULE_NAMES[rule],
+            rule=RULES[rule],
             threshold=threshold,
             low_threshold=low_threshold,
             num_commit=num_commit,
@@ -217,16 +216,16 @@ def decode_step(
     mask_id: int,
     *,
     rule: str = "threshold",
-    threshold: Union[float, torch.Tensor] = 0.9,
-    low_threshold: float = 0.4,
+    threshold: Union[float, torch.Tensor] = DEFAULTS.threshold,
+    low_threshold: float = DEFAULTS.low_threshold,
     num_commit: Union[int, torch.Tensor, None] = None,
     temperature: float = 0.0,
     seed: int = 0,
     offset: int = 0,
     credit: Optional[CreditState] = None,
-    credit_alpha: float = 0.7,
-    credit_beta: float = 0.8,
-    credit_gamma: float = 0.2,
+    credit_alpha: float = DEFAULTS.credit_alpha,
+    credit_beta: float = DEFAULTS.credit_beta,
+    credit_gamma: float = DEFAULTS.credit_gamma,
     row_keys: Optional[torch.Tensor] = None,
     backend: str = "auto",
     validate: Optional[bool] = None,

@@ -50,8 +50,8 @@ def soft_embedding(
 ) -> torch.Tensor:
     """E[tokens] + weight * softmax(logits / tau) @ E on masked rows; [M, d] in the embedding's dtype.
 
-    weight may be a float or a 1-element fp32 tensor on the logits' device (so a captured CUDA graph
-    can change it between replays). validate: check the token range (ValueError naming `tokens`);
+    weight may be a float, or a tensor on the logits' device of one element or [M] (a weight per row),
+    so that a captured CUDA graph can change it between replays. validate: check the token range (ValueError naming `tokens`);
     default: on host tensors only, since on a GPU it would synchronise. An unchecked token outside
     [0, V) gives a row of zeros on every backend, never a read outside the embedding.
     """
@@ -67,13 +67,16 @@ def soft_embedding(
     _checks.shape("tokens", tokens, [M])
     mask_id = _checks.integer("mask_id", mask_id, 0, V)
     _checks.number("tau", tau, lo=0.0, lo_open=True)
+    # The backends read one fp32 weight per row.
     if isinstance(weight, torch.Tensor):
         _checks.tensor("weight", weight, device=dev)
-        if weight.numel() != 1:
-            raise ValueError(f"weight: expected one element, got shape {list(weight.shape)}")
-        w = weight.reshape(1).to(torch.float32)
+        if weight.numel() not in (1, M):
+            raise ValueError(
+                f"weight: expected one element or [{M}] (one per row), got shape {list(weight.shape)}"
+            )
+        w = weight.reshape(-1).to(torch.float32).expand(M).contiguous()
     else:
-        w = torch.full((1,), _checks.number("weight", weight), dtype=torch.float32, device=dev)
+        w = torch.full((M,), _checks.number("weight", weight), dtype=torch.float32, device=dev)
     backend = _backend.resolve(backend, dev, "soft_embedding")
     if _checks.data_checks_possible(logits) if validate is None else validate:
         _checks.token_range("tokens", tokens, V)

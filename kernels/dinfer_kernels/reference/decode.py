@@ -17,7 +17,7 @@ seq_offsets  [B+1] int32, non-decreasing, seq_offsets[0] == 0, seq_offsets[B] ==
 mask_id      int in [0, V). A position is *masked* when tokens[n] == mask_id.
 rule         "threshold" | "hierarchical" | "fixed".
 threshold    [B] fp32: tau for "threshold", tau_high for "hierarchical" (unused by "fixed").
-low_threshold  float: tau_low for "hierarchical".
+low_threshold  float: tau_low for "hierarchical" (default DEFAULTS.low_threshold).
 num_commit   [B] int32 >= 0: k for "fixed".
 temperature  float >= 0. 0: candidate = argmax. > 0: Gumbel-max sample from softmax(z'/T) with the
              counter-based noise of reference/rng.py keyed by (seed, offset, row key, token v).
@@ -27,7 +27,7 @@ credit_ids   [N, K] int32 and credit_vals [N, K] fp32 (K may be 0: no credit). S
              (token id, credit) or id -1 for an empty slot. Updated in place. The caller resets them
              (ids = -1, vals = 0) at a block start. A slot whose id is outside [0, V) (-1, or an
              unchecked bad id) is empty: it becomes (-1, 0) and is never read.
-credit_alpha, credit_beta, credit_gamma   floats (dInfer: 0.7, 0.8, 0.2).
+credit_alpha, credit_beta, credit_gamma   floats (default: DEFAULTS, dInfer's CreditDecoding).
 
 Semantics (all math in fp32 unless compute_dtype says otherwise)
 ---------------------------------------------------------------
@@ -38,7 +38,9 @@ Semantics (all math in fp32 unless compute_dtype says otherwise)
    row_max = row_lse = -inf, credit only decays (it may still commit through step 5).
 1. Raw statistics: m = max z, a = argmax z (lowest index on ties), s = sum exp(z - m),
    lse = m + log s, p* = 1 / s. (Probabilities are always exp(z - m) / s, never exp(z - lse):
-   near FLT_MAX, lse cannot hold m + log s.) Outputs row_max = m, row_lse = lse (what iteration smoothing needs).
+   near FLT_MAX, lse cannot hold m + log s.) Outputs row_max = m, row_lse = lse (raw statistics:
+   soft_embedding does not take them, its softmax has its own temperature and lse loses s where |m|
+   is large).
 2. Credit (K > 0), dInfer's CreditDecoding kept sparse:
    every slot value *= beta; then, for masked live rows, the raw top-1 token a gains p* ** gamma:
    added to its slot if it has one, else stored in the first empty slot, else it replaces the slot
@@ -78,6 +80,19 @@ import torch
 from . import rng
 
 RULES = ("threshold", "hierarchical", "fixed")
+
+
+class RuleDefaults(NamedTuple):
+    threshold: float
+    low_threshold: float
+    credit_alpha: float
+    credit_beta: float
+    credit_gamma: float
+
+
+# The rule parameters' defaults, written once: the op's, the reference's and the engine's
+# DecoderConfig's (dInfer's LLaDA-MoE settings; the credit constants are its CreditDecoding's).
+DEFAULTS = RuleDefaults(threshold=0.8, low_threshold=0.6, credit_alpha=0.7, credit_beta=0.8, credit_gamma=0.2)
 FLT_MAX = torch.finfo(torch.float32).max
 AT_LEAST_ONE_EPS = 1e-5
 
@@ -162,16 +177,16 @@ def decode_step_reference(
     *,
     rule="threshold",
     threshold=None,
-    low_threshold=0.4,
+    low_threshold=DEFAULTS.low_threshold,
     num_commit=None,
     temperature=0.0,
     seed=0,
     offset=0,
     credit_ids=None,
     credit_vals=None,
-    credit_alpha=0.7,
-    credit_beta=0.8,
-    credit_gamma=0.2,
+    credit_alpha=DEFAULTS.credit_alpha,
+    credit_beta=DEFAULTS.credit_beta,
+    credit_gamma=DEFAULTS.credit_gamma,
     row_keys=None,
     compute_dtype=torch.float32,
 ) -> DecodeOutput:

@@ -8,7 +8,8 @@ embedding  [V, d] fp32 / fp16 / bf16, the model's *input* embedding table.
 tokens     [M] int64 in [0, V). The op checks this on host tensors (ValueError naming `tokens`); an
            unchecked token outside [0, V) (on a GPU, where checking would sync) gives a row of zeros.
 mask_id    int in [0, V).
-weight     float (or a 0-d / [1] fp32 tensor, so a captured graph can change it): w_n of the schedule.
+weight     float, or an fp32 tensor of one element or [M] (one weight per row: each sequence's w_n of
+           the schedule), so that a captured graph can change it.
 tau        float > 0.
 Logits are sanitised as in decode (NaN -> -inf, +inf -> FLT_MAX); a masked row whose logits are all
 -inf adds nothing. Math in fp32; the result has the embedding's dtype, shape [M, d].
@@ -29,7 +30,7 @@ def soft_embedding_reference(
     p = torch.exp(z - torch.where(dead, torch.zeros_like(m), m))
     p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(compute_dtype).tiny)
     masked = (tokens == mask_id) & ~dead[:, 0]
-    w = torch.as_tensor(weight, dtype=compute_dtype, device=logits.device).reshape(-1)[:1]
+    w = torch.as_tensor(weight, dtype=compute_dtype, device=logits.device).reshape(-1, 1)
     E = embedding.to(compute_dtype)
     V = E.shape[0]
     hard = torch.where(

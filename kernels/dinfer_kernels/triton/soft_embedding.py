@@ -1,6 +1,6 @@
 """Soft embedding in Triton. Contract: dinfer_kernels/reference/soft_embedding.py.
 
-    out[i] = E[tokens[i]] + weight * softmax(z_i / tau) @ E      (masked live rows; E[tokens[i]] else)
+    out[i] = E[tokens[i]] + weight[i] * softmax(z_i / tau) @ E   (masked live rows; E[tokens[i]] else)
 
 The soft part is a GEMM over the vocabulary, P [M, V] @ E [V, d], with P computed on the fly:
 
@@ -87,7 +87,7 @@ def _epilogue(
     active,
     soft,
 ):
-    """out = E[tokens] + weight * soft on active rows, E[tokens] elsewhere; zeros for a token outside
+    """out = E[tokens] + weight[row] * soft on active rows, E[tokens] elsewhere; zeros for a token outside
     [0, V) (never the mask token, so never active): unchecked values must not index past E."""
     ok = live[:, None] & cmask[None, :]
     tok = tl.load(tokens + rows, mask=live, other=0)
@@ -95,7 +95,8 @@ def _epilogue(
     e_tok = tl.load(
         emb + tok[:, None] * stride_ev + cols[None, :] * stride_ed, mask=ok & tok_ok[:, None], other=0.0
     )
-    res = e_tok.to(tl.float32) + tl.where(active[:, None], tl.load(weight) * soft, 0.0)
+    w = tl.load(weight + rows, mask=live, other=0.0)
+    res = e_tok.to(tl.float32) + tl.where(active[:, None], w[:, None] * soft, 0.0)
     out_ptr = out + rows[:, None] * stride_om + cols[None, :] * stride_od
     tl.store(out_ptr, res.to(out.dtype.element_ty), mask=ok)
 
