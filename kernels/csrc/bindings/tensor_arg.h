@@ -9,7 +9,7 @@
 #include <initializer_list>
 #include <string>
 
-#include "dinfer_kernels/decode.h"  // ScalarType
+#include "dinfer_kernels/types.h"
 #include "dlpack_abi.h"
 
 namespace dinfer_bindings {
