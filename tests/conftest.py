@@ -161,17 +161,23 @@ def load_bench(name):
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_cpp_examples(build, *cmake_args):
-    """Builds the C++ programs of tests/cpp/examples as a C++ runtime would: the torch-free kernels
-    (every ISA's host kernels and the dispatcher, no CUDA) configured, built and installed from
-    kernels/ into a prefix, then tests/cpp found against that prefix by find_package(dinfer_kernels).
-    `cmake_args` go to both configures (a cross toolchain). {name: path}."""
+def build_cpp_examples(build, *cmake_args, cuda_archs=None):
+    """Builds the C++ programs of tests/cpp as a C++ runtime would: the torch-free kernels (every ISA's
+    host kernels and the dispatcher; the CUDA kernels for `cuda_archs`, e.g. "90a", when given, else
+    none) configured, built and installed from kernels/ into a prefix, then tests/cpp found against
+    that prefix by find_package(dinfer_kernels). `cmake_args` go to both configures (a cross
+    toolchain). {name: path} of examples/*_example.cpp, and with CUDA of cuda/*_example.cu."""
     cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
     if cmake is None or ninja is None:
         pytest.skip("needs cmake and ninja")
     build = Path(build)
     prefix, jobs = build / "prefix", os.environ.get("MAX_JOBS", "2")
     common = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *cmake_args]
+    cuda = (
+        ["-DDINFER_CUDA=0"]
+        if cuda_archs is None
+        else ["-DDINFER_CUDA=1", f"-DDINFER_CUDA_ARCHS={cuda_archs}"]
+    )
     for cmd in (
         [
             cmake,
@@ -180,7 +186,7 @@ def build_cpp_examples(build, *cmake_args):
             "-B",
             str(build / "kernels"),
             *common,
-            "-DDINFER_CUDA=0",
+            *cuda,
             "-DDINFER_PYTHON_MODULE=OFF",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_INSTALL_PREFIX={prefix}",
@@ -200,10 +206,10 @@ def build_cpp_examples(build, *cmake_args):
     ):
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.returncode == 0, proc.stdout[-4000:]
-    return {
-        src.stem: build / "examples" / src.stem
-        for src in sorted((ROOT / "tests/cpp/examples").glob("*_example.cpp"))
-    }
+    sources = sorted((ROOT / "tests/cpp/examples").glob("*_example.cpp"))
+    if cuda_archs is not None:
+        sources += sorted((ROOT / "tests/cpp/cuda").glob("*_example.cu"))
+    return {src.stem: build / "examples" / src.stem for src in sources}
 
 
 @pytest.fixture(scope="session")

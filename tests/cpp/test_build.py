@@ -1,14 +1,15 @@
 """The build: what `python -m dinfer_kernels` reports, the ptxas report of the CUDA kernels (0 spill
-bytes), and the torch-free C++ API used from a plain C++ program."""
+bytes), and the torch-free C++ API used from a plain C++ program, on the host and on CUDA."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXT
+from conftest import EXT, build_cpp_examples
 
 import dinfer_kernels
 
@@ -63,4 +64,26 @@ def test_ptxas_reports_no_spills():
 )
 def test_cpp_runtime_calls_the_kernel_without_python(cpp_examples, example):
     out = subprocess.run([str(cpp_examples[example])], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "OK"
+
+
+@pytest.fixture(scope="module")
+def cuda_cpp_examples(tmp_path_factory):
+    """The C++ examples against the package built with CUDA (sm_90a only, to keep the compile short)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    return build_cpp_examples(tmp_path_factory.mktemp("cuda_cpp_examples"), cuda_archs="90a")
+
+
+@pytest.mark.slow
+def test_cuda_cpp_runtime_builds_against_the_installed_package(cuda_cpp_examples):
+    assert cuda_cpp_examples["decode_cuda_example"].is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_cuda_cpp_runtime_calls_the_kernel_without_python(cuda_cpp_examples):
+    out = subprocess.run(
+        [str(cuda_cpp_examples["decode_cuda_example"])], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "OK"

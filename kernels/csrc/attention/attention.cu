@@ -13,18 +13,19 @@
 //   3. attention_epilogue_kernel (when there are splits, block statistics or a cache to restore):
 //      combines the splits' partial outputs by their log-sum-exps, finishes block_mass from the
 //      per-(row, block) log-sum-exps and the rows' final ones, and restores saved cache rows.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "common/ptx.cuh"
+#include "common/workspace.h"
 #include "dinfer_kernels/attention.h"
-#include "dinfer_kernels/attention_math.h"
+#include "dinfer_kernels/detail/attention_math.h"
 #include "dinfer_kernels/detail/mma_layout.h"
-#include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/detail/scalar.h"
+#include "dinfer_kernels/detail/simt.h"
 
 namespace dinfer_kernels {
 namespace {
@@ -33,13 +34,17 @@ using attention_math::KeyTile;
 using attention_math::KeyWalk;
 using attention_math::kTileM;
 using attention_math::kTileN;
-
-#define DINFER_DEV __device__ __forceinline__
-#if defined(__CUDA_ARCH__)
-#define DINFER_UNROLL _Pragma("unroll")
-#else
-#define DINFER_UNROLL
-#endif
+using dtype::BF16Tag;
+using dtype::F16Tag;
+using ptx::cp_async16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::mma_16816;
+using ptx::pack2;
+using scalar::kLn2;
+using scalar::kLog2e;
+using workspace::align_up;
+using workspace::aligned16;
 
 // 4 warps; warp w owns packed query rows [16w, 16w + 16) of the tile. Every shared-memory offset
 // and fragment coordinate comes from mma_layout::AttentionTiles (tested lane by lane on the host).
@@ -47,152 +52,10 @@ constexpr int kThreads = mma_layout::kAttentionThreads;
 template <int kD>
 using Tiles = mma_layout::AttentionTiles<kD>;
 constexpr int kAuxThreads = 128;  // prologue and epilogue CTAs
-constexpr size_t kWorkspaceAlign = 256;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-struct Bf16Tag {};
-struct F16Tag {};
-
-// ---- PTX primitives ------------------------------------------------------------------------------
-// nvcc's host pass compiles these bodies too; the #else branches only keep it quiet and never run.
-
-DINFER_DEV uint32_t smem_u32(const void* p) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-#else
-  (void)p;
-  return 0;
-#endif
-}
-
-// 16-byte global -> shared copy; pred == false zero-fills the destination and reads nothing.
-DINFER_DEV void cp_async16(void* smem, const void* gmem, bool pred) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-               "r"(pred ? 16 : 0)
-               : "memory");
-#else
-  (void)smem, (void)gmem, (void)pred;
-#endif
-}
-
-DINFER_DEV void cp_async_commit() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-DINFER_DEV void cp_async_wait() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
-DINFER_DEV void block_sync() {
-#if defined(__CUDA_ARCH__)
-  __syncthreads();
-#endif
-}
-
-DINFER_DEV float shfl_xor(float v, int mask) {
-#if defined(__CUDA_ARCH__)
-  return __shfl_xor_sync(0xFFFFFFFFu, v, mask);
-#else
-  (void)mask;
-  return v;
-#endif
-}
-
-// ldmatrix .x4 (no transpose). Lane l supplies the shared address of row (l % 8) of 8x8 matrix
-// l / 8 (each row 16 contiguous bytes = 8 b16 elements). Result register r[m] of lane l holds
-// elements (row l / 4, columns 2 * (l % 4) and 2 * (l % 4) + 1) of matrix m, the lower column in
-// the low 16 bits.
-DINFER_DEV void ldsm_x4(uint32_t (&r)[4], const void* row_addr) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(row_addr)));
-#else
-  (void)row_addr;
-  r[0] = r[1] = r[2] = r[3] = 0;
-#endif
-}
-
-// ldmatrix .x4 .trans: same addressing; r[m] of lane l holds elements (rows 2 * (l % 4) and
-// 2 * (l % 4) + 1, column l / 4) of matrix m -- i.e. the non-transposed result of the transpose.
-DINFER_DEV void ldsm_x4_trans(uint32_t (&r)[4], const void* row_addr) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(row_addr)));
-#else
-  (void)row_addr;
-  r[0] = r[1] = r[2] = r[3] = 0;
-#endif
-}
-
-// D = A * B + D, m16n8k16, fp32 accumulators. Fragments (PTX ISA "Matrix Fragments for mma.m16n8k16
-// with floating point type"; g = lane / 4, t = lane % 4; a b32 register packs two b16 elements,
-// the lower column / k index in the low half):
-//   A (16x16, row-major): a[0] = A[g][2t..2t+1],   a[1] = A[g+8][2t..2t+1],
-//                         a[2] = A[g][2t+8..+9],   a[3] = A[g+8][2t+8..+9]
-//   B (16x8, "col"):      b0 = B[2t..2t+1][g],     b1 = B[2t+8..2t+9][g]
-//   C/D (16x8 fp32):      d[0] = D[g][2t], d[1] = D[g][2t+1], d[2] = D[g+8][2t], d[3] = D[g+8][2t+1]
-DINFER_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, Bf16Tag) {
-#if defined(__CUDA_ARCH__)
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  (void)d, (void)a, (void)b0, (void)b1;
-#endif
-}
-
-DINFER_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, F16Tag) {
-#if defined(__CUDA_ARCH__)
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  (void)d, (void)a, (void)b0, (void)b1;
-#endif
-}
-
-// Two floats -> two b16 elements, `lo` in the low half (round to nearest even).
-DINFER_DEV uint32_t pack2(float lo, float hi, Bf16Tag) {
-#if defined(__CUDA_ARCH__)
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), .y = hi
-  uint32_t u;
-  memcpy(&u, &h, sizeof u);
-  return u;
-#else
-  (void)lo, (void)hi;
-  return 0;
-#endif
-}
-
-DINFER_DEV uint32_t pack2(float lo, float hi, F16Tag) {
-#if defined(__CUDA_ARCH__)
-  const __half2 h = __floats2half2_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &h, sizeof u);
-  return u;
-#else
-  (void)lo, (void)hi;
-  return 0;
-#endif
-}
 
 using scalar::fast_exp2;  // ex2(-inf) = +0: the masking relies on it
 
-DINFER_DEV int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
 
 // ---- the attention kernel ------------------------------------------------------------------------
 
@@ -231,8 +94,8 @@ constexpr size_t fwd_smem_bytes() {
 // One K/V tile (keys [t.k0, t.k1)) into the given buffers; rows past t.k1 are zero-filled, so
 // their (masked) scores are finite and their values contribute exact zeros.
 template <int kD>
-DINFER_DEV void load_kv_tile(uint16_t* sk, uint16_t* sv, const FwdArgs& a, int b, int g, const KeyTile& t,
-                             int tid) {
+__device__ __forceinline__ void load_kv_tile(uint16_t* sk, uint16_t* sv, const FwdArgs& a, int b, int g,
+                                             const KeyTile& t, int tid) {
   using T = Tiles<kD>;
   const uint16_t* kbase = a.k_cache + b * a.kcs[0] + g * a.kcs[2];
   const uint16_t* vbase = a.v_cache + b * a.vcs[0] + g * a.vcs[2];
@@ -341,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
     } else {
       cp_async_wait<0>();
     }
-    block_sync();
+    simt::sync_block();
     const uint16_t* kt = sk + buf * T::kBufElems;
     const uint16_t* vt = sv + buf * T::kBufElems;
 
@@ -352,11 +215,11 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
     DINFER_UNROLL
     for (int kk = 0; kk < T::kKSteps; ++kk) {
       uint32_t qa[4];
-      ldsm_x4(qa, sq + T::q_frag(warp, lane, kk));
+      ptx::ldmatrix_x4(qa, sq + T::q_frag(warp, lane, kk));
       DINFER_UNROLL
       for (int np = 0; np < T::kKeyChunks; ++np) {
         uint32_t kf[4];
-        ldsm_x4(kf, kt + T::k_frag(lane, kk, np));
+        ptx::ldmatrix_x4(kf, kt + T::k_frag(lane, kk, np));
         mma_16816(s[2 * np], qa, kf[0], kf[1], Tag{});
         mma_16816(s[2 * np + 1], qa, kf[2], kf[3], Tag{});
       }
@@ -378,8 +241,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
     float mu[2], alpha[2];
     DINFER_UNROLL
     for (int r = 0; r < 2; ++r) {  // the 4 lanes of a quad share a row
-      mx[r] = fmaxf(mx[r], shfl_xor(mx[r], 1));
-      mx[r] = fmaxf(mx[r], shfl_xor(mx[r], 2));
+      mx[r] = fmaxf(mx[r], simt::shfl_xor(mx[r], 1));
+      mx[r] = fmaxf(mx[r], simt::shfl_xor(mx[r], 2));
       const float mnew = fmaxf(m[r], mx[r]);
       mu[r] = mnew == -INFINITY ? 0.f : mnew;  // no finite score yet: keep 2^(-inf - 0) = 0
       alpha[r] = fast_exp2(m[r] - mu[r]);  // m = -inf: 0 (nothing accumulated yet)
@@ -420,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
       DINFER_UNROLL
       for (int dp = 0; dp < T::kKSteps; ++dp) {
         uint32_t vf[4];
-        ldsm_x4_trans(vf, vt + T::v_frag(lane, kc, dp));
+        ptx::ldmatrix_x4_trans(vf, vt + T::v_frag(lane, kc, dp));
         mma_16816(o[2 * dp], pa, vf[0], vf[1], Tag{});
         mma_16816(o[2 * dp + 1], pa, vf[2], vf[3], Tag{});
       }
@@ -429,8 +292,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
     if (kMass && cur.last) {  // CTA-uniform: the block's mass is complete for these rows
       DINFER_UNROLL
       for (int r = 0; r < 2; ++r) {
-        float v = bm[r] + shfl_xor(bm[r], 1);
-        v += shfl_xor(v, 2);
+        float v = bm[r] + simt::shfl_xor(bm[r], 1);
+        v += simt::shfl_xor(v, 2);
         const int p = p0 + T::acc_row(warp, lane, 2 * r);
         if (tig == 0 && p < P) {
           const int w = w0 + p / a.G, h = g * a.G + p % a.G;
@@ -441,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
         bm[r] = 0.f;
       }
     }
-    block_sync();  // everyone is done with `buf` before the next iteration refills it
+    simt::sync_block();  // everyone is done with `buf` before the next iteration refills it
     cur = nxt;
     buf ^= 1;
   }
@@ -450,8 +313,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
   // Epilogue: per row, normalise and store (one split) or store the split's partial state.
   DINFER_UNROLL
   for (int r = 0; r < 2; ++r) {
-    l[r] += shfl_xor(l[r], 1);
-    l[r] += shfl_xor(l[r], 2);
+    l[r] += simt::shfl_xor(l[r], 1);
+    l[r] += simt::shfl_xor(l[r], 2);
   }
   DINFER_UNROLL
   for (int r = 0; r < 2; ++r) {
@@ -563,7 +426,7 @@ struct EpilogueArgs {
 };
 
 // Final log2-domain lse of row `row` = (b, w, h) from the splits' partial ones.
-DINFER_DEV float row_lse2(const EpilogueArgs& a, int64_t row) {
+__device__ __forceinline__ float row_lse2(const EpilogueArgs& a, int64_t row) {
   return attention_math::splits_lse2(a.part_lse + row, a.ns, static_cast<int64_t>(a.B) * a.W * a.Hq);
 }
 
@@ -608,9 +471,9 @@ __global__ void __launch_bounds__(kAuxThreads)
       if (x == -INFINITY) continue;
       acc += exp2f(x - row_lse2(a, bw * a.Hq + h));
     }
-    for (int off = 16; off > 0; off /= 2) acc += shfl_xor(acc, off);
+    acc = simt::warp_sum(acc);
     if (lane == 0) red[warp] = acc;
-    block_sync();
+    simt::sync_block();
     if (tid == 0) {
       float t = 0.f;
       for (int i = 0; i < kAuxThreads / 32; ++i) t += red[i];
@@ -638,8 +501,6 @@ __global__ void __launch_bounds__(kAuxThreads)
 }
 
 // ---- host side -------------------------------------------------------------------------------------
-
-constexpr size_t align_up(size_t x) { return (x + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
 // Everything the launcher derives from the shapes alone.
 struct Plan {
@@ -681,7 +542,6 @@ Plan make_plan(int64_t B, int64_t W, int64_t Hq, int64_t Hkv, int64_t D, int64_t
   return pl;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 bool strides_ok(const int64_t (&s)[3]) { return s[0] % 8 == 0 && s[1] % 8 == 0 && s[2] % 8 == 0; }
 
 template <class Args>
@@ -795,7 +655,7 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
 
   cudaError_t err = cudaSuccess;
   if (fwd_grid > 0) {
-    err = p.dtype == ScalarType::kBFloat16 ? launch_fwd_dispatch<Bf16Tag>(nullptr, D, mass, 0, stream)
+    err = p.dtype == ScalarType::kBFloat16 ? launch_fwd_dispatch<BF16Tag>(nullptr, D, mass, 0, stream)
                                            : launch_fwd_dispatch<F16Tag>(nullptr, D, mass, 0, stream);
     if (err != cudaSuccess) return err;
   }
@@ -860,7 +720,7 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
     fa.part_o = part_o;
     fa.part_lse = part_lse;
     fa.lsekb = lsekb;
-    err = p.dtype == ScalarType::kBFloat16 ? launch_fwd_dispatch<Bf16Tag>(&fa, D, mass, fwd_grid, stream)
+    err = p.dtype == ScalarType::kBFloat16 ? launch_fwd_dispatch<BF16Tag>(&fa, D, mass, fwd_grid, stream)
                                            : launch_fwd_dispatch<F16Tag>(&fa, D, mass, fwd_grid, stream);
     if (err != cudaSuccess) return err;
   }
@@ -894,7 +754,7 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
     ea.v_cache = static_cast<uint16_t*>(p.v_cache);
     copy3(ea.vcs, p.v_cache_stride);
     err = p.dtype == ScalarType::kBFloat16
-              ? launch(attention_epilogue_kernel<Bf16Tag>, epi_grid, kAuxThreads, 0, stream, ea)
+              ? launch(attention_epilogue_kernel<BF16Tag>, epi_grid, kAuxThreads, 0, stream, ea)
               : launch(attention_epilogue_kernel<F16Tag>, epi_grid, kAuxThreads, 0, stream, ea);
     if (err != cudaSuccess) return err;
   }

@@ -20,11 +20,11 @@
 #include <omp.h>
 
 #include "dinfer_kernels/attention.h"
-#include "dinfer_kernels/attention_math.h"
-#include "dinfer_kernels/host_math.h"
-#include "dinfer_kernels/host_rows.h"
-#include "dinfer_kernels/isa_namespace.h"
-#include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/detail/attention_math.h"
+#include "dinfer_kernels/detail/host_math.h"
+#include "dinfer_kernels/detail/host_rows.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/scalar.h"
 
 // The 16-float vector helpers below pass vectors by value. Without AVX-512 enabled GCC warns that
 // such a signature's ABI differs between ISAs; they are internal (anonymous namespace, inlined) and

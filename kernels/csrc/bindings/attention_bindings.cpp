@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
 #include <string>
 
 #include "dinfer_kernels/attention.h"
@@ -174,39 +173,17 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
     dinfer_kernels::attention_cpu(p, num_threads);
     return;
   }
-#ifdef DINFER_WITH_CUDA
-  const size_t need = dinfer_kernels::attention_cuda_workspace_bytes(
-      B, W, Hq, Hkv, D, S, q_block, kv_block, max_blocks, write_back, p.block_mass != nullptr);
-  void* ws = nullptr;
-  if (need > 0) {
-    if (workspace_o.is_none())
-      throw_value_error("workspace: needs " + std::to_string(need) + " bytes (attention_workspace_bytes)");
-    TensorArg workspace(workspace_o, "workspace");
-    workspace.expect_dtype({DType::kUInt8});
-    workspace.expect_contiguous();
-    workspace.expect_writable();
-    workspace.expect_same_device(q);
-    expect_disjoint({&workspace}, {&q, &k, &v, &k_cache, &v_cache, &positions, &seq_lens, &out, counts.get(),
-                                   indices.get(), lse.get(), mass.get()});
-    if (static_cast<size_t>(workspace.numel()) < need)
-      throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
-                        std::to_string(workspace.numel()));
-    if (reinterpret_cast<uintptr_t>(workspace.data<void>()) % 16 != 0)
-      throw_value_error("workspace: the data must be 16-byte aligned");
-    ws = workspace.data<void>();
-  }
-  int err;
-  {
-    py::gil_scoped_release release;
-    err = dinfer_kernels::attention_cuda(p, ws, need,
-                                         reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
-  }
-  if (err != 0) throw std::runtime_error("attention_cuda: CUDA error " + std::to_string(err));
-#else
-  (void)workspace_o;
-  (void)stream;
-  throw_value_error("q: CUDA arrays need a CUDA build of dinfer_kernels (this one has the host kernel only)");
-#endif
+  run_cuda(
+      "attention_cuda", "attention_workspace_bytes", q, workspace_o, stream,
+      {&q, &k, &v, &k_cache, &v_cache, &positions, &seq_lens, &out, counts.get(), indices.get(), lse.get(),
+       mass.get()},
+      [&] {
+        return dinfer_kernels::attention_cuda_workspace_bytes(
+            B, W, Hq, Hkv, D, S, q_block, kv_block, max_blocks, write_back, p.block_mass != nullptr);
+      },
+      [&](void* ws, size_t bytes, cudaStream_t s) {
+        return dinfer_kernels::attention_cuda(p, ws, bytes, s);
+      });
 }
 
 void register_attention(py::module_& m) {

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -226,33 +225,14 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
     dinfer_kernels::decode_step_cpu(p, num_threads);
     return;
   }
-#ifdef DINFER_WITH_CUDA
-  if (workspace_o.is_none()) throw_value_error("workspace: required for CUDA arrays");
-  TensorArg workspace(workspace_o, "workspace");
-  workspace.expect_dtype({DType::kUInt8});
-  workspace.expect_contiguous();
-  workspace.expect_writable();
-  workspace.expect_same_device(logits);
-  expect_disjoint({&workspace},
-                  {&logits, &tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals, &candidate,
-                   &confidence, &commit, &row_max, &row_lse, row_keys.get(), nonfinite.get()});
-  const size_t need = dinfer_kernels::decode_step_cuda_workspace_bytes(N, V);
-  if (static_cast<size_t>(workspace.numel()) < need)
-    throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
-                      std::to_string(workspace.numel()));
-  int err;
-  {
-    py::gil_scoped_release release;
-    err = dinfer_kernels::decode_step_cuda(p, workspace.data<void>(), need,
-                                           reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
-  }
-  if (err != 0) throw std::runtime_error("decode_step_cuda: CUDA error " + std::to_string(err));
-#else
-  (void)workspace_o;
-  (void)stream;
-  throw_value_error(
-      "logits: CUDA arrays given, but this build has no CUDA kernels (rebuild with DINFER_CUDA=1)");
-#endif
+  run_cuda(
+      "decode_step_cuda", "decode_step_workspace_bytes", logits, workspace_o, stream,
+      {&logits, &tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals, &candidate,
+       &confidence, &commit, &row_max, &row_lse, row_keys.get(), nonfinite.get()},
+      [&] { return dinfer_kernels::decode_step_cuda_workspace_bytes(N, V); },
+      [&](void* ws, size_t bytes, cudaStream_t s) {
+        return dinfer_kernels::decode_step_cuda(p, ws, bytes, s);
+      });
 }
 
 void register_decode(py::module_& m) {
@@ -267,9 +247,9 @@ void register_decode(py::module_& m) {
         "Fused decode step over DLPack arrays (contract: dinfer_kernels/reference/decode.py). "
         "Outputs are caller-allocated; tokens and credit slots are updated in place; row_keys [N] int64 "
         "(noise keys, default the row index) and the output nonfinite [N] bool are optional. CUDA arrays "
-        "need a uint8 workspace of cuda_workspace_bytes(N, V) bytes and run on `stream`.");
+        "need a uint8 workspace of decode_step_workspace_bytes(N, V) bytes and run on `stream`.");
 #ifdef DINFER_WITH_CUDA
-  m.def("cuda_workspace_bytes", &dinfer_kernels::decode_step_cuda_workspace_bytes, py::arg("num_rows"),
+  m.def("decode_step_workspace_bytes", &dinfer_kernels::decode_step_cuda_workspace_bytes, py::arg("num_rows"),
         py::arg("vocab"));
 #endif
 }

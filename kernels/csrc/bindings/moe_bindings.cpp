@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
 #include <string>
 
 #include "dinfer_kernels/moe.h"
@@ -159,32 +158,11 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
     dinfer_kernels::moe_cpu(p, num_threads);
     return;
   }
-#ifdef DINFER_WITH_CUDA
-  if (workspace_o.is_none())
-    throw_value_error("workspace: required (moe_workspace_bytes(T, E, top_k, H, I) bytes)");
-  TensorArg workspace(workspace_o, "workspace");
-  workspace.expect_dtype({DType::kUInt8});
-  workspace.expect_contiguous();
-  workspace.expect_writable();
-  workspace.expect_same_device(hidden);
-  expect_disjoint({&workspace}, {&hidden, &w13, &w2, router.get(), bias.get(), &out});
-  const size_t need = dinfer_kernels::moe_cuda_workspace_bytes(T, E, static_cast<int32_t>(top_k), H, I);
-  if (static_cast<size_t>(workspace.numel()) < need)
-    throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
-                      std::to_string(workspace.numel()));
-  int err;
-  {
-    py::gil_scoped_release release;
-    err = dinfer_kernels::moe_cuda(p, workspace.data<void>(), need,
-                                   reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
-  }
-  if (err != 0) throw std::runtime_error("moe_cuda: CUDA error " + std::to_string(err));
-#else
-  (void)workspace_o;
-  (void)stream;
-  throw_value_error(
-      "hidden: CUDA arrays need a CUDA build of dinfer_kernels (this one has the host kernel only)");
-#endif
+  run_cuda(
+      "moe_cuda", "moe_workspace_bytes", hidden, workspace_o, stream,
+      {&hidden, &w13, &w2, router.get(), bias.get(), &out},
+      [&] { return dinfer_kernels::moe_cuda_workspace_bytes(T, E, static_cast<int32_t>(top_k), H, I); },
+      [&](void* ws, size_t bytes, cudaStream_t s) { return dinfer_kernels::moe_cuda(p, ws, bytes, s); });
 }
 
 void register_moe(py::module_& m) {

@@ -58,6 +58,26 @@ dinfer_kernels::ScalarType scalar_type(DType t) {
                               : (t == DType::kBFloat16 ? ScalarType::kBFloat16 : ScalarType::kFloat32);
 }
 
+std::unique_ptr<TensorArg> cuda_workspace(py::handle workspace_o, size_t need, const char* query,
+                                          const TensorArg& lead,
+                                          std::initializer_list<const TensorArg*> arrays) {
+  if (need == 0) return nullptr;
+  if (workspace_o.is_none())
+    throw_value_error("workspace: needs " + std::to_string(need) + " bytes (" + query + ")");
+  auto workspace = std::make_unique<TensorArg>(workspace_o, "workspace");
+  workspace->expect_dtype({DType::kUInt8});
+  workspace->expect_contiguous();
+  workspace->expect_writable();
+  workspace->expect_same_device(lead);
+  expect_disjoint({workspace.get()}, arrays);
+  if (static_cast<size_t>(workspace->numel()) < need)
+    throw_value_error("workspace: needs " + std::to_string(need) + " bytes, got " +
+                      std::to_string(workspace->numel()));
+  if (reinterpret_cast<uintptr_t>(workspace->data<void>()) % 16 != 0)
+    throw_value_error("workspace: the data must be 16-byte aligned");
+  return workspace;
+}
+
 double float_arg(py::handle o, const char* name) {
   if (PyBool_Check(o.ptr()) || !(PyFloat_Check(o.ptr()) || PyLong_Check(o.ptr()) || is_number_abc(o, "Real")))
     throw_type_error(std::string(name) + ": expected a number, got " + type_name(o));

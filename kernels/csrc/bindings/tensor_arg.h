@@ -5,11 +5,14 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
+#include <stdexcept>
 #include <string>
 
-#include "dinfer_kernels/decode.h"  // ScalarType
+#include "dinfer_kernels/types.h"
 #include "dlpack_abi.h"
 
 namespace dinfer_bindings {
@@ -99,5 +102,37 @@ void leading_strides(const TensorArg& t, int64_t* out);
 
 // The kernels' element type of a float array whose dtype was checked to be fp32, fp16 or bf16.
 dinfer_kernels::ScalarType scalar_type(DType t);
+
+// The workspace of a CUDA launch that needs `need` bytes: `workspace_o` checked to be a uint8,
+// contiguous, writable, 16-byte aligned array of at least `need` bytes on `lead`'s device, sharing no
+// byte with `arrays`. Null when need is 0 (then `workspace_o` may be None and is not looked at).
+// `query` names the binding that tells the size.
+std::unique_ptr<TensorArg> cuda_workspace(py::handle workspace_o, size_t need, const char* query,
+                                          const TensorArg& lead,
+                                          std::initializer_list<const TensorArg*> arrays);
+
+// The CUDA branch of a binding whose arrays (`lead`, the first of them) are on a CUDA device: the
+// workspace of need() bytes (cuda_workspace), then launch(workspace data, need, stream) with the GIL
+// released; a non-zero result (a cudaError_t) is raised naming `launcher`. A build without the CUDA
+// kernels refuses the arrays instead, and calls neither (their CUDA launchers do not exist there).
+template <class Need, class Launch>
+void run_cuda(const char* launcher, const char* query, const TensorArg& lead, py::handle workspace_o,
+              int64_t stream, std::initializer_list<const TensorArg*> arrays, Need need, Launch launch) {
+#ifdef DINFER_WITH_CUDA
+  const size_t bytes = need();
+  const std::unique_ptr<TensorArg> workspace = cuda_workspace(workspace_o, bytes, query, lead, arrays);
+  void* data = workspace ? workspace->data<void>() : nullptr;
+  int err;
+  {
+    py::gil_scoped_release release;
+    err = launch(data, bytes, reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
+  }
+  if (err != 0) throw std::runtime_error(std::string(launcher) + ": CUDA error " + std::to_string(err));
+#else
+  (void)launcher, (void)query, (void)workspace_o, (void)stream, (void)arrays, (void)need, (void)launch;
+  throw_value_error(lead.name() +
+                    ": CUDA arrays need a CUDA build of dinfer_kernels (this one has the host kernels only)");
+#endif
+}
 
 }  // namespace dinfer_bindings

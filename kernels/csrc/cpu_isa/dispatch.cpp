@@ -19,7 +19,7 @@
 #include "dinfer_kernels/rope.h"
 
 // Each ISA's copy of the launchers, defined by the host-kernel sources compiled with
-// DINFER_ISA_NS=isa_<name> (csrc/include/dinfer_kernels/isa_namespace.h).
+// DINFER_ISA_NS=isa_<name> (csrc/include/dinfer_kernels/detail/isa_namespace.h).
 #define DINFER_DECLARE_HOST_KERNELS(ns)                         \
   namespace ns {                                                \
   void decode_step_cpu(const DecodeStepParams& p, int threads); \

@@ -27,61 +27,37 @@
 // take a plain SIMT GEMM with the same tiling of rows (correct, not fast).
 //
 // The mma.m16n8k16 fragment layouts, the ldmatrix addressing, the shared-memory swizzle and the
-// tile geometry are in dinfer_kernels/detail/mma_layout.h.
+// tile geometry are in dinfer_kernels/detail/mma_layout.h; the PTX wrappers in common/ptx.cuh.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
+#include "common/ptx.cuh"
+#include "common/workspace.h"
+#include "dinfer_kernels/detail/dtype_tags.h"
 #include "dinfer_kernels/detail/mma_layout.h"
+#include "dinfer_kernels/detail/moe_math.h"
+#include "dinfer_kernels/detail/moe_route.h"
 #include "dinfer_kernels/moe.h"
-#include "dinfer_kernels/moe_math.h"
-#include "dinfer_kernels/moe_route.h"
 
 namespace dinfer_kernels {
 namespace {
 
-// `#pragma unroll` in host-compiled code would trip the host compiler's -Wunknown-pragmas.
-#if defined(__CUDA_ARCH__)
-#define DINFER_MOE_UNROLL _Pragma("unroll")
-#else
-#define DINFER_MOE_UNROLL
-#endif
-
-constexpr size_t kWorkspaceAlign = 256;
-
-// ---- element formats -----------------------------------------------------------------------------
-
-struct F32Tag {
-  using Raw = float;
-};
-struct BF16Tag {
-  using Raw = uint16_t;
-  static constexpr bool kBF16 = true;
-};
-struct F16Tag {
-  using Raw = uint16_t;
-  static constexpr bool kBF16 = false;
-};
-
-__device__ __forceinline__ float to_f32(float x, F32Tag) { return x; }
-__device__ __forceinline__ float to_f32(uint16_t x, BF16Tag) { return moe_math::bf16_to_float(x); }
-__device__ __forceinline__ float to_f32(uint16_t x, F16Tag) { return moe_math::fp16_to_float(x); }
-__device__ __forceinline__ float from_f32(float x, F32Tag) { return x; }
-__device__ __forceinline__ uint16_t from_f32(float x, BF16Tag) { return moe_math::float_to_bf16(x); }
-__device__ __forceinline__ uint16_t from_f32(float x, F16Tag) { return moe_math::float_to_fp16(x); }
-// The value a GEMM result has once stored in the dtype (the reference rounds its GEMM outputs).
-template <class Tag>
-__device__ __forceinline__ float round_to(float x) {
-  return to_f32(from_f32(x, Tag{}), Tag{});
-}
-
-__device__ __forceinline__ float load_any(const void* p, ScalarType t, int64_t i) {
-  if (t == ScalarType::kFloat32) return static_cast<const float*>(p)[i];
-  const uint16_t h = static_cast<const uint16_t*>(p)[i];
-  return t == ScalarType::kBFloat16 ? moe_math::bf16_to_float(h) : moe_math::fp16_to_float(h);
-}
+using dtype::BF16Tag;
+using dtype::F16Tag;
+using dtype::F32Tag;
+using dtype::from_float;
+using dtype::round_to;
+using dtype::to_float;
+using ptx::cp_async16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::ldmatrix_x4;
+using ptx::mma_16816;
+using workspace::align_up;
+using workspace::aligned16;
 
 // Four consecutive elements at a 4-element-aligned index (16 bytes for fp32, 8 for 16-bit types).
 __device__ __forceinline__ void load4_any(const void* p, ScalarType t, int64_t i, float (&v)[4]) {
@@ -96,69 +72,9 @@ __device__ __forceinline__ void load4_any(const void* p, ScalarType t, int64_t i
   const uint2 q = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p) + i);
   const uint16_t h[4] = {static_cast<uint16_t>(q.x & 0xFFFFu), static_cast<uint16_t>(q.x >> 16),
                          static_cast<uint16_t>(q.y & 0xFFFFu), static_cast<uint16_t>(q.y >> 16)};
-  DINFER_MOE_UNROLL
+  DINFER_UNROLL
   for (int j = 0; j < 4; ++j)
     v[j] = t == ScalarType::kBFloat16 ? moe_math::bf16_to_float(h[j]) : moe_math::fp16_to_float(h[j]);
-}
-
-// ---- PTX wrappers ------------------------------------------------------------------------------
-// nvcc's host pass compiles these bodies too; the #else branches only keep it quiet and never run.
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
-#if defined(__CUDA_ARCH__)
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  // .cg: the tile is used once per CTA, keep it out of L1. src_bytes 0 writes 16 zero bytes.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes)
-               : "memory");
-#else
-  (void)smem, (void)gmem, (void)src_bytes;
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
-#if defined(__CUDA_ARCH__)
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
-#else
-  (void)smem_row;
-  r[0] = r[1] = r[2] = r[3] = 0;
-#endif
-}
-
-template <bool kBF16>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if defined(__CUDA_ARCH__)
-  if (kBF16)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-  (void)d, (void)a, (void)b;
-#endif
 }
 
 // =================================================================================================
@@ -171,32 +87,32 @@ using namespace moe_route;
 template <int TT>
 __device__ __forceinline__ void router_logits_warp(const RouteArgs& a, int t0, int e_first, int lane) {
   float acc[kRouteExpertsPerWarp][TT];
-  DINFER_MOE_UNROLL
+  DINFER_UNROLL
   for (int x = 0; x < kRouteExpertsPerWarp; ++x) {
-    DINFER_MOE_UNROLL
+    DINFER_UNROLL
     for (int tt = 0; tt < TT; ++tt) acc[x][tt] = 0.f;
   }
   const int64_t H = a.H;
   // Rows past the end read row 0 (valid memory) and are never written back.
   int64_t wrow[kRouteExpertsPerWarp], xrow[TT];
-  DINFER_MOE_UNROLL
+  DINFER_UNROLL
   for (int x = 0; x < kRouteExpertsPerWarp; ++x) wrow[x] = (e_first + x < a.E ? e_first + x : 0) * H;
-  DINFER_MOE_UNROLL
+  DINFER_UNROLL
   for (int tt = 0; tt < TT; ++tt) xrow[tt] = (t0 + tt < a.T ? t0 + tt : 0) * H;
 
   if (a.vec4) {
     for (int64_t h = lane * 4; h < H; h += 128) {
       float w[kRouteExpertsPerWarp][4];
-      DINFER_MOE_UNROLL
+      DINFER_UNROLL
       for (int x = 0; x < kRouteExpertsPerWarp; ++x)
         load4_any(a.router_weight, a.router_dtype, wrow[x] + h, w[x]);
-      DINFER_MOE_UNROLL
+      DINFER_UNROLL
       for (int tt = 0; tt < TT; ++tt) {
         float v[4];
         load4_any(a.hidden, a.hidden_dtype, xrow[tt] + h, v);
-        DINFER_MOE_UNROLL
+        DINFER_UNROLL
         for (int x = 0; x < kRouteExpertsPerWarp; ++x) {
-          DINFER_MOE_UNROLL
+          DINFER_UNROLL
           for (int j = 0; j < 4; ++j) acc[x][tt] = fmaf(v[j], w[x][j], acc[x][tt]);
         }
       }
@@ -204,22 +120,22 @@ __device__ __forceinline__ void router_logits_warp(const RouteArgs& a, int t0, i
   } else {
     for (int64_t h = lane; h < H; h += 32) {
       float w[kRouteExpertsPerWarp];
-      DINFER_MOE_UNROLL
+      DINFER_UNROLL
       for (int x = 0; x < kRouteExpertsPerWarp; ++x)
-        w[x] = load_any(a.router_weight, a.router_dtype, wrow[x] + h);
-      DINFER_MOE_UNROLL
+        w[x] = dtype::load_float(a.router_weight, a.router_dtype, wrow[x] + h);
+      DINFER_UNROLL
       for (int tt = 0; tt < TT; ++tt) {
-        const float v = load_any(a.hidden, a.hidden_dtype, xrow[tt] + h);
-        DINFER_MOE_UNROLL
+        const float v = dtype::load_float(a.hidden, a.hidden_dtype, xrow[tt] + h);
+        DINFER_UNROLL
         for (int x = 0; x < kRouteExpertsPerWarp; ++x) acc[x][tt] = fmaf(v, w[x], acc[x][tt]);
       }
     }
   }
-  DINFER_MOE_UNROLL
+  DINFER_UNROLL
   for (int x = 0; x < kRouteExpertsPerWarp; ++x) {
-    DINFER_MOE_UNROLL
+    DINFER_UNROLL
     for (int tt = 0; tt < TT; ++tt) {
-      const float s = warp_sum(acc[x][tt]);
+      const float s = simt::warp_sum(acc[x][tt]);
       if (lane == 0 && e_first + x < a.E && t0 + tt < a.T)
         a.logits[static_cast<int64_t>(t0 + tt) * a.E + e_first + x] = s;
     }
@@ -310,7 +226,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   int32_t a_tok[GLU ? A_ITERS : 1];
   const uint16_t* a_base = src_a + (static_cast<int64_t>(tile) * BM + lr0) * K;
   if (GLU) {
-    DINFER_MOE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < A_ITERS; ++i) {
       const int32_t entry = a.sorted_ids[static_cast<int64_t>(tile) * BM + lr0 + i * RSTEP];
       a_tok[i] = entry >= 0 ? entry / a.top_k : -1;
@@ -322,33 +238,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int k = kt * BK + lc * 8;
     const bool kin = k < K;  // K % 8 == 0: a chunk is wholly inside or outside
     uint16_t* s = smem + stage * STAGE_ELEMS;
-    DINFER_MOE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < A_ITERS; ++i) {
       const bool ok = kin && (!GLU || a_tok[GLU ? i : 0] >= 0);
       const uint16_t* src = GLU ? src_a + static_cast<int64_t>(a_tok[GLU ? i : 0]) * K + k
                                 : a_base + static_cast<int64_t>(i * RSTEP) * K + k;
-      cp_async_16(s + T::load_offset(tid, i), ok ? src : src_w, ok ? 16 : 0);
+      cp_async16(s + T::load_offset(tid, i), ok ? src : src_w, ok);
     }
-    DINFER_MOE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < B_ITERS; ++i) {
       const int ii = i % B_HALF;
       const bool ok = kin && n_first + ii * RSTEP < N;
       const uint16_t* src = (i < B_HALF ? b_base0 : b_base1) + static_cast<int64_t>(ii * RSTEP) * K + k;
-      cp_async_16(s + A_ELEMS + T::load_offset(tid, i), ok ? src : src_w, ok ? 16 : 0);
+      cp_async16(s + A_ELEMS + T::load_offset(tid, i), ok ? src : src_w, ok);
     }
   };
 
   float acc[MI][NT][4];
-  DINFER_MOE_UNROLL
+  DINFER_UNROLL
   for (int mi = 0; mi < MI; ++mi) {
-    DINFER_MOE_UNROLL
+    DINFER_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
-      DINFER_MOE_UNROLL
+      DINFER_UNROLL
       for (int c = 0; c < 4; ++c) acc[mi][nt][c] = 0.f;
     }
   }
 
-  DINFER_MOE_UNROLL
+  DINFER_UNROLL
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ktiles) load_stage(s, s);
     cp_async_commit();  // always commit: group counting stays uniform
@@ -368,7 +284,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #endif
     for (int ks = 0; ks < BK / 16; ++ks) {
       uint32_t bf[NT][2];
-      DINFER_MOE_UNROLL
+      DINFER_UNROLL
       for (int p = 0; p < NT / 2; ++p) {
         uint32_t r[4];
         ldmatrix_x4(r, sb + T::b_frag(wn, lane, ks, p));
@@ -377,12 +293,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         bf[2 * p + 1][0] = r[2];
         bf[2 * p + 1][1] = r[3];
       }
-      DINFER_MOE_UNROLL
+      DINFER_UNROLL
       for (int mi = 0; mi < MI; ++mi) {
         uint32_t af[4];
         ldmatrix_x4(af, sa + T::a_frag(wm, lane, ks, mi));
-        DINFER_MOE_UNROLL
-        for (int nt = 0; nt < NT; ++nt) mma_16816<Tag::kBF16>(acc[mi][nt], af, bf[nt]);
+        DINFER_UNROLL
+        for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mi][nt], af, bf[nt][0], bf[nt][1], Tag{});
       }
     }
   }
@@ -390,29 +306,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   // Epilogue. Registers 2 half and 2 half + 1 of fragment (mi, j) are two adjacent columns of
   // one row (T::acc_row / acc_col).
-  DINFER_MOE_UNROLL
+  DINFER_UNROLL
   for (int mi = 0; mi < MI; ++mi) {
-    DINFER_MOE_UNROLL
+    DINFER_UNROLL
     for (int half = 0; half < 2; ++half) {
       const int r = T::acc_row(wm, lane, mi, 2 * half);
       const int64_t row = static_cast<int64_t>(tile) * BM + r;
       if (GLU) {
         uint16_t* act = static_cast<uint16_t*>(a.act);
-        DINFER_MOE_UNROLL
+        DINFER_UNROLL
         for (int j = 0; j < NI; ++j) {
           const int col = n0 + T::acc_col(wn, lane, j, 2 * half);
           if (col >= N) continue;  // N % 8 == 0: the pair is wholly inside or outside
           const float* gv = acc[mi][j] + half * 2;
           const float* uv = acc[mi][NI + j] + half * 2;
-          const uint32_t lo = from_f32(moe_math::silu_mul(round_to<Tag>(gv[0]), round_to<Tag>(uv[0])), Tag{});
-          const uint32_t hi = from_f32(moe_math::silu_mul(round_to<Tag>(gv[1]), round_to<Tag>(uv[1])), Tag{});
+          const uint32_t lo =
+              from_float(moe_math::silu_mul(round_to<Tag>(gv[0]), round_to<Tag>(uv[0])), Tag{});
+          const uint32_t hi =
+              from_float(moe_math::silu_mul(round_to<Tag>(gv[1]), round_to<Tag>(uv[1])), Tag{});
           *reinterpret_cast<uint32_t*>(act + row * N + col) = lo | (hi << 16);
         }
       } else {
         const int32_t entry = a.sorted_ids[row];
         if (entry < 0) continue;
         const float w = a.topk_w[entry];
-        DINFER_MOE_UNROLL
+        DINFER_UNROLL
         for (int j = 0; j < NI; ++j) {
           const int col = n0 + T::acc_col(wn, lane, j, 2 * half);
           if (col >= N) continue;
@@ -454,9 +372,9 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const __grid_co
       if (k < K) {
         if (GLU) {
           const int32_t entry = a.sorted_ids[row0 + rr];
-          if (entry >= 0) v = to_f32(src_a[static_cast<int64_t>(entry / a.top_k) * K + k], Tag{});
+          if (entry >= 0) v = to_float(src_a[static_cast<int64_t>(entry / a.top_k) * K + k], Tag{});
         } else {
-          v = to_f32(src_a[(row0 + rr) * K + k], Tag{});
+          v = to_float(src_a[(row0 + rr) * K + k], Tag{});
         }
       }
       sa[rr][kk] = v;
@@ -468,14 +386,14 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const __grid_co
       if (k < K && n < N) {
         const int64_t wrow = GLU ? static_cast<int64_t>(expert) * 2 * N + (j < kSimtCols ? n : N + n)
                                  : static_cast<int64_t>(expert) * N + n;
-        v = to_f32(src_w[wrow * K + k], Tag{});
+        v = to_float(src_w[wrow * K + k], Tag{});
       }
       sb[j][kk] = v;
     }
     __syncthreads();
     for (int kk = 0; kk < kSimtK; ++kk) {
       const float x = sa[r][kk];
-      DINFER_MOE_UNROLL
+      DINFER_UNROLL
       for (int j = 0; j < 4; ++j) {
         accg[j] = fmaf(x, sb[c0 + 16 * j][kk], accg[j]);
         if (GLU) accu[j] = fmaf(x, sb[kSimtCols + c0 + 16 * j][kk], accu[j]);
@@ -486,18 +404,18 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const __grid_co
   const int64_t row = row0 + r;
   if (GLU) {
     Raw* act = static_cast<Raw*>(a.act);
-    DINFER_MOE_UNROLL
+    DINFER_UNROLL
     for (int j = 0; j < 4; ++j) {
       const int col = n0 + c0 + 16 * j;
       if (col < N)
         act[row * N + col] =
-            from_f32(moe_math::silu_mul(round_to<Tag>(accg[j]), round_to<Tag>(accu[j])), Tag{});
+            from_float(moe_math::silu_mul(round_to<Tag>(accg[j]), round_to<Tag>(accu[j])), Tag{});
     }
   } else {
     const int32_t entry = a.sorted_ids[row];
     if (entry < 0) return;
     const float w = a.topk_w[entry];
-    DINFER_MOE_UNROLL
+    DINFER_UNROLL
     for (int j = 0; j < 4; ++j) {
       const int col = n0 + c0 + 16 * j;
       if (col < N) a.ypart[static_cast<int64_t>(entry) * N + col] = round_to<Tag>(accg[j]) * w;
@@ -522,7 +440,7 @@ struct CombineArgs {
 
 template <class Tag>
 __device__ __forceinline__ void store_out(void* out, int64_t i, float v) {
-  static_cast<typename Tag::Raw*>(out)[i] = from_f32(v, Tag{});
+  static_cast<typename Tag::Raw*>(out)[i] = from_float(v, Tag{});
 }
 
 template <class Tag>
@@ -543,12 +461,12 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
       acc[2] += q.z;
       acc[3] += q.w;
     } else {
-      DINFER_MOE_UNROLL
+      DINFER_UNROLL
       for (int c = 0; c < 4; ++c)
         if (h + c < a.H) acc[c] += y[c];
     }
   }
-  DINFER_MOE_UNROLL
+  DINFER_UNROLL
   for (int c = 0; c < 4; ++c)
     if (h + c < a.H) store_out<Tag>(a.out, t * a.H + h + c, acc[c]);
 }
@@ -556,8 +474,6 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
 // =================================================================================================
 // Host side
 // =================================================================================================
-
-constexpr size_t align_up(size_t x) { return (x + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
 // Everything below is a pure function of (T, E, top_k, H, I): the launch shapes never depend on
 // the data or on the GPU model.
@@ -602,8 +518,6 @@ Plan make_plan(int64_t T, int64_t E, int64_t top_k, int64_t H, int64_t I) {
   p.total = off;
   return p;
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <class Tag, class Cfg, bool GLU>
 cudaError_t launch_tc(const GemmArgs& g, int64_t max_tiles, cudaStream_t stream) {

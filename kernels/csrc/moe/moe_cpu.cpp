@@ -28,11 +28,11 @@
 #include <immintrin.h>
 #endif
 
-#include "dinfer_kernels/host_math.h"
-#include "dinfer_kernels/host_rows.h"
-#include "dinfer_kernels/isa_namespace.h"
+#include "dinfer_kernels/detail/host_math.h"
+#include "dinfer_kernels/detail/host_rows.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/moe_math.h"
 #include "dinfer_kernels/moe.h"
-#include "dinfer_kernels/moe_math.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi"  // 16-float vectors by value, internal only (see attention_cpu)

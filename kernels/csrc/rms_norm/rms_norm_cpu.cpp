@@ -10,11 +10,11 @@
 
 #include <omp.h>
 
-#include "dinfer_kernels/host_math.h"
-#include "dinfer_kernels/host_rows.h"
-#include "dinfer_kernels/isa_namespace.h"
+#include "dinfer_kernels/detail/host_math.h"
+#include "dinfer_kernels/detail/host_rows.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/scalar.h"
 #include "dinfer_kernels/rms_norm.h"
-#include "dinfer_kernels/scalar.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN

@@ -10,8 +10,8 @@
 
 #include <omp.h>
 
-#include "dinfer_kernels/host_rows.h"
-#include "dinfer_kernels/isa_namespace.h"
+#include "dinfer_kernels/detail/host_rows.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
 #include "dinfer_kernels/rope.h"
 
 namespace dinfer_kernels {

@@ -36,7 +36,7 @@ def decode_step(
 ):
     ext = compiled()
     N, V = logits.shape
-    workspace = torch.empty(ext.cuda_workspace_bytes(N, V), dtype=torch.uint8, device=logits.device)
+    workspace = torch.empty(ext.decode_step_workspace_bytes(N, V), dtype=torch.uint8, device=logits.device)
     stream = torch.cuda.current_stream(logits.device).cuda_stream
     with torch.cuda.device(logits.device):  # launches go to the current device
         ext.decode_step(

@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "dinfer_kernels/detail/scalar.h"
 #include "dinfer_kernels/rms_norm.h"
-#include "dinfer_kernels/scalar.h"
 
 int main() {
   using namespace dinfer_kernels;

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "dinfer_kernels/attention.h"
-#include "dinfer_kernels/attention_math.h"
+#include "dinfer_kernels/detail/attention_math.h"
 #include "simt_host.h"
 
 using namespace dinfer_kernels;

@@ -1,4 +1,4 @@
-// The CUDA decode step (csrc/decode/decode_step.cu) executed on the host, thread by thread: the same
+// The CUDA decode step (csrc/decode/decode.cu) executed on the host, thread by thread: the same
 // grid (one CTA per (row, split), one per sequence), the same per-thread functions
 // (decode_split.h), the kernel's shuffle-down reduction tree lane by lane, and the finalize phases
 // in barrier order. Only the hardware approximations differ: fast_exp2 / fast_log2 are exp2f / log2f
@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "dinfer_kernels/decode.h"
-#include "dinfer_kernels/decode_math.h"
-#include "dinfer_kernels/decode_split.h"
+#include "dinfer_kernels/detail/decode_math.h"
+#include "dinfer_kernels/detail/decode_split.h"
 
 namespace {
 
@@ -105,7 +105,7 @@ extern "C" int dinfer_decode_step_cuda_on_host(
   if (N == 0) return 0;
   if (V <= 0 || V > kMaxVocab) return 1;
 
-  const int S = decode_step_num_splits(N, V);
+  const int S = decode_step_cuda_num_splits(N, V);
   std::vector<Partial> partials(static_cast<size_t>(N * S));
   const SplitArgs sa = split_args(p, S, partials.data());
   const bool sample = p.temperature > 0.f;

@@ -2,8 +2,8 @@
 // tests/test_device_logic.py (the same inline code both backends compile).
 #include <cstdint>
 
-#include "dinfer_kernels/moe_math.h"
-#include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/detail/moe_math.h"
+#include "dinfer_kernels/detail/scalar.h"
 
 extern "C" void dinfer_shared_math(int32_t fn, const float* x, const float* y, float* out, int64_t n) {
   using namespace dinfer_kernels;

@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "dinfer_kernels/moe_route.h"
+#include "dinfer_kernels/detail/moe_route.h"
 #include "simt_host.h"
 
 namespace {

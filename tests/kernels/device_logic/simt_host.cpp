@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "dinfer_kernels/simt.h"
+#include "dinfer_kernels/detail/simt.h"
 
 namespace dinfer_kernels {
 namespace simt {

@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "dinfer_kernels/decode.h"  // ScalarType, cudaStream_t
+#include "dinfer_kernels/types.h"
 
 namespace dinfer_kernels {
 

@@ -8,12 +8,10 @@
 #include <cstddef>
 #include <cstdint>
 
-// Same declaration as cuda_runtime.h, so this header needs no CUDA toolkit.
-typedef struct CUstream_st* cudaStream_t;
+#include "dinfer_kernels/types.h"
 
 namespace dinfer_kernels {
 
-enum class ScalarType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class CommitRule : int32_t { kThreshold = 0, kHierarchical = 1, kFixed = 2 };
 
 struct DecodeStepParams {
@@ -50,7 +48,7 @@ struct DecodeStepParams {
 
 // Vocabulary splits per row used by the CUDA kernels: a pure function of (N, V), so results never
 // depend on the GPU model. Enough CTAs for ~4 waves of 132 SMs at small N, chunks of >= 2048 tokens.
-inline int decode_step_num_splits(int64_t num_rows, int64_t vocab) {
+inline int decode_step_cuda_num_splits(int64_t num_rows, int64_t vocab) {
   const int64_t target_ctas = 528;
   int64_t by_rows = num_rows > 0 ? (target_ctas + num_rows - 1) / num_rows : 1;
   int64_t by_vocab = (vocab + 2047) / 2048;

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "dinfer_kernels/decode.h"  // ScalarType
+#include "dinfer_kernels/types.h"
 
 namespace dinfer_kernels {
 

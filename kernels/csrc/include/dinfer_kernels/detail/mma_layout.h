@@ -7,7 +7,8 @@
 // about these formulas holds for the code that runs. Torch- and CUDA-free; host-callable.
 #pragma once
 
-#include "dinfer_kernels/attention_math.h"  // the attention tile sizes, and DINFER_HD
+#include "dinfer_kernels/detail/attention_math.h"  // the attention tile sizes
+#include "dinfer_kernels/types.h"
 
 namespace dinfer_kernels {
 namespace mma_layout {

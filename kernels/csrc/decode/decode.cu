@@ -15,17 +15,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/workspace.h"
 #include "dinfer_kernels/decode.h"
-#include "dinfer_kernels/decode_math.h"
-#include "dinfer_kernels/decode_split.h"
+#include "dinfer_kernels/detail/decode_math.h"
+#include "dinfer_kernels/detail/decode_split.h"
 
 namespace dinfer_kernels {
 namespace {
 
 using decode_math::Partial;
 using namespace decode_split;
-
-constexpr size_t kWorkspaceAlign = 256;
+using workspace::align_up;
 
 // ---- CTA reduction -------------------------------------------------------------------------------
 
@@ -100,8 +100,6 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const __grid
 
 // ---- host side -----------------------------------------------------------------------------------
 
-constexpr size_t align_up(size_t x) { return (x + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
-
 struct Layout {
   size_t partials, fb_token, fb_conf, total;
 };
@@ -128,7 +126,7 @@ void launch_split(const SplitArgs& a, bool sample, unsigned grid, cudaStream_t s
 
 size_t decode_step_cuda_workspace_bytes(int64_t num_rows, int64_t vocab) {
   if (num_rows <= 0) return 0;
-  return workspace_layout(num_rows, decode_step_num_splits(num_rows, vocab)).total;
+  return workspace_layout(num_rows, decode_step_cuda_num_splits(num_rows, vocab)).total;
 }
 
 int decode_step_cuda(const DecodeStepParams& p, void* workspace, size_t workspace_bytes,
@@ -158,9 +156,9 @@ int decode_step_cuda(const DecodeStepParams& p, void* workspace, size_t workspac
   if (p.rule != CommitRule::kThreshold && p.rule != CommitRule::kHierarchical && p.rule != CommitRule::kFixed)
     return cudaErrorInvalidValue;
 
-  const int S = decode_step_num_splits(N, V);
+  const int S = decode_step_cuda_num_splits(N, V);
   const Layout l = workspace_layout(N, S);
-  if (workspace == nullptr || workspace_bytes < l.total || reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
+  if (workspace == nullptr || workspace_bytes < l.total || !workspace::aligned16(workspace))
     return cudaErrorInvalidValue;
   if (N * S > INT32_MAX || B > INT32_MAX) return cudaErrorInvalidConfiguration;
 

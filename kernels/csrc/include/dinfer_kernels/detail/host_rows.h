@@ -10,10 +10,10 @@
 #include <immintrin.h>
 #endif
 
-#include "dinfer_kernels/decode.h"  // ScalarType
-#include "dinfer_kernels/host_math.h"
-#include "dinfer_kernels/isa_namespace.h"
-#include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/detail/host_math.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/scalar.h"
+#include "dinfer_kernels/types.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN

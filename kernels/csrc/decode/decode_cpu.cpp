@@ -12,10 +12,10 @@
 #include <omp.h>
 
 #include "dinfer_kernels/decode.h"
-#include "dinfer_kernels/decode_math.h"
-#include "dinfer_kernels/host_math.h"
-#include "dinfer_kernels/host_rows.h"
-#include "dinfer_kernels/isa_namespace.h"
+#include "dinfer_kernels/detail/decode_math.h"
+#include "dinfer_kernels/detail/host_math.h"
+#include "dinfer_kernels/detail/host_rows.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
 
 // 16-float vectors by value between internal inlined functions (see host_math.h).
 #if defined(__GNUC__) && !defined(__clang__)

@@ -10,14 +10,9 @@
 #include <cstdint>
 
 #include "dinfer_kernels/decode.h"
-#include "dinfer_kernels/isa_namespace.h"
-#include "dinfer_kernels/scalar.h"
-
-#if defined(__CUDACC__)
-#define DINFER_HD __host__ __device__ __forceinline__
-#else
-#define DINFER_HD inline
-#endif
+#include "dinfer_kernels/detail/dtype_tags.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/scalar.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN
@@ -32,19 +27,9 @@ DINFER_HD float sanitize(float z) {  // NaN -> -inf, +inf -> FLT_MAX (reference 
   return z != z ? -INFINITY : fminf(z, FLT_MAX);
 }
 
-using scalar::bf16_to_float;
-using scalar::fp16_to_float;
-
 // Element v of a row, as sanitised fp32.
 DINFER_HD float load_logit(const void* row, ScalarType t, int64_t v) {
-  float z;
-  if (t == ScalarType::kFloat32)
-    z = static_cast<const float*>(row)[v];
-  else if (t == ScalarType::kBFloat16)
-    z = bf16_to_float(static_cast<const uint16_t*>(row)[v]);
-  else
-    z = fp16_to_float(static_cast<const uint16_t*>(row)[v]);
-  return sanitize(z);
+  return sanitize(dtype::load_float(row, t, v));
 }
 
 // b beats a: larger value, or equal value at a lower index.

@@ -1,4 +1,4 @@
-// The vocabulary pass of the CUDA decode step (decode_step.cu), per thread and per CTA, and the
+// The vocabulary pass of the CUDA decode step (decode.cu), per thread and per CTA, and the
 // per-sequence phases of its finalize kernel, as __host__ __device__ code: the kernels call these
 // functions, and tests/device_logic/ runs them thread by thread on the host, with the kernels' own
 // grid, thread striding and reduction trees (only the hardware exp2/log2 differ there, scalar.h).
@@ -10,9 +10,10 @@
 #include <cstring>
 
 #include "dinfer_kernels/decode.h"
-#include "dinfer_kernels/decode_math.h"
-#include "dinfer_kernels/isa_namespace.h"
-#include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/detail/decode_math.h"
+#include "dinfer_kernels/detail/dtype_tags.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/scalar.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN
@@ -20,13 +21,6 @@ namespace decode_split {
 
 using decode_math::kNoIndex;
 using decode_math::Partial;
-
-// `#pragma unroll` in __host__ __device__ code would trip the host compiler's -Wunknown-pragmas.
-#if defined(__CUDA_ARCH__)
-#define DINFER_UNROLL _Pragma("unroll")
-#else
-#define DINFER_UNROLL
-#endif
 
 constexpr int kSplitThreads = 256;
 // 16-byte loads in flight per thread. At 48 registers 5 CTAs fit per SM, so ~80 KB are in flight per
@@ -36,9 +30,6 @@ constexpr int kFinalizeThreads = 256;
 constexpr int kStageRows = 1024;  // rows per sequence staged in shared memory (24 KB)
 // Element indices are int32 (Partial stores them so); the margin keeps `v += blockDim` from wrapping.
 constexpr int64_t kMaxVocab = int64_t{1} << 30;
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- element formats -----------------------------------------------------------------------------
 
@@ -51,27 +42,15 @@ struct Load16 {
 };
 #endif
 
-struct F32Tag {
-  using Raw = float;
-  static constexpr int kVec = 4;
-};
-struct BF16Tag {
-  using Raw = uint16_t;
-  static constexpr int kVec = 8;
-};
-struct F16Tag {
-  using Raw = uint16_t;
-  static constexpr int kVec = 8;
-};
-
+using dtype::BF16Tag;
+using dtype::F16Tag;
+using dtype::F32Tag;
+using dtype::to_float;
 using scalar::bits_to_float;
 using scalar::fast_exp2;
 using scalar::fast_log2;
-
-// Exact conversions (every bf16/fp16 value, subnormals included, is an fp32 value). Not sanitised.
-DINFER_HD float to_float(float x, F32Tag) { return x; }
-DINFER_HD float to_float(uint16_t x, BF16Tag) { return scalar::bf16_to_float(x); }
-DINFER_HD float to_float(uint16_t x, F16Tag) { return scalar::fp16_to_float(x); }
+using scalar::kLn2;
+using scalar::kLog2e;
 
 DINFER_HD void unpack(const Load16& q, float (&z)[4], F32Tag) {
   z[0] = bits_to_float(q.x);

@@ -6,16 +6,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "dinfer_kernels/isa_namespace.h"
-#include "dinfer_kernels/simt.h"
-
-#ifndef DINFER_HD
-#if defined(__CUDACC__)
-#define DINFER_HD __host__ __device__ __forceinline__
-#else
-#define DINFER_HD inline
-#endif
-#endif
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/simt.h"
+#include "dinfer_kernels/types.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN

@@ -7,41 +7,19 @@
 #include <cmath>
 #include <cstdint>
 
-#include "dinfer_kernels/isa_namespace.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/moe_math.h"
+#include "dinfer_kernels/detail/simt.h"
 #include "dinfer_kernels/moe.h"
-#include "dinfer_kernels/moe_math.h"
-#include "dinfer_kernels/simt.h"
-
-// `#pragma unroll` in host-compiled code would trip the host compiler's -Wunknown-pragmas.
-#if defined(__CUDA_ARCH__)
-#define DINFER_ROUTE_UNROLL _Pragma("unroll")
-#else
-#define DINFER_ROUTE_UNROLL
-#endif
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN
 namespace moe_route {
 
-// ---- warp reductions (butterflies: every lane ends with the result, in a fixed order) ------------
-
-DINFER_MOE_HD float warp_max(float v) {
-  DINFER_ROUTE_UNROLL
-  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, simt::shfl_xor(v, off));
-  return v;
-}
-
-// Butterfly sum: every lane ends with the same value, and the order is fixed (deterministic).
-DINFER_MOE_HD float warp_sum(float v) {
-  DINFER_ROUTE_UNROLL
-  for (int off = 16; off > 0; off /= 2) v += simt::shfl_xor(v, off);
-  return v;
-}
-
 // Best (score, index) of the warp under moe_math::beats; every lane ends with the same pair since
 // beats is a strict total order on pairs with distinct indices.
-DINFER_MOE_HD void warp_argmax(float& v, int32_t& i) {
-  DINFER_ROUTE_UNROLL
+DINFER_HD void warp_argmax(float& v, int32_t& i) {
+  DINFER_UNROLL
   for (int off = 16; off > 0; off /= 2) {
     const float ov = simt::shfl_xor(v, off);
     const int32_t oi = simt::shfl_xor(i, off);
@@ -61,11 +39,10 @@ constexpr int kScoresPerLane = static_cast<int>(kMoeMaxExperts / 32);  // 16
 // The best (score, index) under moe_math::beats over the warp's lane-strided scores: lane l holds
 // s[i] for index l + 32 i < n; indices whose bit i is set in `skip` take no part. bi = INT32_MAX when
 // none is left. Both top-k rounds (groups, then experts) pick this way.
-DINFER_MOE_HD void masked_warp_argmax(const float* s, int n, uint32_t skip, int lane, float& bv,
-                                      int32_t& bi) {
+DINFER_HD void masked_warp_argmax(const float* s, int n, uint32_t skip, int lane, float& bv, int32_t& bi) {
   bv = -INFINITY;
   bi = INT32_MAX;
-  DINFER_ROUTE_UNROLL
+  DINFER_UNROLL
   for (int i = 0; i < kScoresPerLane; ++i) {
     const int idx = lane + 32 * i;
     if (idx < n && !((skip >> i) & 1u) && moe_math::beats(s[i], idx, bv, bi)) {
@@ -121,12 +98,12 @@ struct RouteShared {
 };
 
 // Scores one token with one warp and writes its top-k sorted by expert id.
-DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int warp, int lane) {
+DINFER_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int warp, int lane) {
   const int E = a.E;
   float logit[kScoresPerLane];
   const float* lrow = a.given_logits != nullptr ? a.given_logits + static_cast<int64_t>(t) * E
                                                 : a.logits + static_cast<int64_t>(t) * E;
-  DINFER_ROUTE_UNROLL
+  DINFER_UNROLL
   for (int i = 0; i < kScoresPerLane; ++i) {
     const int e = lane + 32 * i;
     // Logits computed by other CTAs of this launch: read through L2 (__ldcg), never a stale L1 line.
@@ -137,18 +114,18 @@ DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int w
   float sel[kScoresPerLane], wsrc[kScoresPerLane];
   if (a.scoring == MoeScoring::kSoftmax) {
     float m = -INFINITY;
-    DINFER_ROUTE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i) m = fmaxf(m, logit[i]);
-    m = warp_max(m);
+    m = simt::warp_max(m);
     if (m == -INFINITY) m = 0.f;  // every logit -inf: keep exp() finite (the output is NaN anyway)
     float z = 0.f;
-    DINFER_ROUTE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i) {
       sel[i] = lane + 32 * i < E ? moe_math::router_exp(logit[i], m) : 0.f;
       z += sel[i];
     }
-    const float inv_z = 1.f / warp_sum(z);  // a multiply by the reciprocal, as torch and the host
-    DINFER_ROUTE_UNROLL
+    const float inv_z = 1.f / simt::warp_sum(z);  // a multiply by the reciprocal, as torch and the host
+    DINFER_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i) {
       const int e = lane + 32 * i;
       const float p = sel[i] * inv_z;
@@ -156,7 +133,7 @@ DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int w
       wsrc[i] = sel[i];  // softmax: the bias stays in the weights
     }
   } else {
-    DINFER_ROUTE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i) {
       const int e = lane + 32 * i;
       const float s = moe_math::sigmoid(logit[i]);
@@ -164,7 +141,7 @@ DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int w
       sel[i] = e < E && a.bias != nullptr ? s + a.bias[e] : s;
     }
   }
-  DINFER_ROUTE_UNROLL
+  DINFER_UNROLL
   for (int i = 0; i < kScoresPerLane; ++i) sel[i] = moe_math::rankable(sel[i]);
 
   // Experts outside the kept groups are excluded (bit i of the lane's mask: expert lane + 32 i).
@@ -173,14 +150,14 @@ DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int w
     const int G = a.num_groups, gs = E / G;
     float* s_sel = sh.u.score.sel[warp];
     float* s_g = sh.u.score.gscore[warp];
-    DINFER_ROUTE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i)
       if (lane + 32 * i < E) s_sel[lane + 32 * i] = sel[i];
     simt::sync_warp();
     for (int g = lane; g < G; g += 32) s_g[g] = moe_math::group_score(s_sel + g * gs, gs);
     simt::sync_warp();
     float gsc[kScoresPerLane];
-    DINFER_ROUTE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i) gsc[i] = lane + 32 * i < G ? s_g[lane + 32 * i] : 0.f;
     uint32_t kept = 0;
     for (int r = 0; r < a.topk_groups; ++r) {
@@ -190,11 +167,11 @@ DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int w
       if (bi != INT32_MAX && bi % 32 == lane) kept |= 1u << (bi / 32);
     }
     simt::sync_warp();  // every lane has read its group scores: the array now holds kept flags
-    DINFER_ROUTE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i)
       if (lane + 32 * i < G) s_g[lane + 32 * i] = (kept >> i) & 1u ? 1.f : 0.f;
     simt::sync_warp();
-    DINFER_ROUTE_UNROLL
+    DINFER_UNROLL
     for (int i = 0; i < kScoresPerLane; ++i) {
       const int e = lane + 32 * i;
       if (e < E && s_g[e / gs] == 0.f) excluded |= 1u << i;
@@ -214,7 +191,7 @@ DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int w
     if (bi != INT32_MAX && bi % 32 == lane) {
       const int slot = bi / 32;
       chosen |= 1u << slot;
-      DINFER_ROUTE_UNROLL
+      DINFER_UNROLL
       for (int i = 0; i < kScoresPerLane; ++i)
         if (i == slot) w = wsrc[i];
     }
@@ -246,14 +223,14 @@ DINFER_MOE_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int w
 }
 
 // The entries [begin, end) of warp `warp`, walked 32 at a time: key = local expert or -1.
-DINFER_MOE_HD int32_t entry_key(const RouteArgs& a, int64_t i, int64_t end) {
+DINFER_HD int32_t entry_key(const RouteArgs& a, int64_t i, int64_t end) {
   if (i >= end) return -1;
   const int32_t id = simt::load_cg(a.topk_ids + i);
   return id >= a.e0 && id < a.e1 ? id - a.e0 : -1;
 }
 
 // Counts, tile offsets and the token-ordered, padded entry list (one CTA).
-DINFER_MOE_HD void align_entries(const RouteArgs& a, RouteShared& sh, int warp, int lane) {
+DINFER_HD void align_entries(const RouteArgs& a, RouteShared& sh, int warp, int lane) {
   const int El = a.e1 - a.e0;
   const int64_t n = static_cast<int64_t>(a.T) * a.top_k;
   const int64_t per = (n + kRouteWarps * 32 - 1) / (kRouteWarps * 32) * 32;
@@ -291,7 +268,7 @@ DINFER_MOE_HD void align_entries(const RouteArgs& a, RouteShared& sh, int warp, 
       const int el = base + lane;
       const int32_t tiles = el < El ? (sh.u.align.total[el] + a.bm - 1) / a.bm : 0;
       int32_t incl = tiles;
-      DINFER_ROUTE_UNROLL
+      DINFER_UNROLL
       for (int off = 1; off < 32; off *= 2) {
         const int32_t o = simt::shfl_up(incl, off);
         if (lane >= off) incl += o;
@@ -330,14 +307,14 @@ DINFER_MOE_HD void align_entries(const RouteArgs& a, RouteShared& sh, int warp, 
 }
 
 // Tokens per routing CTA (the template argument TT below).
-DINFER_MOE_HD int tokens_per_cta(int64_t num_tokens) { return num_tokens > 256 ? 16 : 4; }
+DINFER_HD int tokens_per_cta(int64_t num_tokens) { return num_tokens > 256 ? 16 : 4; }
 
 // Everything route_kernel does after the router logits exist (computed by this launch's CTAs, or
 // given): CTA `tile` of `num_tiles` scores its TT tokens, one warp per token; the last CTA to finish
 // aligns the entries of all tokens.
 template <int TT>
-DINFER_MOE_HD void score_and_align(const RouteArgs& a, RouteShared& sh, int tile, int num_tiles, int warp,
-                                   int lane) {
+DINFER_HD void score_and_align(const RouteArgs& a, RouteShared& sh, int tile, int num_tiles, int warp,
+                               int lane) {
   const int t0 = tile * TT;
   for (int t = t0 + warp; t < t0 + TT && t < a.T; t += kRouteWarps) score_token(a, sh, t, warp, lane);
 

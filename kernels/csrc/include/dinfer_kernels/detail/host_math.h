@@ -11,8 +11,8 @@
 #include <immintrin.h>
 #endif
 
-#include "dinfer_kernels/isa_namespace.h"
-#include "dinfer_kernels/scalar.h"
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/scalar.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN

@@ -5,16 +5,12 @@
 // reaches them: only __global__ kernels call the functions built on them.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
-#include "dinfer_kernels/isa_namespace.h"
-#include "dinfer_kernels/scalar.h"
-
-#if defined(__CUDACC__)
-#define DINFER_SIMT_HD __host__ __device__ __forceinline__
-#else
-#define DINFER_SIMT_HD inline
-#endif
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/scalar.h"
+#include "dinfer_kernels/types.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN
@@ -34,7 +30,7 @@ void sync_block();
 }  // namespace host
 #endif
 
-DINFER_SIMT_HD int thread_index() {
+DINFER_HD int thread_index() {
 #if defined(__CUDA_ARCH__)
   return static_cast<int>(threadIdx.x);
 #else
@@ -42,7 +38,7 @@ DINFER_SIMT_HD int thread_index() {
 #endif
 }
 
-DINFER_SIMT_HD int32_t shfl(int32_t v, int src) {
+DINFER_HD int32_t shfl(int32_t v, int src) {
 #if defined(__CUDA_ARCH__)
   return __shfl_sync(kFullMask, v, src);
 #else
@@ -50,7 +46,7 @@ DINFER_SIMT_HD int32_t shfl(int32_t v, int src) {
 #endif
 }
 
-DINFER_SIMT_HD float shfl(float v, int src) {
+DINFER_HD float shfl(float v, int src) {
 #if defined(__CUDA_ARCH__)
   return __shfl_sync(kFullMask, v, src);
 #else
@@ -58,7 +54,7 @@ DINFER_SIMT_HD float shfl(float v, int src) {
 #endif
 }
 
-DINFER_SIMT_HD int32_t shfl_xor(int32_t v, int m) {
+DINFER_HD int32_t shfl_xor(int32_t v, int m) {
 #if defined(__CUDA_ARCH__)
   return __shfl_xor_sync(kFullMask, v, m);
 #else
@@ -66,7 +62,7 @@ DINFER_SIMT_HD int32_t shfl_xor(int32_t v, int m) {
 #endif
 }
 
-DINFER_SIMT_HD float shfl_xor(float v, int m) {
+DINFER_HD float shfl_xor(float v, int m) {
 #if defined(__CUDA_ARCH__)
   return __shfl_xor_sync(kFullMask, v, m);
 #else
@@ -74,7 +70,7 @@ DINFER_SIMT_HD float shfl_xor(float v, int m) {
 #endif
 }
 
-DINFER_SIMT_HD int32_t shfl_up(int32_t v, int d) {
+DINFER_HD int32_t shfl_up(int32_t v, int d) {
 #if defined(__CUDA_ARCH__)
   return __shfl_up_sync(kFullMask, v, d);
 #else
@@ -82,7 +78,7 @@ DINFER_SIMT_HD int32_t shfl_up(int32_t v, int d) {
 #endif
 }
 
-DINFER_SIMT_HD uint32_t match_any(int32_t v) {
+DINFER_HD uint32_t match_any(int32_t v) {
 #if defined(__CUDA_ARCH__)
   return __match_any_sync(kFullMask, v);
 #else
@@ -90,7 +86,7 @@ DINFER_SIMT_HD uint32_t match_any(int32_t v) {
 #endif
 }
 
-DINFER_SIMT_HD void sync_warp() {
+DINFER_HD void sync_warp() {
 #if defined(__CUDA_ARCH__)
   __syncwarp();
 #else
@@ -98,7 +94,7 @@ DINFER_SIMT_HD void sync_warp() {
 #endif
 }
 
-DINFER_SIMT_HD void sync_block() {
+DINFER_HD void sync_block() {
 #if defined(__CUDA_ARCH__)
   __syncthreads();
 #else
@@ -106,7 +102,7 @@ DINFER_SIMT_HD void sync_block() {
 #endif
 }
 
-DINFER_SIMT_HD int popc(uint32_t x) {
+DINFER_HD int popc(uint32_t x) {
 #if defined(__CUDA_ARCH__)
   return __popc(x);
 #else
@@ -114,9 +110,22 @@ DINFER_SIMT_HD int popc(uint32_t x) {
 #endif
 }
 
+// Warp reductions, butterflies: every lane ends with the result, and the order is fixed (deterministic).
+DINFER_HD float warp_max(float v) {
+  DINFER_UNROLL
+  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, shfl_xor(v, off));
+  return v;
+}
+
+DINFER_HD float warp_sum(float v) {
+  DINFER_UNROLL
+  for (int off = 16; off > 0; off /= 2) v += shfl_xor(v, off);
+  return v;
+}
+
 // A load of data written by other CTAs of the same launch: through L2, never a stale L1 line.
 template <class T>
-DINFER_SIMT_HD T load_cg(const T* p) {
+DINFER_HD T load_cg(const T* p) {
 #if defined(__CUDA_ARCH__)
   return __ldcg(p);
 #else
@@ -125,7 +134,7 @@ DINFER_SIMT_HD T load_cg(const T* p) {
 }
 
 // The emulator runs one CTA at a time on one host thread: a plain add is atomic there.
-DINFER_SIMT_HD int32_t atomic_add(int32_t* p, int32_t v) {
+DINFER_HD int32_t atomic_add(int32_t* p, int32_t v) {
 #if defined(__CUDA_ARCH__)
   return atomicAdd(p, v);
 #else
@@ -135,7 +144,7 @@ DINFER_SIMT_HD int32_t atomic_add(int32_t* p, int32_t v) {
 #endif
 }
 
-DINFER_SIMT_HD void threadfence() {
+DINFER_HD void threadfence() {
 #if defined(__CUDA_ARCH__)
   __threadfence();
 #endif

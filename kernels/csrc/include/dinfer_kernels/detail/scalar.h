@@ -8,19 +8,18 @@
 #include <cstdint>
 #include <cstring>
 
-#include "dinfer_kernels/isa_namespace.h"
-
-#if defined(__CUDACC__)
-#define DINFER_SCALAR_HD __host__ __device__ __forceinline__
-#else
-#define DINFER_SCALAR_HD inline
-#endif
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/types.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN
 namespace scalar {
 
-DINFER_SCALAR_HD float bits_to_float(uint32_t u) {
+// log2(e) and ln(2) in fp32, for the kernels that work in the exp2 domain.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+DINFER_HD float bits_to_float(uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);
 #else
@@ -30,7 +29,7 @@ DINFER_SCALAR_HD float bits_to_float(uint32_t u) {
 #endif
 }
 
-DINFER_SCALAR_HD uint32_t float_to_bits(float f) {
+DINFER_HD uint32_t float_to_bits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
 #else
@@ -42,10 +41,10 @@ DINFER_SCALAR_HD uint32_t float_to_bits(float f) {
 
 // ---- 16-bit formats ------------------------------------------------------------------------------
 
-DINFER_SCALAR_HD float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+DINFER_HD float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
 
 // fp32 -> bf16, round to nearest even; NaN stays NaN (quiet), infinities and overflow to inf.
-DINFER_SCALAR_HD uint16_t float_to_bf16(float f) {
+DINFER_HD uint16_t float_to_bf16(float f) {
 #if defined(__CUDA_ARCH__)
   uint16_t h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -58,7 +57,7 @@ DINFER_SCALAR_HD uint16_t float_to_bf16(float f) {
 #endif
 }
 
-DINFER_SCALAR_HD float fp16_to_float(uint16_t h) {
+DINFER_HD float fp16_to_float(uint16_t h) {
 #if defined(__CUDA_ARCH__)
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -74,7 +73,7 @@ DINFER_SCALAR_HD float fp16_to_float(uint16_t h) {
 }
 
 // fp32 -> fp16, round to nearest even (subnormals included); overflow to inf, NaN stays NaN.
-DINFER_SCALAR_HD uint16_t float_to_fp16(float f) {
+DINFER_HD uint16_t float_to_fp16(float f) {
 #if defined(__CUDA_ARCH__)
   uint16_t h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -109,8 +108,7 @@ DINFER_SCALAR_HD uint16_t float_to_fp16(float f) {
 // arithmetic, so host compilers vectorise it (libm's expf does not vectorise) and the device runs the
 // same formula (CUDA's expf is a different ~2-ulp approximation). Below -87.3 the result would be
 // subnormal: return 0, which also maps exp(-inf) to 0 as an online softmax needs. NaN stays NaN.
-DINFER_SCALAR_HD float exp_nonpositive(float x) {
-  const float kLog2e = 1.44269504088896341f;
+DINFER_HD float exp_nonpositive(float x) {
   const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
   const float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to nearest, and vectorises
   const float xc = x < -87.3f ? -87.3f : x;
@@ -129,7 +127,7 @@ DINFER_SCALAR_HD float exp_nonpositive(float x) {
 }
 
 // 2^x with MUFU.EX2 alone (<= 2 ulp; results below 2^-126 flush to 0, ex2(-inf) = +0).
-DINFER_SCALAR_HD float fast_exp2(float x) {
+DINFER_HD float fast_exp2(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -140,7 +138,7 @@ DINFER_SCALAR_HD float fast_exp2(float x) {
 }
 
 // log2 with MUFU.LG2 (approximate: only for bounds that carry their own margin).
-DINFER_SCALAR_HD float fast_log2(float x) {
+DINFER_HD float fast_log2(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -7,14 +7,9 @@
 #include <cstdint>
 #include <cstring>
 
-#include "dinfer_kernels/isa_namespace.h"
-#include "dinfer_kernels/scalar.h"
-
-#if defined(__CUDACC__)
-#define DINFER_MOE_HD __host__ __device__ __forceinline__
-#else
-#define DINFER_MOE_HD inline
-#endif
+#include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/scalar.h"
+#include "dinfer_kernels/types.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN
@@ -30,28 +25,26 @@ using scalar::fp16_to_float;
 // ---- router ---------------------------------------------------------------------------------------
 
 // b beats a: a larger score, or an equal score at a lower index (NaN never beats).
-DINFER_MOE_HD bool beats(float bv, int32_t bi, float av, int32_t ai) {
-  return bv > av || (bv == av && bi < ai);
-}
+DINFER_HD bool beats(float bv, int32_t bi, float av, int32_t ai) { return bv > av || (bv == av && bi < ai); }
 
 using scalar::exp_nonpositive;
 
 // exp(l - m) of the softmax router (m = the token's max logit, so the argument is <= 0).
-DINFER_MOE_HD float router_exp(float l, float m) { return exp_nonpositive(l - m); }
+DINFER_HD float router_exp(float l, float m) { return exp_nonpositive(l - m); }
 
 // 1 / (1 + exp(-x)) through exp(-|x|) <= 1: the shared exp never overflows, and x < 0 keeps its
 // relative precision (e / (1 + e)) instead of rounding 1 + exp(-x) first.
-DINFER_MOE_HD float sigmoid(float x) {
+DINFER_HD float sigmoid(float x) {
   const float e = exp_nonpositive(x >= 0.f ? -x : x);
   return (x >= 0.f ? 1.f : e) / (1.f + e);
 }
 
 // A selection score as the top-k sees it: NaN ranks like -inf, so every candidate stays selectable.
-DINFER_MOE_HD float rankable(float x) { return x != x ? -INFINITY : x; }
+DINFER_HD float rankable(float x) { return x != x ? -INFINITY : x; }
 
 // A group's score for the grouped top-k: the sum of its two best selection scores (the one score of
 // a single-expert group), ranked like the scores themselves.
-DINFER_MOE_HD float group_score(const float* sel, int64_t size) {
+DINFER_HD float group_score(const float* sel, int64_t size) {
   float b1 = -INFINITY, b2 = -INFINITY;
   for (int64_t j = 0; j < size; ++j) {
     const float x = sel[j];
@@ -69,7 +62,7 @@ DINFER_MOE_HD float group_score(const float* sel, int64_t size) {
 
 // silu(g) * u = g * sigmoid(g) * u in fp32 (g and u already rounded to the compute dtype, like the
 // reference's GEMM output); the caller rounds the product to the dtype. Same exp(-|g|) form as sigmoid.
-DINFER_MOE_HD float silu_mul(float g, float u) {
+DINFER_HD float silu_mul(float g, float u) {
   const float e = exp_nonpositive(g >= 0.f ? -g : g);
   return (g >= 0.f ? g : g * e) / (1.f + e) * u;
 }
