@@ -35,7 +35,9 @@ def run_triton(logits, embedding, tokens, mask_id, weight, tau):
         (logits.shape[0], embedding.shape[1]), float("nan"), dtype=embedding.dtype, device=DEVICE
     )
     w = torch.tensor([weight], dtype=torch.float32, device=DEVICE)
-    soft_embedding(logits.to(DEVICE), embedding.to(DEVICE), tokens.to(DEVICE), mask_id, w, tau, out)
+    soft_embedding(
+        logits.to(DEVICE), embedding.to(DEVICE), tokens.to(DEVICE), w, out, mask_id=mask_id, tau=tau
+    )
     return out.cpu()
 
 

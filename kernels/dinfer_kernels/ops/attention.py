@@ -8,31 +8,22 @@ Backends: torch (the reference; the only one that takes a dense attn_mask), trit
 torch when attn_mask is given or no kernel backend can take the inputs. Every kernel backend module
 `dinfer_kernels/{triton,cuda,cpu}/attention.py` exposes
 
-    attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back, kv_num_blocks, kv_indices,
-              q_block, kv_block, scale, out, lse, block_mass) -> None
+    attention(q, k, v, k_cache, v_cache, positions, seq_lens, kv_num_blocks, kv_indices, out, lse,
+              block_mass, *, write_back, q_block, kv_block, scale) -> None
+    supports(dtype, head_dim) -> bool     whether it serves q of that dtype and head dim
+    HEAD_DIMS                             the head dims it serves (None: any)
 
 with caller-allocated outputs (lse / block_mass None = not wanted; kv_num_blocks / kv_indices None =
 every key block, and then q_block / kv_block are only tiling hints).
 """
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from .. import _backend, _checks, _dispatch
 from ..block_mask import BlockMask, cdiv
 from ..reference.attention import attention_reference
-
-KERNEL_HEAD_DIMS = (64, 128)  # of the GPU kernels; the host kernel takes any
-_KERNEL_DTYPES = {
-    "triton": (torch.float16, torch.bfloat16, torch.float32),
-    "cuda": (torch.float16, torch.bfloat16),
-    "cpu": (torch.float16, torch.bfloat16, torch.float32),
-}
-
-
-def _takes_head_dim(backend: str, D: int) -> bool:
-    return backend == "cpu" or D in KERNEL_HEAD_DIMS
 
 
 @_dispatch.op("attention", mutates_args=("k_cache", "v_cache"))
@@ -90,15 +81,7 @@ def _attention_op(
         if return_block_mass
         else None
     )
-    if backend == "triton":
-        from ..triton.attention import attention as impl
-    elif backend == "cuda":
-        from ..cuda.attention import attention as impl
-    elif backend == "cpu":
-        from ..cpu.attention import attention as impl
-    else:
-        raise ValueError(f"backend: {backend!r} does not implement attention")
-    impl(
+    _backend.impl("attention", backend)(
         q,
         k,
         v,
@@ -106,15 +89,15 @@ def _attention_op(
         v_cache,
         positions,
         seq_lens,
-        write_back,
         kv_num_blocks,
         kv_indices,
-        q_block,
-        kv_block,
-        scale,
         out,
         lse,
         mass,
+        write_back=write_back,
+        q_block=q_block,
+        kv_block=kv_block,
+        scale=scale,
     )
     return out, (lse if lse is not None else empty), (mass if mass is not None else empty.clone())
 
@@ -147,43 +130,47 @@ def _(
     return out, lse, mass
 
 
-def _pick_backend(backend, dev, dtype, D, attn_mask):
+def _pick_backend(
+    backend: str, dev: torch.device, dtype: torch.dtype, D: int, attn_mask: Optional[torch.Tensor]
+) -> str:
+    """backend, checked against what the call needs, or for "auto" the first backend that serves it
+    (each kernel backend's supports(); only the torch one takes a dense attn_mask)."""
     if backend == "auto":
         if attn_mask is not None:
             return "torch"
         for b in _backend.auto_backends(dev, "attention"):
-            if b == "torch":
-                return b
-            if _takes_head_dim(b, D) and dtype in _KERNEL_DTYPES[b]:
+            if b == "torch" or _backend.module("attention", b).supports(dtype, D):
                 return b
         return "torch"
     backend = _backend.resolve(backend, dev, "attention")
-    if backend != "torch":
-        if attn_mask is not None:
-            raise ValueError(
-                f"attn_mask: a dense mask is only supported by the torch backend, got "
-                f"backend={backend!r} (express it as a block_mask, or use 'torch')"
-            )
-        if not _takes_head_dim(backend, D):
+    if backend == "torch":
+        return backend
+    if attn_mask is not None:
+        raise ValueError(
+            f"attn_mask: a dense mask is only supported by the torch backend, got "
+            f"backend={backend!r} (express it as a block_mask, or use 'torch')"
+        )
+    kernel = _backend.module("attention", backend)
+    if not kernel.supports(dtype, D):
+        if kernel.HEAD_DIMS is not None and D not in kernel.HEAD_DIMS:
             raise ValueError(
                 f"q: head dim {D} is not supported by the {backend} backend "
-                f"(supported: {KERNEL_HEAD_DIMS}; the torch backend takes any)"
+                f"(supported: {kernel.HEAD_DIMS}; the torch backend takes any)"
             )
-        if dtype not in _KERNEL_DTYPES[backend]:
-            raise TypeError(
-                f"q: dtype {str(dtype).replace('torch.', '')} is not supported by the {backend} backend"
-            )
+        raise TypeError(
+            f"q: dtype {str(dtype).replace('torch.', '')} is not supported by the {backend} backend"
+        )
     return backend
 
 
 def attention(
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    positions,
-    seq_lens,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
     *,
     write_back: bool = True,
     attn_mask: Optional[torch.Tensor] = None,
@@ -193,7 +180,7 @@ def attention(
     return_block_mass: bool = False,
     backend: str = "auto",
     validate: Optional[bool] = None,
-):
+) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """out [B, W, Hq, D], or (out, lse?, block_mass?) with only the requested extras, in that order.
     See the reference docstring for every argument; block_mask is a BlockMask.
 
@@ -221,6 +208,8 @@ def attention(
         _checks.tensor("attn_mask", attn_mask, (torch.bool,), ndim=3, device=dev)
         _checks.shape("attn_mask", attn_mask, [B, W, S])
     scale = D**-0.5 if scale is None else _checks.number("scale", scale, lo=0.0, lo_open=True)
+    counts: Optional[torch.Tensor]
+    indices: Optional[torch.Tensor]
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(
