@@ -11,7 +11,8 @@ Contracts: dinfer_kernels/reference/.
 """
 
 from ._backend import available_backends, prefer_backend
-from .ops.attention import BlockMask, attention
+from .block_mask import BlockMask
+from .ops.attention import attention
 from .ops.decode import CreditState, decode_step
 from .ops.moe import moe
 from .ops.rms_norm import rms_norm

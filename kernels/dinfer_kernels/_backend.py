@@ -9,6 +9,9 @@ dtypes and shapes where it was measured faster (MOE_HOST_WINS, moe_host_wins()).
 The host kernels exist once per x86-64 ISA in the extension; cpu_isa() names the copy in use (the best
 the CPU runs, or the DINFER_CPU_ISA environment variable's), set_cpu_isa() switches it for the whole
 process (tests, benchmarks).
+
+The kernel backends' functions (impl()) share one contract: dinfer_kernels/{cuda,triton,cpu}/<op>.py
+defines <op>(inputs, outputs, *, scalars) -> None, writing the outputs the public op allocated.
 """
 
 import contextlib
@@ -16,6 +19,8 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+from types import ModuleType
+from typing import Callable, Optional
 
 BACKENDS = ("auto", "cuda", "triton", "cpu", "torch")
 
@@ -117,7 +122,7 @@ def cpu_fast_ops():
 # where runs disagreed (small fp32 at 128 rows: 0.98-1.09 in an earlier run) the lower one stands.
 # Re-measure when the kernel changes.
 LARGE_MOE_BYTES = 64 << 20
-MOE_HOST_WINS = {
+MOE_HOST_WINS: dict[str, dict[str, tuple[Optional[float], Optional[float]]]] = {
     "generic": {"float32": (4, 4), "bfloat16": (4, None), "float16": (None, None)},
     "avx2": {"float32": (32, 4), "bfloat16": (32, 0.5), "float16": (32, None)},
     "avx512": {"float32": (32, 4), "bfloat16": (32, 0.5), "float16": (32, None)},
@@ -125,12 +130,11 @@ MOE_HOST_WINS = {
 }
 
 
-def moe_host_wins(dtype, rows_per_expert: float, weight_bytes: int, isa=None) -> bool:
+def moe_host_wins(dtype, rows_per_expert: float, weight_bytes: int, isa: Optional[str] = None) -> bool:
     """Whether the host MoE kernel of `isa` (default: the one in use) beats the torch reference for
     hidden states of `dtype` with `rows_per_expert` = T * top_k / E routed rows per expert on average
     and expert weights (w13 + w2) of `weight_bytes` in all, per MOE_HOST_WINS."""
-    isa = isa or cpu_isa()
-    limits = MOE_HOST_WINS.get(isa, {}).get(str(dtype).replace("torch.", ""))
+    limits = MOE_HOST_WINS.get(isa or cpu_isa() or "", {}).get(str(dtype).replace("torch.", ""))
     if limits is None:
         return False
     limit = limits[1] if weight_bytes >= LARGE_MOE_BYTES else limits[0]
@@ -146,9 +150,44 @@ IMPLEMENTED = {
     "attention": ("cuda", "triton", "cpu", "torch"),
     "moe": ("cuda", "triton", "cpu", "torch"),
 }
+# The module of an op in each kernel backend's package, where it is not named after the op.
+_MODULES = {"decode_step": "decode"}
 
 
-def available_backends(device, op: str = "decode_step") -> list:
+def module(op: str, backend: str) -> ModuleType:
+    """dinfer_kernels/<backend>/<op's module>.py, the kernel backend `backend` of `op` (ValueError
+    for "torch", the op's reference, and for a backend that does not implement `op`)."""
+    if backend == "torch" or backend not in IMPLEMENTED[op]:
+        raise ValueError(f"backend: {backend!r} does not implement {op}")
+    from . import cpu, cuda, triton  # torch.compile traces import statements (not importlib)
+
+    package = {"cpu": cpu, "cuda": cuda, "triton": triton}[backend]
+    return getattr(package, _MODULES.get(op, op))
+
+
+def impl(op: str, backend: str) -> Callable[..., None]:
+    """The function of the kernel backend `backend` that runs `op` (see the module docstring), looked
+    up on every call, so that a test may stand in for it."""
+    return getattr(module(op, backend), op)
+
+
+def submodule_loader(package: str) -> Callable[[str], ModuleType]:
+    """A kernel backend package's __getattr__ (PEP 562): imports its module `name` on first use, so
+    that module() imports nothing it does not use (Triton only when used) yet torch.compile, which
+    cannot trace importlib, runs the lookup rather than tracing it."""
+
+    def load(name: str) -> ModuleType:
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{package}.{name}":
+                raise  # the module exists; something it imports does not
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+    return load
+
+
+def available_backends(device, op: str = "decode_step") -> list[str]:
     """Backends that can run `op` on tensors of `device`, fastest first."""
     import torch
 
@@ -168,7 +207,7 @@ def available_backends(device, op: str = "decode_step") -> list:
     return [b for b in IMPLEMENTED[op] if b in usable]
 
 
-_preferred = None  # set by prefer_backend()
+_preferred: Optional[str] = None  # set by prefer_backend()
 
 
 @contextlib.contextmanager
@@ -193,7 +232,7 @@ def _host_wins(op, work) -> bool:
     return True
 
 
-def auto_backends(device, op: str, **work) -> list:
+def auto_backends(device, op: str, **work) -> list[str]:
     """The backends "auto" may pick for `op` on `device`, fastest first: the available ones less the
     Triton interpreter (a correctness tool on the host) and a host kernel slower than the reference
     (for this call's dtype and shape where `work` gives them: moe's dtype, rows_per_expert and
@@ -213,7 +252,7 @@ def resolve(backend: str, device, op: str, **work) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     avail = available_backends(device, op)
-    if backend == "auto" and _preferred in avail:
+    if backend == "auto" and _preferred is not None and _preferred in avail:
         return _preferred
     if backend == "auto":
         return auto_backends(device, op, **work)[0]

@@ -277,15 +277,15 @@ def test_internal_signature_poisoned_outputs(backend, device, with_lse, with_mas
         vc.clone().to(device),
         dev(pos),
         dev(lens),
-        True,
         dev(bm.kv_num_blocks),
         dev(bm.kv_indices),
-        4,
-        16,
-        0.125,
         out,
         lse,
         mass,
+        write_back=True,
+        q_block=4,
+        kv_block=16,
+        scale=0.125,
     )
     truth = attention_reference(
         q,
@@ -447,7 +447,7 @@ def test_auto_picks_the_host_kernel_on_the_host(monkeypatch):
 
     calls = []
     real = host.attention
-    monkeypatch.setattr(host, "attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(host, "attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     q, k, v, kc, vc, pos, lens = make_case(1, 3, 20, 2, 2, 32, F32, seed=2)
     dk.attention(q, k, v, kc.clone(), vc.clone(), pos, lens)  # auto
     expected = [1] if "attention" in _backend.cpu_fast_ops() else []  # where it beats the reference

@@ -240,21 +240,23 @@ def run_cuda(hidden, router, w13, w2, k, **kw):
 
     out = torch.full_like(hidden, float("nan"))
     E_ = w13.shape[0]
+    e0, e1 = kw.get("expert_range", (0, E_))
     moe(
         hidden,
         router,
         None,
         w13,
         w2,
-        k,
-        kw.get("renormalize", False),
-        kw.get("scoring", "softmax"),
         kw.get("expert_bias"),
-        kw.get("num_groups", 1),
-        kw.get("topk_groups", 1),
-        kw.get("routed_scaling", 1.0),
-        *kw.get("expert_range", (0, E_)),
         out,
+        top_k=k,
+        renormalize=kw.get("renormalize", False),
+        scoring=kw.get("scoring", "softmax"),
+        num_groups=kw.get("num_groups", 1),
+        topk_groups=kw.get("topk_groups", 1),
+        routed_scaling=kw.get("routed_scaling", 1.0),
+        e0=e0,
+        e1=e1,
     )
     return out
 

@@ -35,8 +35,9 @@ def run_triton(logits, embedding, tokens, mask_id, weight, tau):
         (logits.shape[0], embedding.shape[1]), float("nan"), dtype=embedding.dtype, device=DEVICE
     )
     w = torch.as_tensor(weight, dtype=torch.float32).reshape(-1).expand(logits.shape[0]).contiguous()
-    w = w.to(DEVICE)
-    soft_embedding(logits.to(DEVICE), embedding.to(DEVICE), tokens.to(DEVICE), mask_id, w, tau, out)
+    soft_embedding(
+        logits.to(DEVICE), embedding.to(DEVICE), tokens.to(DEVICE), w.to(DEVICE), out, mask_id=mask_id, tau=tau
+    )
     return out.cpu()
 
 

@@ -2,6 +2,10 @@
 
 from torch.utils.dlpack import to_dlpack
 
+from .._backend import submodule_loader
+
+__getattr__ = submodule_loader(__name__)  # an op's module loads on first use
+
 
 def capsules(*tensors):
     """The tensors as DLPack capsules (None stays None). The bindings take any __dlpack__ array, but

@@ -9,6 +9,13 @@ import torch
 from .._backend import compiled
 from . import capsules
 
+HEAD_DIMS = None  # any: the kernel loops over the head dim
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in DTYPES
+
 
 def attention(
     q,
@@ -18,16 +25,17 @@ def attention(
     v_cache,
     positions,
     seq_lens,
-    write_back,
     kv_num_blocks,
     kv_indices,
-    q_block,
-    kv_block,
-    scale,
     out,
     lse,
     block_mass,
-):
+    *,
+    write_back: bool,
+    q_block: int,
+    kv_block: int,
+    scale: float,
+) -> None:
     arrays = capsules(
         q, k, v, k_cache, v_cache, positions, seq_lens, out, lse, block_mass, kv_num_blocks, kv_indices
     )

@@ -9,6 +9,13 @@ import torch
 
 from .._backend import compiled
 
+HEAD_DIMS = (64, 128)  # the kernels' tile widths
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in DTYPES and head_dim in HEAD_DIMS
+
 
 def attention(
     q,
@@ -18,16 +25,17 @@ def attention(
     v_cache,
     positions,
     seq_lens,
-    write_back,
     kv_num_blocks,
     kv_indices,
-    q_block,
-    kv_block,
-    scale,
     out,
     lse,
     block_mass,
-):
+    *,
+    write_back: bool,
+    q_block: int,
+    kv_block: int,
+    scale: float,
+) -> None:
     ext = compiled()
     B, W, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]

@@ -17,17 +17,18 @@ def moe(
     router_logits,
     w13,
     w2,
-    top_k,
-    renormalize,
-    scoring,
     expert_bias,
-    num_groups,
-    topk_groups,
-    routed_scaling,
-    e0,
-    e1,
     out,
-):
+    *,
+    top_k: int,
+    renormalize: bool,
+    scoring: str,
+    num_groups: int,
+    topk_groups: int,
+    routed_scaling: float,
+    e0: int,
+    e1: int,
+) -> None:
     """Writes out [T, H] (contiguous, hidden's dtype); the contract is reference/moe.py."""
     ext = compiled()
     T, H = hidden.shape

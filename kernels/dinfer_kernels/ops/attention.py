@@ -8,183 +8,22 @@ Backends: torch (the reference; the only one that takes a dense attn_mask), trit
 torch when attn_mask is given or no kernel backend can take the inputs. Every kernel backend module
 `dinfer_kernels/{triton,cuda,cpu}/attention.py` exposes
 
-    attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back, kv_num_blocks, kv_indices,
-              q_block, kv_block, scale, out, lse, block_mass) -> None
+    attention(q, k, v, k_cache, v_cache, positions, seq_lens, kv_num_blocks, kv_indices, out, lse,
+              block_mass, *, write_back, q_block, kv_block, scale) -> None
+    supports(dtype, head_dim) -> bool     whether it serves q of that dtype and head dim
+    HEAD_DIMS                             the head dims it serves (None: any)
 
 with caller-allocated outputs (lse / block_mass None = not wanted; kv_num_blocks / kv_indices None =
 every key block, and then q_block / kv_block are only tiling hints).
 """
 
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from .. import _backend, _checks, _dispatch
-from ..reference.attention import attention_reference, block_mask_dense
-
-KERNEL_HEAD_DIMS = (64, 128)  # of the GPU kernels; the host kernel takes any
-_KERNEL_DTYPES = {
-    "triton": (torch.float16, torch.bfloat16, torch.float32),
-    "cuda": (torch.float16, torch.bfloat16),
-    "cpu": (torch.float16, torch.bfloat16, torch.float32),
-}
-
-
-def _takes_head_dim(backend: str, D: int) -> bool:
-    return backend == "cpu" or D in KERNEL_HEAD_DIMS
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _start_tensor(start, B, device):
-    """start as a [B] int64 tensor (an int is broadcast)."""
-    if isinstance(start, torch.Tensor):
-        _checks.tensor("start", start, (torch.int32, torch.int64), ndim=1)
-        _checks.shape("start", start, [B])
-        return start.to(device=device, dtype=torch.int64)
-    _checks.integer("start", start, 0)
-    return torch.full((B,), start, dtype=torch.int64, device=device)
-
-
-class BlockMask(NamedTuple):
-    """FlexAttention-style block sparsity that lives on the device (fixed shapes, no host planning).
-
-    kv_num_blocks [B, Hkv, NQB] int32 and kv_indices [B, Hkv, NQB, MAXB] int32: the query heads of kv
-    head g in query block j (window rows [j * q_block, (j + 1) * q_block)) attend only the keys of the
-    key blocks kv_indices[b, g, j, :kv_num_blocks[b, g, j]] (key block i = keys [i * kv_block,
-    (i + 1) * kv_block)). NQB = ceil(W / q_block); listed indices are distinct and in
-    [0, ceil(S / kv_block)); entries past the count are ignored; a count of 0 gives the rows output 0
-    and lse -inf. Query blocks are blocks of *window rows*, not of positions.
-
-    Examples (W window rows at positions start + w, S the cache length):
-      full bidirectional   BlockMask.full(B, Hkv, W, S, q_block, kv_block)
-      LLaDA2 block-causal  BlockMask.block_causal(B, Hkv, W, S, block_len, q_block, kv_block, start)
-      vicinity window      BlockMask.vicinity(B, Hkv, W, S, q_block, kv_block, start, before=256,
-                                              after=128, sink=1)   # sink block + local neighbourhood
-      pruned far suffix    BlockMask.vicinity(..., before=None, after=256): everything before the
-                           query block, only 256 positions of the (still masked) suffix after it
-      anything else        BlockMask.from_dense(mask [B, Hkv, NQB, NKB] bool, q_block, kv_block)
-    """
-
-    kv_num_blocks: torch.Tensor
-    kv_indices: torch.Tensor
-    q_block: int
-    kv_block: int
-
-    @staticmethod
-    def full(B: int, Hkv: int, W: int, S: int, q_block: int, kv_block: int, device="cpu") -> "BlockMask":
-        """Every query block attends every key block."""
-        for name, val in (("B", B), ("Hkv", Hkv), ("W", W), ("S", S)):
-            _checks.integer(name, val, 0)
-        _checks.integer("q_block", q_block, 1)
-        _checks.integer("kv_block", kv_block, 1)
-        nqb, nkb = _cdiv(W, q_block), _cdiv(S, kv_block)
-        counts = torch.full((B, Hkv, nqb), nkb, dtype=torch.int32, device=device)
-        idx = torch.arange(nkb, dtype=torch.int32, device=device).expand(B, Hkv, nqb, nkb).contiguous()
-        return BlockMask(counts, idx, q_block, kv_block)
-
-    @staticmethod
-    def from_dense(mask: torch.Tensor, q_block: int, kv_block: int) -> "BlockMask":
-        """From a [B, Hkv, NQB, NKB] bool block mask: listed blocks in ascending order, MAXB = NKB.
-        No host sync (capturable)."""
-        _checks.tensor("mask", mask, (torch.bool,), ndim=4)
-        _checks.integer("q_block", q_block, 1)
-        _checks.integer("kv_block", kv_block, 1)
-        nkb = mask.shape[-1]
-        counts = mask.sum(-1, dtype=torch.int32)
-        # listed blocks first, in ascending order: sort by (not listed, index)
-        order = torch.arange(nkb, device=mask.device) + (~mask).to(torch.int64) * nkb
-        idx = order.argsort(-1).to(torch.int32)
-        return BlockMask(counts, idx.contiguous(), q_block, kv_block)
-
-    @staticmethod
-    def block_causal(
-        B: int,
-        Hkv: int,
-        W: int,
-        S: int,
-        block_len: int,
-        q_block: int,
-        kv_block: int,
-        start: Union[int, torch.Tensor] = 0,
-        device="cpu",
-    ) -> "BlockMask":
-        """LLaDA2's block-causal mask: a query at absolute position p sees the keys of every diffusion
-        block up to its own, i.e. keys s < (p // block_len + 1) * block_len.
-
-        Alignment, needed for the mask to be exact at block granularity: window row w sits at
-        position start[b] + w, start is a multiple of block_len, and q_block and kv_block divide
-        block_len (so a query block lies in one diffusion block and a key block never straddles a
-        diffusion-block boundary). Otherwise pass a dense attn_mask (torch backend) instead.
-        start: int or [B] tensor (a device tensor keeps it capturable; its values are not checked).
-        """
-        _checks.integer("block_len", block_len, 1)
-        _checks.integer("q_block", q_block, 1)
-        _checks.integer("kv_block", kv_block, 1)
-        if block_len % q_block:
-            raise ValueError(f"q_block: must divide block_len ({block_len}), got {q_block}")
-        if block_len % kv_block:
-            raise ValueError(f"kv_block: must divide block_len ({block_len}), got {kv_block}")
-        if isinstance(start, int) and not isinstance(start, bool) and start % block_len:
-            raise ValueError(f"start: must be a multiple of block_len ({block_len}), got {start}")
-        st = _start_tensor(start, B, device)
-        nqb, nkb = _cdiv(W, q_block), _cdiv(S, kv_block)
-        q_pos = st[:, None] + torch.arange(nqb, device=device) * q_block  # [B, NQB]
-        limit = (torch.div(q_pos, block_len, rounding_mode="floor") + 1) * block_len  # keys < limit
-        counts = torch.clamp(_cdiv_t(limit, kv_block), 0, nkb).to(torch.int32)
-        counts = counts[:, None, :].expand(B, Hkv, nqb).contiguous()
-        idx = torch.arange(nkb, dtype=torch.int32, device=device).expand(B, Hkv, nqb, nkb).contiguous()
-        return BlockMask(counts, idx, q_block, kv_block)
-
-    @staticmethod
-    def vicinity(
-        B: int,
-        Hkv: int,
-        W: int,
-        S: int,
-        q_block: int,
-        kv_block: int,
-        start: Union[int, torch.Tensor] = 0,
-        before: Optional[int] = None,
-        after: Optional[int] = None,
-        sink: int = 0,
-        device="cpu",
-    ) -> "BlockMask":
-        """Local attention at block granularity: query block j (window rows [j*q_block, ...), at
-        positions start + j*q_block ...) attends every key block that overlaps positions
-        [first - before, last + after] (first/last: the block's first and last query position), plus
-        the first `sink` key blocks. before/after None = unbounded: vicinity(before=None, after=A)
-        is far-suffix pruning (the whole prefix, A positions of the suffix).
-        start: int or [B] tensor, as in block_causal."""
-        _checks.integer("q_block", q_block, 1)
-        _checks.integer("kv_block", kv_block, 1)
-        _checks.integer("sink", sink, 0)
-        if before is not None:
-            _checks.integer("before", before, 0)
-        if after is not None:
-            _checks.integer("after", after, 0)
-        st = _start_tensor(start, B, device)
-        nqb, nkb = _cdiv(W, q_block), _cdiv(S, kv_block)
-        first = st[:, None] + torch.arange(nqb, device=device) * q_block  # [B, NQB]
-        last = first + q_block - 1
-        lo = first - before if before is not None else torch.full_like(first, -1 << 40)
-        hi = last + after if after is not None else torch.full_like(first, 1 << 40)
-        kb = torch.arange(nkb, device=device)
-        k_first, k_last = kb * kv_block, kb * kv_block + kv_block - 1
-        dense = (k_last[None, None, :] >= lo[..., None]) & (k_first[None, None, :] <= hi[..., None])
-        dense = dense | (kb < sink)[None, None, :]
-        dense = dense[:, None].expand(B, Hkv, nqb, nkb)
-        return BlockMask.from_dense(dense, q_block, kv_block)
-
-    def to_dense(self, S: int) -> torch.Tensor:
-        """[B, Hkv, NQB, ceil(S / kv_block)] bool: the listed key blocks."""
-        return block_mask_dense(self.kv_num_blocks, self.kv_indices, _cdiv(S, self.kv_block))
-
-
-def _cdiv_t(t, d):
-    return torch.div(t + (d - 1), d, rounding_mode="floor")
+from ..block_mask import BlockMask, cdiv
+from ..reference.attention import attention_reference
 
 
 @_dispatch.op("attention", mutates_args=("k_cache", "v_cache"))
@@ -238,19 +77,11 @@ def _attention_op(
     out = torch.empty((B, W, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, W, Hq), dtype=torch.float32, device=q.device) if return_lse else None
     mass = (
-        torch.empty((B, Hq, _cdiv(S, kv_block)), dtype=torch.float32, device=q.device)
+        torch.empty((B, Hq, cdiv(S, kv_block)), dtype=torch.float32, device=q.device)
         if return_block_mass
         else None
     )
-    if backend == "triton":
-        from ..triton.attention import attention as impl
-    elif backend == "cuda":
-        from ..cuda.attention import attention as impl
-    elif backend == "cpu":
-        from ..cpu.attention import attention as impl
-    else:
-        raise ValueError(f"backend: {backend!r} does not implement attention")
-    impl(
+    _backend.impl("attention", backend)(
         q,
         k,
         v,
@@ -258,15 +89,15 @@ def _attention_op(
         v_cache,
         positions,
         seq_lens,
-        write_back,
         kv_num_blocks,
         kv_indices,
-        q_block,
-        kv_block,
-        scale,
         out,
         lse,
         mass,
+        write_back=write_back,
+        q_block=q_block,
+        kv_block=kv_block,
+        scale=scale,
     )
     return out, (lse if lse is not None else empty), (mass if mass is not None else empty.clone())
 
@@ -295,47 +126,51 @@ def _(
     S = k_cache.shape[1]
     out = q.new_empty((B, W, Hq, D))
     lse = q.new_empty((B, W, Hq) if return_lse else (0,), dtype=torch.float32)
-    mass = q.new_empty((B, Hq, _cdiv(S, kv_block)) if return_block_mass else (0,), dtype=torch.float32)
+    mass = q.new_empty((B, Hq, cdiv(S, kv_block)) if return_block_mass else (0,), dtype=torch.float32)
     return out, lse, mass
 
 
-def _pick_backend(backend, dev, dtype, D, attn_mask):
+def _pick_backend(
+    backend: str, dev: torch.device, dtype: torch.dtype, D: int, attn_mask: Optional[torch.Tensor]
+) -> str:
+    """backend, checked against what the call needs, or for "auto" the first backend that serves it
+    (each kernel backend's supports(); only the torch one takes a dense attn_mask)."""
     if backend == "auto":
         if attn_mask is not None:
             return "torch"
         for b in _backend.auto_backends(dev, "attention"):
-            if b == "torch":
-                return b
-            if _takes_head_dim(b, D) and dtype in _KERNEL_DTYPES[b]:
+            if b == "torch" or _backend.module("attention", b).supports(dtype, D):
                 return b
         return "torch"
     backend = _backend.resolve(backend, dev, "attention")
-    if backend != "torch":
-        if attn_mask is not None:
-            raise ValueError(
-                f"attn_mask: a dense mask is only supported by the torch backend, got "
-                f"backend={backend!r} (express it as a block_mask, or use 'torch')"
-            )
-        if not _takes_head_dim(backend, D):
+    if backend == "torch":
+        return backend
+    if attn_mask is not None:
+        raise ValueError(
+            f"attn_mask: a dense mask is only supported by the torch backend, got "
+            f"backend={backend!r} (express it as a block_mask, or use 'torch')"
+        )
+    kernel = _backend.module("attention", backend)
+    if not kernel.supports(dtype, D):
+        if kernel.HEAD_DIMS is not None and D not in kernel.HEAD_DIMS:
             raise ValueError(
                 f"q: head dim {D} is not supported by the {backend} backend "
-                f"(supported: {KERNEL_HEAD_DIMS}; the torch backend takes any)"
+                f"(supported: {kernel.HEAD_DIMS}; the torch backend takes any)"
             )
-        if dtype not in _KERNEL_DTYPES[backend]:
-            raise TypeError(
-                f"q: dtype {str(dtype).replace('torch.', '')} is not supported by the {backend} backend"
-            )
+        raise TypeError(
+            f"q: dtype {str(dtype).replace('torch.', '')} is not supported by the {backend} backend"
+        )
     return backend
 
 
 def attention(
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    positions,
-    seq_lens,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
     *,
     write_back: bool = True,
     attn_mask: Optional[torch.Tensor] = None,
@@ -345,7 +180,7 @@ def attention(
     return_block_mass: bool = False,
     backend: str = "auto",
     validate: Optional[bool] = None,
-):
+) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """out [B, W, Hq, D], or (out, lse?, block_mass?) with only the requested extras, in that order.
     See the reference docstring for every argument; block_mask is a BlockMask.
 
@@ -373,6 +208,8 @@ def attention(
         _checks.tensor("attn_mask", attn_mask, (torch.bool,), ndim=3, device=dev)
         _checks.shape("attn_mask", attn_mask, [B, W, S])
     scale = D**-0.5 if scale is None else _checks.number("scale", scale, lo=0.0, lo_open=True)
+    counts: Optional[torch.Tensor]
+    indices: Optional[torch.Tensor]
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(
@@ -381,7 +218,7 @@ def attention(
         counts, indices, q_block, kv_block = block_mask
         _checks.integer("block_mask.q_block", q_block, 1)
         _checks.integer("block_mask.kv_block", kv_block, 1)
-        nqb, nkb = _cdiv(W, q_block), _cdiv(S, kv_block)
+        nqb, nkb = cdiv(W, q_block), cdiv(S, kv_block)
         _checks.tensor("block_mask.kv_num_blocks", counts, (torch.int32,), ndim=3, device=dev)
         _checks.shape("block_mask.kv_num_blocks", counts, [B, Hkv, nqb])
         _checks.tensor("block_mask.kv_indices", indices, (torch.int32,), ndim=4, device=dev)

@@ -127,20 +127,15 @@ def _decode_step_op(
             credit_gamma=credit_gamma,
             row_keys=row_keys,
         )
-        return tuple(t.clone() for t in out)
+        candidate, confidence, commit, row_max, row_lse, nonfinite = (t.clone() for t in out)
+        return candidate, confidence, commit, row_max, row_lse, nonfinite
     candidate = torch.empty(N, dtype=torch.int64, device=dev)
     confidence = torch.empty(N, dtype=torch.float32, device=dev)
     commit = torch.empty(N, dtype=torch.bool, device=dev)
     row_max = torch.empty(N, dtype=torch.float32, device=dev)
     row_lse = torch.empty(N, dtype=torch.float32, device=dev)
     nonfinite = torch.empty(N, dtype=torch.bool, device=dev)
-    if backend == "triton":
-        from ..triton.decode import decode_step as impl
-    elif backend == "cuda":
-        from ..cuda.decode import decode_step as impl
-    else:
-        from ..cpu.decode import decode_step as impl
-    impl(
+    _backend.impl("decode_step", backend)(
         logits,
         tokens,
         seq_offsets,
@@ -148,22 +143,22 @@ def _decode_step_op(
         num_commit,
         credit_ids,
         credit_vals,
-        mask_id,
-        rule,
-        low_threshold,
-        temperature,
-        seed,
-        offset,
-        credit_alpha,
-        credit_beta,
-        credit_gamma,
         candidate,
         confidence,
         commit,
         row_max,
         row_lse,
         nonfinite,
-        row_keys,
+        mask_id=mask_id,
+        rule=rule,
+        low_threshold=low_threshold,
+        temperature=temperature,
+        seed=seed,
+        offset=offset,
+        credit_alpha=credit_alpha,
+        credit_beta=credit_beta,
+        credit_gamma=credit_gamma,
+        row_keys=row_keys,
     )
     return candidate, confidence, commit, row_max, row_lse, nonfinite
 

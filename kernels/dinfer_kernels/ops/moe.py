@@ -53,29 +53,23 @@ def _moe_op(
             topk_groups=topk_groups,
             routed_scaling=routed_scaling,
         )
-    if backend == "cuda":
-        from ..cuda.moe import moe as impl
-    elif backend == "cpu":
-        from ..cpu.moe import moe as impl
-    else:
-        from ..triton.moe import moe as impl
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-    impl(
+    _backend.impl("moe", backend)(
         hidden,
         router_weight,
         router_logits,
         w13,
         w2,
-        top_k,
-        renormalize,
-        name,
         expert_bias,
-        num_groups,
-        topk_groups,
-        routed_scaling,
-        e0,
-        e1,
         out,
+        top_k=top_k,
+        renormalize=renormalize,
+        scoring=name,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        routed_scaling=routed_scaling,
+        e0=e0,
+        e1=e1,
     )
     return out
 

@@ -10,15 +10,11 @@ from ..reference.rms_norm import rms_norm_reference
 
 @_dispatch.op("rms_norm")
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
-    if backend == "cpu":
-        from ..cpu.rms_norm import rms_norm as impl
-
-        return impl(x, weight, eps)
-    if backend == "triton":
-        from ..triton.rms_norm import rms_norm as impl
-
-        return impl(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+    if backend == "torch":
+        return rms_norm_reference(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _backend.impl("rms_norm", backend)(x, weight, out, eps=eps)
+    return out
 
 
 @_rms_norm_op.register_fake

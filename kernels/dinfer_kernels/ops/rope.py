@@ -14,15 +14,11 @@ from ..reference.rope import rope_reference
 def _rope_op(
     x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int, backend: str
 ) -> torch.Tensor:
-    if backend == "cpu":
-        from ..cpu.rope import rope as impl
-
-        return impl(x, positions, theta, rotary_dim)
-    if backend == "triton":
-        from ..triton.rope import rope as impl
-
-        return impl(x, positions, theta, rotary_dim)
-    return rope_reference(x, positions, theta, rotary_dim)
+    if backend == "torch":
+        return rope_reference(x, positions, theta, rotary_dim)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _backend.impl("rope", backend)(x, positions, out, theta=theta, rotary_dim=rotary_dim)
+    return out
 
 
 @_rope_op.register_fake

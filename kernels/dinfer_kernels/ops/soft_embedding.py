@@ -6,7 +6,7 @@ Backends: "triton" (one GEMM over the vocabulary with the softmax in its prologu
 backend for this op: on the host it *is* a GEMM, and on a GPU the Triton kernel fuses it.
 """
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -26,10 +26,8 @@ def _soft_embedding_op(
 ) -> torch.Tensor:
     if backend == "torch":
         return soft_embedding_reference(logits, embedding, tokens, mask_id, weight, tau)
-    from ..triton.soft_embedding import soft_embedding as impl
-
     out = torch.empty((logits.shape[0], embedding.shape[1]), dtype=embedding.dtype, device=logits.device)
-    impl(logits, embedding, tokens, mask_id, weight, tau, out)
+    _backend.impl("soft_embedding", backend)(logits, embedding, tokens, weight, out, mask_id=mask_id, tau=tau)
     return out
 
 
@@ -46,7 +44,7 @@ def soft_embedding(
     weight: Union[float, torch.Tensor],
     tau: float = 1.0,
     backend: str = "auto",
-    validate=None,
+    validate: Optional[bool] = None,
 ) -> torch.Tensor:
     """E[tokens] + weight * softmax(logits / tau) @ E on masked rows; [M, d] in the embedding's dtype.
 

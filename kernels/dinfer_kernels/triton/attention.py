@@ -37,6 +37,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 # every device.
 TARGET_PROGRAMS = 2 * 132
 MIN_TILES_PER_SPLIT = 4
+HEAD_DIMS = (64, 128)  # the tiles' widths
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in DTYPES and head_dim in HEAD_DIMS
 
 
 @triton.jit
@@ -366,15 +372,16 @@ def attention(
     v_cache,
     positions,
     seq_lens,
-    write_back: bool,
     kv_num_blocks,
     kv_indices,
-    q_block: int,
-    kv_block: int,
-    scale: float,
     out,
     lse,
     block_mass,
+    *,
+    write_back: bool,
+    q_block: int,
+    kv_block: int,
+    scale: float,
 ) -> None:
     B, W, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]

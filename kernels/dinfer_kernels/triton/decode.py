@@ -464,21 +464,22 @@ def decode_step(
     num_commit,
     credit_ids,
     credit_vals,
+    candidate,
+    confidence,
+    commit,
+    row_max,
+    row_lse,
+    nonfinite,
+    *,
     mask_id: int,
     rule: int,
     low_threshold: float,
     temperature: float,
     seed: int,
     offset: int,
-    alpha: float,
-    beta: float,
-    gamma: float,
-    candidate,
-    confidence,
-    commit,
-    row_max,
-    row_lse,
-    nonfinite=None,
+    credit_alpha: float,
+    credit_beta: float,
+    credit_gamma: float,
     row_keys=None,
 ) -> None:
     N, V = logits.shape
@@ -493,8 +494,6 @@ def decode_step(
     ws = torch.empty(PARTIAL_FIELDS.value * N * S + ROW_FIELDS * N, dtype=torch.float32, device=logits.device)
     ws_i = ws.view(torch.int32)
     key = _int32(rng.mix32(rng.mix32(seed ^ rng.GOLDEN) ^ offset))
-    if nonfinite is None:  # the backend-level callers of tests need not ask for the flags
-        nonfinite = torch.empty(N, dtype=torch.bool, device=logits.device)
     has_keys = row_keys is not None
     keys = row_keys if has_keys else tokens  # any int64 pointer when unused
 
@@ -546,9 +545,9 @@ def decode_step(
         float(low_threshold),
         float(temperature),
         key,
-        float(alpha),
-        float(beta),
-        float(gamma),
+        float(credit_alpha),
+        float(credit_beta),
+        float(credit_gamma),
         RULE=rule,
         SAMPLE=sample,
         HAS_CREDIT=K > 0,

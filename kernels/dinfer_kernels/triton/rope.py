@@ -7,7 +7,6 @@ blocks of HEADS heads, and copies the dims past rotary_dim. Capturable; x of any
 contiguous last dim.
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -56,11 +55,10 @@ def _rope_kernel(
         tl.store(ob + d[None, :], tl.load(xb + d[None, :], mask=pm, other=0.0), mask=pm)
 
 
-def rope(x, positions, theta, rotary_dim):
-    """x [B, T, H, D] rotated at positions [B, T]; a new tensor of x's dtype."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def rope(x, positions, out, *, theta: float, rotary_dim: int) -> None:
+    """Writes out [B, T, H, D] (x's shape and dtype, any strides): x rotated at positions [B, T]."""
     if x.numel() == 0:
-        return out
+        return
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         x = x.contiguous()
     B, T, H, D = x.shape
@@ -87,4 +85,3 @@ def rope(x, positions, theta, rotary_dim):
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_D=triton.next_power_of_2(max(rest, 1)),
     )
-    return out

@@ -230,7 +230,7 @@ def _reduce_kernel(
     )
 
 
-def soft_embedding(logits, embedding, tokens, mask_id: int, weight, tau: float, out) -> None:
+def soft_embedding(logits, embedding, tokens, weight, out, *, mask_id: int, tau: float) -> None:
     M, V = logits.shape
     D = embedding.shape[1]
     if M == 0 or D == 0:
