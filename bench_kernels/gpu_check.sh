@@ -22,7 +22,7 @@
 # --call all (the default) runs both calls' steps in one go, for a machine without those limits.
 # --dry-run: the same plumbing on a CPU machine (host and interpreter backends, tiny shapes; no build:
 #   the existing one is used; nothing is written into the checkout) and the same report, each section
-#   saying what ran or why not. tests/test_gpu_check.py runs it.
+#   saying what ran or why not. tests/bench/test_gpu_check.py runs it.
 #
 # Every step is timed, logged to OUT_DIR/gpu_check.log and OUT_DIR/<step>.log, and recorded in
 # OUT_DIR/steps.tsv; a failing step is recorded and the script goes on. The steps together stay

@@ -5,7 +5,7 @@ The `gpu` marker: every test case that exercises a GPU backend carries it, so th
 exactly those (`pytest -m gpu`). GPU-only test functions are marked `@pytest.mark.gpu` explicitly;
 parametrized cases whose `device` is a CUDA device or whose `backend` is "cuda" are marked here. Marked
 cases skip without a GPU. DINFER_TEST_COLLECT_GPU=1 makes `pytest --collect-only` collect as if a GPU
-were present (tests/test_gpu_marker.py uses it to prove that every case existing only with a GPU is
+were present (tests/kernels/test_gpu_marker.py uses it to prove that every case existing only with a GPU is
 marked); it is refused for a real run."""
 
 import faulthandler

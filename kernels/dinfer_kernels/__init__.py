@@ -7,7 +7,7 @@ Ops (each a torch.library custom op with backend="auto"|"cuda"|"triton"|"cpu"|"t
   attention       window attention over a per-layer KV cache with in-place partial refresh,
                   block sparsity (BlockMask), log-sum-exp and per-key-block attention mass
   moe             routed mixture of experts (router, top-k, SwiGLU experts, weighted combine)
-Contracts: dinfer_kernels/reference/.
+Contracts: kernels/dinfer_kernels/reference/.
 """
 
 from ._backend import available_backends, prefer_backend

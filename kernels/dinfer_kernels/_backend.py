@@ -10,7 +10,7 @@ The host kernels exist once per x86-64 ISA in the extension; cpu_isa() names the
 the CPU runs, or the DINFER_CPU_ISA environment variable's), set_cpu_isa() switches it for the whole
 process (tests, benchmarks).
 
-The kernel backends' functions (impl()) share one contract: dinfer_kernels/{cuda,triton,cpu}/<op>.py
+The kernel backends' functions (impl()) share one contract: kernels/dinfer_kernels/{cuda,triton,cpu}/<op>.py
 defines <op>(inputs, outputs, *, scalars) -> None, writing the outputs the public op allocated.
 """
 
@@ -50,7 +50,7 @@ if _EXTENSION is not None and hasattr(_EXTENSION, "host_kernels"):
 else:
     _EXTENSION_HOST_OPS = {op for op in ("decode_step", "attention") if hasattr(_EXTENSION, op)}
 _EXTENSION_HAS_ATTENTION = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "attention_workspace_bytes")
-# Likewise the CUDA MoE kernels (csrc/moe): only usable once _C exports them.
+# Likewise the CUDA MoE kernels (kernels/csrc/moe): only usable once _C exports them.
 _EXTENSION_HAS_MOE = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "moe")
 # The host kernels' ISA: asking now makes a bad DINFER_CPU_ISA fail the import, naming the variable
 # (a build from before the per-ISA layer has one copy, fast for every op it has).
@@ -110,7 +110,7 @@ def cpu_fast_ops():
 # 8 rows), so it wins with few rows per expert; torch's GEMMs win with many, and in 16-bit over large
 # experts torch's GEMMs stream the weights faster than the kernel's convert-and-FMA loop.
 # Measured with bench_kernels/host_best.py moe (1 thread, best of 5 interleaved rounds) on an
-# AMD EPYC (Zen 4) at commit c3778d8, reference time / ours (RESULTS.md, "auto per dtype and shape"):
+# AMD EPYC (Zen 4) at commit c3778d8, reference time / ours (docs/notes/results-log.md, "auto per dtype and shape"):
 # small = E 8, H 256, I 128 at 4, 32, 128 rows per expert | large = LLaDA-MoE's E 64, H 2048, I 1024
 # at 0.5, 4 rows per expert (T 4, 32):
 #   generic    fp32 2.86, 0.65, 0.52 | 1.19, 1.20    bf16 3.32, 0.85, 0.37 | 0.75, 0.47

@@ -95,7 +95,7 @@ def _byte_span(t):
 
 def disjoint(written, read):
     """Refuses (ValueError naming both) any byte shared by a tensor the op writes and another tensor of
-    the call, the rule the compiled bindings apply (csrc/bindings/tensor_arg.h): the kernels read
+    the call, the rule the compiled bindings apply (kernels/csrc/bindings/tensor_arg.h): the kernels read
     while writing, in parallel, so an overlap gives wrong values. (No public op writes an input in
     place of another, so unlike the bindings' rms_norm / rope `out`, nothing may alias.)
     written / read: {name: tensor or None}. Only plain tensors with memory are compared: fake and

@@ -1,10 +1,10 @@
 """The CUDA kernels' host-callable logic executed thread by thread on the host, against the reference.
 
-tests/device_logic/*.cpp drive the kernels' own `__host__ __device__` functions (decode_split.h,
+tests/kernels/device_logic/*.cpp drive the kernels' own `__host__ __device__` functions (decode_split.h,
 decode_math.h, ...) with the kernels' grids, thread striding, reduction trees and barrier order;
 they are compiled here with g++ into one library loaded through ctypes, so CI without a GPU runs
 the code the GPU runs (hardware exp2 / log2 approximations aside: scalar.h). The decode emulation
-is a backend of tests/test_decode.py's harness (poisoned outputs, fp64 truth, precision-tied
+is a backend of tests/kernels/test_decode.py's checks (poisoned outputs, fp64 truth, precision-tied
 tolerances) and runs that file's edge cases.
 """
 
@@ -63,7 +63,7 @@ def _ptr(t):
 
 
 def emulated_decode_step(lib):
-    """The internal decode_step signature of dinfer_kernels/{cpu,cuda}/decode.py, on host tensors."""
+    """The internal decode_step signature of kernels/dinfer_kernels/{cpu,cuda}/decode.py, on host tensors."""
     f = lib.dinfer_decode_step_cuda_on_host
     i64, i32, u32, flt, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
     f.argtypes = [
@@ -164,7 +164,7 @@ def emulated_decode_step(lib):
 
 @pytest.fixture
 def emulated(lib, monkeypatch):
-    """test_decode's harness, with the emulated CUDA kernels as backend EMULATED."""
+    """test_decode's checks, with the emulated CUDA kernels as backend EMULATED."""
     impl = emulated_decode_step(lib)
     real = test_decode.backend_impl
     monkeypatch.setattr(test_decode, "backend_impl", lambda b: impl if b == EMULATED else real(b))

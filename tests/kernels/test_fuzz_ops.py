@@ -14,7 +14,7 @@ instead of killing the run. Attention gets NaN / inf only where the contract say
 
 Host tensors only: the GPU backends (cuda, triton on a GPU) are not fuzzed here. Budget: about two
 minutes on a busy 2-core box (tiny shapes; the Triton interpreter gets fewer valid calls, the broken
-ones never reach a kernel). `python tests/test_fuzz_ops.py OP[,OP...] BACKEND` runs pairs alone.
+ones never reach a kernel). `python tests/kernels/test_fuzz_ops.py OP[,OP...] BACKEND` runs pairs alone.
 """
 
 import contextlib
@@ -63,7 +63,7 @@ VALID_SHARE = {
 }
 
 
-# ---- the harness ------------------------------------------------------------------------------------
+# ---- recording and replaying backend calls ------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -965,6 +965,6 @@ def test_fuzz_summary():
 
 
 if __name__ == "__main__":
-    # python tests/test_fuzz_ops.py OP[,OP...] BACKEND: the results as one JSON line.
+    # python tests/kernels/test_fuzz_ops.py OP[,OP...] BACKEND: the results as one JSON line.
     ops, backend = sys.argv[1].split(","), sys.argv[2]
     print(json.dumps({op: fuzz(op, backend) for op in ops}))

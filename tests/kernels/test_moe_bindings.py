@@ -2,7 +2,7 @@
 before the device is looked at, so they are tested with NumPy (host) arrays; host arrays run the host
 kernel (poisoned outputs, against the reference, thread-count independence, no CUDA limits). With a
 GPU: agreement with the reference, bit-reproducibility and the workspace checks. Numerical coverage of
-every backend is in tests/test_moe.py (it runs every available backend)."""
+every backend is in tests/kernels/test_moe.py (it runs every available backend)."""
 
 import numpy as np
 import pytest

@@ -1,9 +1,9 @@
 """The tensor-core kernels' data movement and fragment logic, executed lane by lane on the CPU.
 
-tests/ptx_emu/ is a model of the PTX the CUDA kernels use (ldmatrix x1/x2/x4 and .trans,
+tests/kernels/ptx_emu/ is a model of the PTX the CUDA kernels use (ldmatrix x1/x2/x4 and .trans,
 mma.sync.m16n8k16 bf16/fp16 -> fp32, cp.async groups and barriers, shared-memory banks), written
 from the PTX ISA's fragment tables. It is driven by the kernels' own offset and fragment formulas
-(csrc/include/dinfer_kernels/detail/mma_layout.h, which attention.cu and moe.cu call) through the
+(kernels/csrc/include/dinfer_kernels/detail/mma_layout.h, which attention.cu and moe.cu call) through the
 kernels' loop nests, for every tile configuration they use: the attention forward tile (D = 64 and
 128: Q K^T, then P V with .trans loads of V) and the four MoE GEMM configurations. Each tile
 product must equal the fp64 matmul exactly (inputs are small integers), with no hazard and no bank

@@ -1,4 +1,4 @@
-"""The Triton soft_embedding against the reference (dinfer_kernels/reference/soft_embedding.py).
+"""The Triton soft_embedding against the reference (kernels/dinfer_kernels/reference/soft_embedding.py).
 
 The backend function is called directly with a NaN-poisoned, caller-allocated output, so an unwritten
 element fails. Without a GPU it runs in the Triton interpreter (conftest sets TRITON_INTERPRET), so
@@ -36,7 +36,13 @@ def run_triton(logits, embedding, tokens, mask_id, weight, tau):
     )
     w = torch.as_tensor(weight, dtype=torch.float32).reshape(-1).expand(logits.shape[0]).contiguous()
     soft_embedding(
-        logits.to(DEVICE), embedding.to(DEVICE), tokens.to(DEVICE), w.to(DEVICE), out, mask_id=mask_id, tau=tau
+        logits.to(DEVICE),
+        embedding.to(DEVICE),
+        tokens.to(DEVICE),
+        w.to(DEVICE),
+        out,
+        mask_id=mask_id,
+        tau=tau,
     )
     return out.cpu()
 

@@ -1,5 +1,5 @@
 // CUDA backend of block-sparse window attention with partial KV refresh.
-// Contract: dinfer_kernels/reference/attention.py.
+// Contract: kernels/dinfer_kernels/reference/attention.py.
 //
 // Up to three launches, no host synchronisation and no allocation (CUDA-graph capturable):
 //   1. refresh_prologue_kernel: one CTA per window row. A valid row's fresh K/V replace its cache

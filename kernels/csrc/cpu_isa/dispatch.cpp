@@ -19,7 +19,7 @@
 #include "dinfer_kernels/rope.h"
 
 // Each ISA's copy of the launchers, defined by the host-kernel sources compiled with
-// DINFER_ISA_NS=isa_<name> (csrc/include/dinfer_kernels/detail/isa_namespace.h).
+// DINFER_ISA_NS=isa_<name> (kernels/csrc/include/dinfer_kernels/detail/isa_namespace.h).
 #define DINFER_DECLARE_HOST_KERNELS(ns)                         \
   namespace ns {                                                \
   void decode_step_cpu(const DecodeStepParams& p, int threads); \
@@ -71,7 +71,7 @@ bool os_saves(unsigned state) {
   return (lo & state) == state;
 }
 
-// Exactly the features CMakeLists.txt compiles each copy with (DINFER_ISA_FLAGS_<isa>).
+// Exactly the features kernels/CMakeLists.txt compiles each copy with (DINFER_ISA_FLAGS_<isa>).
 bool avx2() {
   __builtin_cpu_init();
   return os_saves(kYmmState) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -89,10 +89,10 @@ bool avx512bf16() { return avx512() && __builtin_cpu_supports("avx512bf16"); }
 // fast_ops: bench_kernels/bench_host_isa.py --quick --threads 1 on an AMD EPYC (Zen 4) forcing each
 // copy, fp32 and bf16 (reference time / ours): decode_step 3.6-24x and rope 4.1-4.8x on every copy;
 // rms_norm 1.3-2.1x (generic), 1.0-1.7x (avx2), 1.5-1.8x (AVX-512); attention 0.2-0.8x without AVX2's
-// register-wide paths, 1.9-4.2x after them (RESULTS.md, "Host kernels on AVX2 and SSE2 builds"),
+// register-wide paths, 1.9-4.2x after them (docs/notes/results-log.md, "Host kernels on AVX2 and SSE2 builds"),
 // 1.4-11x with AVX-512. moe is listed on every copy because it wins somewhere on each (few rows per
 // expert), but not everywhere: "auto" takes the dtype and shape into account through
-// dinfer_kernels/_backend.py's MOE_HOST_WINS table (RESULTS.md, "auto per dtype and shape").
+// kernels/dinfer_kernels/_backend.py's MOE_HOST_WINS table (docs/notes/results-log.md, "auto per dtype and shape").
 // Re-measure when a copy changes.
 const std::vector<HostIsa>& isas() {
   static const std::vector<HostIsa> table = {

@@ -1,5 +1,5 @@
 """Links one ISA's host-kernel objects into one relocatable object whose only global symbols are that
-ISA's launchers (dinfer_kernels::isa_<name>::*). Run by CMakeLists.txt on x86-64.
+ISA's launchers (dinfer_kernels::isa_<name>::*). Run by kernels/CMakeLists.txt on x86-64.
 
 Why: inline functions and template instances (std::vector, std::sort, ...) are emitted as weak
 COMDAT symbols, and the final link keeps one copy for every object that uses them: an AVX-512 copy
@@ -8,7 +8,7 @@ Here each ISA's objects are linked together first with their section groups diss
 (ld -r --force-group-allocation: duplicates resolve inside the ISA), then every defined symbol but
 the launchers is made local, and those whose name does not already say their ISA get the suffix
 ".isa_<name>" (c++filt shows "[clone .isa_<name>]"), so a disassembly of the extension tells which
-copy each function is (tests/test_cpu_isa.py checks every function's instructions against it).
+copy each function is (tests/cpp/test_cpu_isa.py checks every function's instructions against it).
 
 usage: isolate_isa.py --ld LD --objcopy OBJCOPY --nm NM --isa NAME -o OUT OBJECT...
 """

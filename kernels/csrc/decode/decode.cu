@@ -1,4 +1,4 @@
-// CUDA backend of the fused decode step. Contract: dinfer_kernels/reference/decode.py.
+// CUDA backend of the fused decode step. Contract: kernels/dinfer_kernels/reference/decode.py.
 //
 // Two launches, no host synchronisation and no allocation (CUDA-graph capturable):
 //   1. split_pass_kernel: one CTA per (row, vocabulary split). Streams its chunk of the logits once
@@ -8,7 +8,7 @@
 //      the shared decode_math code (credit, fused logits, commit rules, progress guarantee), so
 //      everything after the vocabulary pass is the code the CPU tests exercise.
 // Both kernels' per-thread code lives in decode_split.h (__host__ __device__), so
-// tests/test_device_logic.py runs it thread by thread on the host with this file's grid and
+// tests/kernels/test_device_logic.py runs it thread by thread on the host with this file's grid and
 // reduction trees.
 #include <cuda_runtime.h>
 

@@ -1,4 +1,4 @@
-// CUDA backend of the fused MoE layer. Contract: dinfer_kernels/reference/moe.py.
+// CUDA backend of the fused MoE layer. Contract: kernels/dinfer_kernels/reference/moe.py.
 //
 // One memset of a few counters and four launches, no host synchronisation and no allocation, all
 // grid sizes functions of the shapes only (CUDA-graph capturable):

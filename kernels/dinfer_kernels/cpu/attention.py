@@ -1,6 +1,6 @@
-"""attention on the host through the compiled C++ kernel (csrc/attention/attention_cpu.cpp).
+"""attention on the host through the compiled C++ kernel (kernels/csrc/attention/attention_cpu.cpp).
 
-Outputs are caller-allocated; contract: dinfer_kernels/reference/attention.py. Runs on torch's
+Outputs are caller-allocated; contract: kernels/dinfer_kernels/reference/attention.py. Runs on torch's
 intra-op thread count, like the torch backend it replaces on the host.
 """
 

@@ -1,7 +1,7 @@
-"""moe on the host through the compiled C++ kernel (csrc/moe/moe_cpu.cpp).
+"""moe on the host through the compiled C++ kernel (kernels/csrc/moe/moe_cpu.cpp).
 
 Inputs are laid out as the compiled kernels take them (_moe_layout: no-ops in the usual case); the
-contract is dinfer_kernels/reference/moe.py. Runs on torch's intra-op thread count.
+contract is kernels/dinfer_kernels/reference/moe.py. Runs on torch's intra-op thread count.
 """
 
 import torch

@@ -1,6 +1,6 @@
-"""rms_norm on the host through the compiled C++ kernel (csrc/rms_norm/rms_norm_cpu.cpp).
+"""rms_norm on the host through the compiled C++ kernel (kernels/csrc/rms_norm/rms_norm_cpu.cpp).
 
-Contract: dinfer_kernels/reference/rms_norm.py. Runs on torch's intra-op thread count.
+Contract: kernels/dinfer_kernels/reference/rms_norm.py. Runs on torch's intra-op thread count.
 """
 
 import torch

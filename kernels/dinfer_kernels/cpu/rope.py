@@ -1,10 +1,10 @@
-"""rope on the host through the compiled C++ kernel (csrc/rope/rope_cpu.cpp).
+"""rope on the host through the compiled C++ kernel (kernels/csrc/rope/rope_cpu.cpp).
 
 The kernel reads its angles from a cos / sin table (row p: cos, then sin, of p * inv_freq). The table
 is built here once per (theta, rotary_dim) with the reference's own fp32 formula, so the kernel equals
 the reference bit for bit, and grows (to the next power of two) when a later call reaches past it.
 Positions past kMaxCachedPositions get a table of this call's rows only, so that one far position
-cannot make a huge cached table. Contract: dinfer_kernels/reference/rope.py.
+cannot make a huge cached table. Contract: kernels/dinfer_kernels/reference/rope.py.
 """
 
 import torch

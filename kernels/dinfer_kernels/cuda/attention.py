@@ -1,8 +1,8 @@
-"""attention on a GPU through the compiled CUDA kernels (csrc/attention/attention.cu).
+"""attention on a GPU through the compiled CUDA kernels (kernels/csrc/attention/attention.cu).
 
 The workspace comes from torch's caching allocator (capture-safe) and the kernels run on the current
 stream, so the call can sit inside a CUDA graph. Outputs are caller-allocated; contract:
-dinfer_kernels/reference/attention.py.
+kernels/dinfer_kernels/reference/attention.py.
 """
 
 import torch

@@ -1,4 +1,4 @@
-"""moe on a GPU through the compiled CUDA kernels (csrc/moe/moe.cu).
+"""moe on a GPU through the compiled CUDA kernels (kernels/csrc/moe/moe.cu).
 
 The workspace comes from torch's caching allocator (capture-safe) and the kernels run on the current
 stream, so the call can sit inside a CUDA graph. Inputs are laid out as the compiled kernels take them

@@ -1,12 +1,12 @@
 """dinfer_kernels.attention, the torch.library op `dinfer::attention`: window queries attending
 bidirectionally over a per-layer KV cache whose window rows are refreshed (in place with
 write_back=True), optionally restricted to listed key blocks (BlockMask) and returning the
-log-sum-exp and the per-key-block attention mass. Contract: dinfer_kernels/reference/attention.py.
+log-sum-exp and the per-key-block attention mass. Contract: kernels/dinfer_kernels/reference/attention.py.
 
 Backends: torch (the reference; the only one that takes a dense attn_mask), triton and cuda (D in
 {64, 128}; cuda: fp16/bf16) and cpu (host arrays, any D, fp32/fp16/bf16). backend="auto" picks
 torch when attn_mask is given or no kernel backend can take the inputs. Every kernel backend module
-`dinfer_kernels/{triton,cuda,cpu}/attention.py` exposes
+`kernels/dinfer_kernels/{triton,cuda,cpu}/attention.py` exposes
 
     attention(q, k, v, k_cache, v_cache, positions, seq_lens, kv_num_blocks, kv_indices, out, lse,
               block_mass, *, write_back, q_block, kv_block, scale) -> None

@@ -2,7 +2,7 @@
 `dinfer::decode_step` (fake impl included), so it works under torch.compile(fullgraph=True) and inside
 CUDA-graph capture (cuda / triton backends: no host sync, outputs allocated by the caching allocator).
 
-Contract: dinfer_kernels/reference/decode.py.
+Contract: kernels/dinfer_kernels/reference/decode.py.
 """
 
 from typing import NamedTuple, Optional, Union

@@ -1,8 +1,8 @@
 """dinfer_kernels.moe, the torch.library op `dinfer::moe` (router + top-k + experts + weighted
-combine). Contract: dinfer_kernels/reference/moe.py.
+combine). Contract: kernels/dinfer_kernels/reference/moe.py.
 
-Backends: "cuda" (csrc/moe, when the extension was built with it), "triton"
-(dinfer_kernels/triton/moe.py), "cpu" (csrc/moe/moe_cpu.cpp: host arrays) and "torch" (the
+Backends: "cuda" (kernels/csrc/moe, when the extension was built with it), "triton"
+(kernels/dinfer_kernels/triton/moe.py), "cpu" (kernels/csrc/moe/moe_cpu.cpp: host arrays) and "torch" (the
 reference: rows grouped by expert once, a loop over experts). The cuda and triton backends keep
 everything on the device with grids fixed by the shapes, so a call can sit in a CUDA graph; the torch
 reference switches to its static-shape path under capture.

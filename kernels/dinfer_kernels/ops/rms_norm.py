@@ -1,5 +1,5 @@
 """dinfer_kernels.rms_norm, the torch.library op `dinfer::rms_norm`.
-Contract: dinfer_kernels/reference/rms_norm.py. Backends: triton (the GPU path),
+Contract: kernels/dinfer_kernels/reference/rms_norm.py. Backends: triton (the GPU path),
 cpu (the compiled host kernel) and torch (the reference, on any device)."""
 
 import torch

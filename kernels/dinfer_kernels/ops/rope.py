@@ -1,5 +1,5 @@
 """dinfer_kernels.rope, the torch.library op `dinfer::rope` (rotate-half rotary embedding at each row's
-own absolute position). Contract: dinfer_kernels/reference/rope.py. Backends: triton (the GPU path),
+own absolute position). Contract: kernels/dinfer_kernels/reference/rope.py. Backends: triton (the GPU path),
 cpu (the compiled host kernel) and torch (the reference, on any device)."""
 
 from typing import Optional

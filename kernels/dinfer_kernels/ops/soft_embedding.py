@@ -1,5 +1,5 @@
 """dinfer_kernels.soft_embedding: the iteration-smoothing input, registered as the torch.library op
-`dinfer::soft_embedding`. Contract: dinfer_kernels/reference/soft_embedding.py.
+`dinfer::soft_embedding`. Contract: kernels/dinfer_kernels/reference/soft_embedding.py.
 
 Backends: "triton" (one GEMM over the vocabulary with the softmax in its prologue; the GPU path) and
 "torch" (the reference: a BLAS GEMM, which is what the host runs). There is no separate compiled

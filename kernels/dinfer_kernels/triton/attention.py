@@ -1,5 +1,5 @@
 """Window attention with partial KV refresh and block sparsity in Triton.
-Contract: dinfer_kernels/reference/attention.py; public op: dinfer_kernels/ops/attention.py.
+Contract: kernels/dinfer_kernels/reference/attention.py; public op: kernels/dinfer_kernels/ops/attention.py.
 
 Launches, all with grids fixed by the shapes (no host sync: CUDA-graph capturable):
 

@@ -1,4 +1,4 @@
-"""Fused decode step in Triton. Contract: dinfer_kernels/reference/decode.py.
+"""Fused decode step in Triton. Contract: kernels/dinfer_kernels/reference/decode.py.
 
 Two launches, both with grids fixed by the shapes (CUDA-graph capturable, no host sync):
 

@@ -1,4 +1,4 @@
-"""Routed mixture of experts in Triton. Contract: dinfer_kernels/reference/moe.py.
+"""Routed mixture of experts in Triton. Contract: kernels/dinfer_kernels/reference/moe.py.
 
 Four launches, every grid fixed by the shapes (no host sync, CUDA-graph capturable), one zeroed
 4-byte counter per call:

@@ -1,4 +1,4 @@
-"""rms_norm in Triton. Contract: dinfer_kernels/reference/rms_norm.py.
+"""rms_norm in Triton. Contract: kernels/dinfer_kernels/reference/rms_norm.py.
 
 One program per block of ROWS rows: the sum of squares in fp32 over the row in BLOCK_D chunks, then a
 second pass that scales, rounds to the dtype (the reference rounds before the weight multiply),

@@ -1,4 +1,4 @@
-"""rope in Triton. Contract: dinfer_kernels/reference/rope.py.
+"""rope in Triton. Contract: kernels/dinfer_kernels/reference/rope.py.
 
 The angles of the call's rows come from torch with the reference's own fp32 formula (its
 cos_sin_table of the call's positions: a few small launches, no host sync, bit-identical to the

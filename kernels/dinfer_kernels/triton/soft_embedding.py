@@ -1,4 +1,4 @@
-"""Soft embedding in Triton. Contract: dinfer_kernels/reference/soft_embedding.py.
+"""Soft embedding in Triton. Contract: kernels/dinfer_kernels/reference/soft_embedding.py.
 
     out[i] = E[tokens[i]] + weight[i] * softmax(z_i / tau) @ E   (masked live rows; E[tokens[i]] else)
 

@@ -1,5 +1,5 @@
 // The scalar functions shared by the host and device kernels, mapped over arrays for
-// tests/test_device_logic.py (the same inline code both backends compile).
+// tests/kernels/test_device_logic.py (the same inline code both backends compile).
 #include <cstdint>
 
 #include "dinfer_kernels/detail/moe_math.h"

@@ -1,6 +1,6 @@
 // Block-sparse bidirectional window attention with partial KV refresh: torch-free launcher.
 //
-// Contract: dinfer_kernels/reference/attention.py (the torch reference is the truth). A window of W
+// Contract: kernels/dinfer_kernels/reference/attention.py (the torch reference is the truth). A window of W
 // query rows per sequence sits at absolute cache positions; the window's fresh K/V replace those
 // cache rows (in place with write_back, for this call only without), and every valid row attends
 // bidirectionally to the keys [0, seq_lens[b]) of the key blocks its query block lists.

@@ -30,7 +30,7 @@ std::string cpu_isa();
 void set_cpu_isa(const std::string& isa);
 
 // The ops whose copy for the ISA in use was measured faster than the op's torch reference; where an
-// op is missing, "auto" keeps the host on torch (dinfer_kernels/_backend.py).
+// op is missing, "auto" keeps the host on torch (kernels/dinfer_kernels/_backend.py).
 std::vector<std::string> cpu_isa_fast_ops();
 
 }  // namespace dinfer_kernels

@@ -2,7 +2,7 @@
 //
 // A C++ runtime links libdinfer_kernels (or the Python extension's object files) and calls these with
 // raw pointers plus a stream. The contract (shapes, dtypes, edge cases) is the pure-torch reference
-// dinfer_kernels/reference/decode.py; every pointer below mirrors one argument there.
+// kernels/dinfer_kernels/reference/decode.py; every pointer below mirrors one argument there.
 #pragma once
 
 #include <cstddef>

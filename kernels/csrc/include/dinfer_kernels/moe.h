@@ -2,7 +2,7 @@
 // torch-free launchers, CUDA (moe_cuda) and host (moe_cpu).
 //
 // The contract (shapes, dtypes, rounding points, tie rules) is the pure-torch reference
-// dinfer_kernels/reference/moe.py; every pointer below mirrors one of its arguments. All arrays are
+// kernels/dinfer_kernels/reference/moe.py; every pointer below mirrors one of its arguments. All arrays are
 // dense row-major on one device; nothing here synchronises or allocates, so the call can be
 // captured in a CUDA graph.
 #pragma once

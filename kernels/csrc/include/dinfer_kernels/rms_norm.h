@@ -1,6 +1,6 @@
 // RMSNorm over rows: torch-free launcher.
 //
-// Contract: dinfer_kernels/reference/rms_norm.py (the torch reference is the truth):
+// Contract: kernels/dinfer_kernels/reference/rms_norm.py (the torch reference is the truth):
 //     out = round(round(x * rsqrt(mean(x^2) + eps)) * weight)
 // with the statistic and the products in fp32 and `round` to the arrays' dtype (a no-op for fp32):
 // the normalised row is rounded before the weight multiply, as the released models do.

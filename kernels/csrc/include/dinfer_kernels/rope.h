@@ -1,7 +1,7 @@
 // Rotary position embedding, rotate-half (NeoX) style, at each row's own position: torch-free
 // launcher.
 //
-// Contract: dinfer_kernels/reference/rope.py (the torch reference is the truth). The angles come from
+// Contract: kernels/dinfer_kernels/reference/rope.py (the torch reference is the truth). The angles come from
 // a caller-built table, as in vLLM's cos_sin_cache: row p holds cos(p * inv_freq[j]) for
 // j < rotary_dim / 2, then sin(p * inv_freq[j]), in fp32. Per head, with c, s the table row of the
 // token's position and x1, x2 the two halves of the first rotary_dim dims (in fp32):

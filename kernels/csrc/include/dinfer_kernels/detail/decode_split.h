@@ -1,6 +1,6 @@
 // The vocabulary pass of the CUDA decode step (decode.cu), per thread and per CTA, and the
 // per-sequence phases of its finalize kernel, as __host__ __device__ code: the kernels call these
-// functions, and tests/device_logic/ runs them thread by thread on the host, with the kernels' own
+// functions, and tests/kernels/device_logic/ runs them thread by thread on the host, with the kernels' own
 // grid, thread striding and reduction trees (only the hardware exp2/log2 differ there, scalar.h).
 #pragma once
 

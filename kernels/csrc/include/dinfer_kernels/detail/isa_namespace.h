@@ -5,7 +5,7 @@
 // those sources and the headers they share define then lives in dinfer_kernels::isa_<name>, so no
 // symbol of one ISA's copy can stand in for another's (an AVX-512 copy of an inline function picked
 // by the linker for the generic path would crash on an AVX2 CPU). Elsewhere (bindings, CUDA sources,
-// the dispatcher) DINFER_ISA_NS is undefined and these macros vanish. csrc/cpu_isa/dispatch.cpp
+// the dispatcher) DINFER_ISA_NS is undefined and these macros vanish. kernels/csrc/cpu_isa/dispatch.cpp
 // chooses the copy at run time.
 #pragma once
 

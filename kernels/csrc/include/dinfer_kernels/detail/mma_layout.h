@@ -2,7 +2,7 @@
 // each lane gives ldmatrix, the (row, column) each register of an mma.m16n8k16 accumulator holds,
 // how a CTA's threads split a tile into 16-byte cp.async chunks, and each kernel's tile geometry.
 // The CUDA kernels (attention.cu, moe.cu) compute every shared-memory offset and fragment
-// coordinate through these functions, and so does the lane-level PTX emulator in tests/ptx_emu/,
+// coordinate through these functions, and so does the lane-level PTX emulator in tests/kernels/ptx_emu/,
 // which builds the PTX semantics independently from the ISA's fragment tables: what it proves
 // about these formulas holds for the code that runs. Torch- and CUDA-free; host-callable.
 #pragma once

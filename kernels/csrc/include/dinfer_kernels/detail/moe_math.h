@@ -1,6 +1,6 @@
 // Scalar math of the MoE kernels shared by host and device code: dtype conversions with the
 // rounding torch uses (round to nearest even), the router's scoring functions (on the shared
-// scalar::exp_nonpositive) and tie rule, and the SiLU-times-up step. Kept separate so a host test harness runs exactly what the GPU runs.
+// scalar::exp_nonpositive) and tie rule, and the SiLU-times-up step. Kept separate so a host test runs exactly what the GPU runs.
 #pragma once
 
 #include <cmath>

@@ -1,7 +1,7 @@
-// Routing and alignment of the CUDA MoE kernel (csrc/moe/moe.cu, route_kernel) after the router
+// Routing and alignment of the CUDA MoE kernel (kernels/csrc/moe/moe.cu, route_kernel) after the router
 // logits: per-token scoring and grouped top-k with one warp per token, and the last CTA's alignment
 // (per-expert counts, padded tile offsets, the token-ordered entry list). __host__ __device__ code on
-// the simt.h primitives, so tests/device_logic/ runs it lane by lane on the host.
+// the simt.h primitives, so tests/kernels/device_logic/ runs it lane by lane on the host.
 #pragma once
 
 #include <cmath>

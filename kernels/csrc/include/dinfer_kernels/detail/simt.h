@@ -1,6 +1,6 @@
 // Thread, warp and CTA primitives of the kernels' __host__ __device__ code. On the device they are the
 // CUDA intrinsics. On the host they are declared only: a SIMT emulator defines them
-// (tests/device_logic/simt_host.cpp runs a CTA's threads as fibers, with a barrier at every
+// (tests/kernels/device_logic/simt_host.cpp runs a CTA's threads as fibers, with a barrier at every
 // collective), so the tests execute the kernels' own code lane by lane. Production host code never
 // reaches them: only __global__ kernels call the functions built on them.
 #pragma once
