@@ -171,22 +171,6 @@ def impl(op: str, backend: str) -> Callable[..., None]:
     return getattr(module(op, backend), op)
 
 
-def submodule_loader(package: str) -> Callable[[str], ModuleType]:
-    """A kernel backend package's __getattr__ (PEP 562): imports its module `name` on first use, so
-    that module() imports nothing it does not use (Triton only when used) yet torch.compile, which
-    cannot trace importlib, runs the lookup rather than tracing it."""
-
-    def load(name: str) -> ModuleType:
-        try:
-            return importlib.import_module(f"{package}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{package}.{name}":
-                raise  # the module exists; something it imports does not
-            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
-
-    return load
-
-
 def available_backends(device, op: str = "decode_step") -> list[str]:
     """Backends that can run `op` on tensors of `device`, fastest first."""
     import torch

@@ -2,7 +2,7 @@
 
 from torch.utils.dlpack import to_dlpack
 
-from .._backend import submodule_loader
+from .._lazy import submodule_loader
 
 __getattr__ = submodule_loader(__name__)  # an op's module loads on first use
 
