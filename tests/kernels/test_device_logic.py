@@ -107,21 +107,22 @@ def emulated_decode_step(lib):
         num_commit,
         credit_ids,
         credit_vals,
+        candidate,
+        confidence,
+        commit,
+        row_max,
+        row_lse,
+        nonfinite,
+        *,
         mask_id,
         rule,
         low_threshold,
         temperature,
         seed,
         offset,
-        alpha,
-        beta,
-        gamma,
-        candidate,
-        confidence,
-        commit,
-        row_max,
-        row_lse,
-        nonfinite=None,
+        credit_alpha,
+        credit_beta,
+        credit_gamma,
         row_keys=None,
     ):
         assert logits.stride(1) == 1 or logits.shape[1] <= 1
@@ -146,9 +147,9 @@ def emulated_decode_step(lib):
             _ptr(credit_ids),
             _ptr(credit_vals),
             credit_ids.shape[1],
-            alpha,
-            beta,
-            gamma,
+            credit_alpha,
+            credit_beta,
+            credit_gamma,
             _ptr(candidate),
             _ptr(confidence),
             _ptr(commit),
@@ -709,16 +710,17 @@ def hostile_inputs(so):
                 torch.randint(0, 3, (B,), dtype=torch.int32),
                 ids,
                 vals,
-                mask_id,
-                rule,
-                0.4,
-                0.5 * rule,
-                1,
-                2,
-                0.7,
-                0.8,
-                0.2,
                 *outs,
+                None,  # no non-finite flags
+                mask_id=mask_id,
+                rule=rule,
+                low_threshold=0.4,
+                temperature=0.5 * rule,
+                seed=1,
+                offset=2,
+                credit_alpha=0.7,
+                credit_beta=0.8,
+                credit_gamma=0.2,
             )
         covered = torch.zeros(N, dtype=torch.bool)
         for b in range(B):  # the rows the kernels' clamp assigns to a sequence
@@ -747,7 +749,14 @@ def test_hostile_inputs_stay_in_bounds(tmp_path):
     asan = subprocess.run(
         ["g++", "-print-file-name=libasan.so"], capture_output=True, text=True
     ).stdout.strip()
-    env = dict(os.environ, LD_PRELOAD=asan, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=99")
+    # The test modules import the shared conftest from tests/, one level above their own folder.
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
+    env = dict(
+        os.environ,
+        LD_PRELOAD=asan,
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=99",
+        PYTHONPATH=path,
+    )
     proc = subprocess.run(
         [sys.executable, "-c", f"import test_device_logic as t; t.hostile_inputs({str(so)!r})"],
         cwd=Path(__file__).parent,
