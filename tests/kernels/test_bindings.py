@@ -39,8 +39,6 @@ def numpy_args(N=5, V=40, K=2, B=2):
         candidate=np.full(N, -9, dtype=np.int64),
         confidence=np.full(N, np.nan, dtype=np.float32),
         commit=np.zeros(N, dtype=np.bool_),
-        row_max=np.full(N, np.nan, dtype=np.float32),
-        row_lse=np.full(N, np.nan, dtype=np.float32),
     )
 
 
@@ -55,8 +53,6 @@ ORDER = [
     "candidate",
     "confidence",
     "commit",
-    "row_max",
-    "row_lse",
 ]
 
 
@@ -122,7 +118,7 @@ BAD = [
     ("credit_vals", lambda a: np.zeros((5, 3), dtype=np.float32), ValueError),
     ("candidate", lambda a: np.zeros(5, dtype=np.int32), TypeError),
     ("commit", lambda a: np.zeros(4, dtype=np.bool_), ValueError),
-    ("row_lse", lambda a: np.zeros(5, dtype=np.float16), TypeError),
+    ("confidence", lambda a: np.zeros(5, dtype=np.float16), TypeError),
 ]
 
 

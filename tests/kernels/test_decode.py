@@ -79,8 +79,6 @@ def run_backend(
             torch.ones(N, dtype=torch.bool, device=device)
             if N % 2
             else torch.zeros(N, dtype=torch.bool, device=device),
-            torch.full((N,), float("nan"), device=device),
-            torch.full((N,), float("nan"), device=device),
             torch.zeros(N, dtype=torch.bool, device=device)
             if N % 2
             else torch.ones(N, dtype=torch.bool, device=device),
@@ -154,14 +152,12 @@ def check_backend(
             compute_dtype=torch.float64,
             **kw,
         )
-        cand, conf, commit, rmax, rlse, nonfinite = outs
+        cand, conf, commit, nonfinite = outs
         assert torch.equal(cand, ref[0]), f"iteration {it}: candidates differ"
-        assert torch.equal(nonfinite, ref[5]), f"iteration {it}: non-finite flags differ"
+        assert torch.equal(nonfinite, ref[3]), f"iteration {it}: non-finite flags differ"
         assert torch.equal(commit, ref[2]), f"iteration {it}: commit masks differ"
         assert torch.equal(tok_b2, tok_r2), f"iteration {it}: updated tokens differ"
-        assert torch.equal(rmax, ref[3]), f"iteration {it}: row_max differs"
         assert_precision(conf, ref[1], truth.confidence.double(), "confidence")
-        assert_precision(rlse, ref[4], truth.row_lse.double(), "row_lse")
         if credit:
             assert torch.equal(cred_b2[0], cred_r2[0]), f"iteration {it}: credit slot ids differ"
             assert_precision(cred_b2[1], cred_r2[1], truth_cred[1].double(), "credit values")
@@ -241,11 +237,10 @@ def test_inf_nan_and_dead_rows(backend, device):
     outs = check_backend(
         backend, device, logits, tokens, offsets, mask_id, "threshold", threshold=torch.tensor([0.3, 0.9])
     )
-    cand, conf, commit, rmax, rlse, _ = outs
+    cand, conf, commit, _ = outs
     assert int(cand[0]) == 10 and abs(float(conf[0]) - 0.5) < 1e-6
     for dead in (1, 3):
         assert int(cand[dead]) == mask_id and float(conf[dead]) == 0.0 and not bool(commit[dead])
-        assert float(rmax[dead]) == float("-inf") and float(rlse[dead]) == float("-inf")
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -412,7 +407,7 @@ def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold,
     and returns the outputs, tokens and credit on the host."""
     N, V = logits.shape
     K = credit[0].shape[1]
-    # Rows past the logits hold a logit that would win every max and show in row_max.
+    # Rows past the logits hold a logit that would win every max and show in the candidates.
     lg, lg_buf = padded((N, V), 1e4, logits.dtype, device)
     lg.copy_(logits)
     tok, tok_buf = padded((N,), 7777, torch.int64, device)
@@ -425,8 +420,6 @@ def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold,
         padded((N,), -7, torch.int64, device),
         padded((N,), float("nan"), torch.float32, device),
         padded((N,), True, torch.bool, device),
-        padded((N,), float("nan"), torch.float32, device),
-        padded((N,), float("nan"), torch.float32, device),
     ]
     nonfinite, nonfinite_buf = padded((N,), True, torch.bool, device)
     backend_impl(backend)(
@@ -458,8 +451,6 @@ def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold,
         ("candidate", outs[0][1], -7),
         ("confidence", outs[1][1], float("nan")),
         ("commit", outs[2][1], True),
-        ("row_max", outs[3][1], float("nan")),
-        ("row_lse", outs[4][1], float("nan")),
         ("nonfinite", nonfinite_buf, True),
     ]:
         for part in (buf[:MARGIN], buf[MARGIN + N :]):
@@ -471,13 +462,12 @@ def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold,
 
 def assert_same_step(got, want, truth):
     """Outputs of a kernel step against the fp32 reference step and its fp64 truth."""
-    (cand, conf, commit, rmax, rlse), tok, cred = got
-    (ref_cand, ref_conf, ref_commit, ref_max, ref_lse), ref_tok, ref_cred = want
+    (cand, conf, commit), tok, cred = got
+    (ref_cand, ref_conf, ref_commit), ref_tok, ref_cred = want
     assert torch.equal(cand, ref_cand) and torch.equal(commit, ref_commit) and torch.equal(tok, ref_tok)
-    assert torch.equal(rmax, ref_max) and torch.equal(cred[0], ref_cred[0])
+    assert torch.equal(cred[0], ref_cred[0])
     assert_precision(conf, ref_conf, truth[0], "confidence")
-    assert_precision(rlse, ref_lse, truth[1], "row_lse")
-    assert_precision(cred[1], ref_cred[1], truth[2], "credit values")
+    assert_precision(cred[1], ref_cred[1], truth[1], "credit values")
 
 
 def reference_step(logits, tokens, offsets, mask_id, threshold, credit):
@@ -495,10 +485,8 @@ def reference_step(logits, tokens, offsets, mask_id, threshold, credit):
             credit_vals=vals,
             compute_dtype=dtype,
         )
-        results.append(
-            ([out.candidate, out.confidence, out.commit, out.row_max, out.row_lse], tok, (ids, vals))
-        )
-    truth = (results[1][0][1].double(), results[1][0][4].double(), results[1][2][1].double())
+        results.append(([out.candidate, out.confidence, out.commit], tok, (ids, vals)))
+    truth = (results[1][0][1].double(), results[1][2][1].double())
     return results[0], truth
 
 
@@ -575,7 +563,7 @@ def test_sequences_without_any_fallback_commit_the_default_token(backend, device
     logits[10, mask_id] = 40.0  # predicts the mask with a real fallback
     logits[10, 3] = 1.0
     offsets = torch.tensor([0, 3, 6, 9, 12], dtype=torch.int32)
-    cand, conf, commit, _, _, nonfinite = check_backend(
+    cand, conf, commit, nonfinite = check_backend(
         backend,
         device,
         logits.to(dtype),
@@ -610,7 +598,7 @@ def test_nonfinite_flags(backend, device, dtype):
         logits[row, v] = x
     logits[9] = float("nan")
     outs = check_backend(backend, device, logits, tokens, offsets, mask_id, "threshold")
-    assert outs[5].nonzero().flatten().tolist() == sorted([*spots, 9])
+    assert outs[3].nonzero().flatten().tolist() == sorted([*spots, 9])
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)

@@ -84,11 +84,11 @@ void check_host_data(const TensorArg& tokens, const TensorArg& offsets, const Te
 
 void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o, py::handle threshold_o,
                  py::handle num_commit_o, py::handle credit_ids_o, py::handle credit_vals_o,
-                 py::handle candidate_o, py::handle confidence_o, py::handle commit_o, py::handle row_max_o,
-                 py::handle row_lse_o, py::handle mask_id_o, py::handle rule_o, py::handle low_threshold_o,
-                 py::handle temperature_o, py::handle seed_o, py::handle offset_o, py::handle alpha_o,
-                 py::handle beta_o, py::handle gamma_o, py::handle workspace_o, py::handle stream_o,
-                 py::handle num_threads_o, py::handle row_keys_o, py::handle nonfinite_o) {
+                 py::handle candidate_o, py::handle confidence_o, py::handle commit_o, py::handle mask_id_o,
+                 py::handle rule_o, py::handle low_threshold_o, py::handle temperature_o, py::handle seed_o,
+                 py::handle offset_o, py::handle alpha_o, py::handle beta_o, py::handle gamma_o,
+                 py::handle workspace_o, py::handle stream_o, py::handle num_threads_o, py::handle row_keys_o,
+                 py::handle nonfinite_o) {
   const int64_t mask_id = int_arg(mask_id_o, "mask_id"), seed = int_arg(seed_o, "seed"),
                 offset = int_arg(offset_o, "offset"), stream = int_arg(stream_o, "stream");
   const int64_t rule = int_arg(rule_o, "rule");
@@ -100,8 +100,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   TensorArg logits(logits_o, "logits"), tokens(tokens_o, "tokens"), offsets(offsets_o, "seq_offsets"),
       threshold(threshold_o, "threshold"), num_commit(num_commit_o, "num_commit"),
       credit_ids(credit_ids_o, "credit_ids"), credit_vals(credit_vals_o, "credit_vals"),
-      candidate(candidate_o, "candidate"), confidence(confidence_o, "confidence"), commit(commit_o, "commit"),
-      row_max(row_max_o, "row_max"), row_lse(row_lse_o, "row_lse");
+      candidate(candidate_o, "candidate"), confidence(confidence_o, "confidence"), commit(commit_o, "commit");
 
   logits.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
   if (logits.ndim() != 2) throw_value_error("logits: expected a 2-D array [N, V]");
@@ -141,15 +140,13 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   candidate.expect_dtype({DType::kInt64});
   confidence.expect_dtype({DType::kFloat32});
   commit.expect_dtype({DType::kBool, DType::kUInt8});
-  row_max.expect_dtype({DType::kFloat32});
-  row_lse.expect_dtype({DType::kFloat32});
-  for (TensorArg* out : {&candidate, &confidence, &commit, &row_max, &row_lse}) {
+  for (TensorArg* out : {&candidate, &confidence, &commit}) {
     out->expect_shape({N});
     out->expect_contiguous();
     out->expect_writable();
   }
   for (TensorArg* t : {&tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals, &candidate,
-                       &confidence, &commit, &row_max, &row_lse})
+                       &confidence, &commit})
     t->expect_same_device(logits);
   // Optional: per-row noise keys (any values: they only feed the hash) and the non-finite flags.
   // Held until the launch: a TensorArg owns its DLPack reference.
@@ -169,8 +166,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
     nonfinite->expect_writable();
     nonfinite->expect_same_device(logits);
   }
-  expect_disjoint({&tokens, &credit_ids, &credit_vals, &candidate, &confidence, &commit, &row_max, &row_lse,
-                   nonfinite.get()},
+  expect_disjoint({&tokens, &credit_ids, &credit_vals, &candidate, &confidence, &commit, nonfinite.get()},
                   {&logits, &offsets, &threshold, &num_commit, row_keys.get()});
 
   if (mask_id < 0 || mask_id >= V)
@@ -216,8 +212,6 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   p.candidate = candidate.data<int64_t>();
   p.confidence = confidence.data<float>();
   p.commit = commit.data<uint8_t>();
-  p.row_max = row_max.data<float>();
-  p.row_lse = row_lse.data<float>();
 
   if (!logits.on_cuda()) {
     check_host_data(tokens, offsets, num_commit, credit_ids, credit_vals, threshold, N, V, p.rule);
@@ -228,7 +222,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   run_cuda(
       "decode_step_cuda", "decode_step_workspace_bytes", logits, workspace_o, stream,
       {&logits, &tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals, &candidate,
-       &confidence, &commit, &row_max, &row_lse, row_keys.get(), nonfinite.get()},
+       &confidence, &commit, row_keys.get(), nonfinite.get()},
       [&] { return dinfer_kernels::decode_step_cuda_workspace_bytes(N, V); },
       [&](void* ws, size_t bytes, cudaStream_t s) {
         return dinfer_kernels::decode_step_cuda(p, ws, bytes, s);
@@ -238,12 +232,12 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
 void register_decode(py::module_& m) {
   m.def("decode_step", &decode_step, py::arg("logits"), py::arg("tokens"), py::arg("seq_offsets"),
         py::arg("threshold"), py::arg("num_commit"), py::arg("credit_ids"), py::arg("credit_vals"),
-        py::arg("candidate"), py::arg("confidence"), py::arg("commit"), py::arg("row_max"),
-        py::arg("row_lse"), py::kw_only(), py::arg("mask_id"), py::arg("rule"), py::arg("low_threshold"),
-        py::arg("temperature"), py::arg("seed"), py::arg("offset"), py::arg("credit_alpha"),
-        py::arg("credit_beta"), py::arg("credit_gamma"), py::arg("workspace") = py::none(),
-        py::arg("stream") = py::int_(0), py::arg("num_threads") = py::int_(0),
-        py::arg("row_keys") = py::none(), py::arg("nonfinite") = py::none(),
+        py::arg("candidate"), py::arg("confidence"), py::arg("commit"), py::kw_only(), py::arg("mask_id"),
+        py::arg("rule"), py::arg("low_threshold"), py::arg("temperature"), py::arg("seed"), py::arg("offset"),
+        py::arg("credit_alpha"), py::arg("credit_beta"), py::arg("credit_gamma"),
+        py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
+        py::arg("num_threads") = py::int_(0), py::arg("row_keys") = py::none(),
+        py::arg("nonfinite") = py::none(),
         "Fused decode step over DLPack arrays (contract: dinfer_kernels/reference/decode.py). "
         "Outputs are caller-allocated; tokens and credit slots are updated in place; row_keys [N] int64 "
         "(noise keys, default the row index) and the output nonfinite [N] bool are optional. CUDA arrays "

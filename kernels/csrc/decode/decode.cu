@@ -136,7 +136,7 @@ int decode_step_cuda(const DecodeStepParams& p, void* workspace, size_t workspac
   if (N == 0) return cudaSuccess;  // every sequence is empty: nothing to read or write
   if (V <= 0 || V > kMaxVocab || p.row_stride < V) return cudaErrorInvalidValue;
   if (p.logits == nullptr || p.tokens == nullptr || p.seq_offsets == nullptr || p.candidate == nullptr ||
-      p.confidence == nullptr || p.commit == nullptr || p.row_max == nullptr || p.row_lse == nullptr)
+      p.confidence == nullptr || p.commit == nullptr)
     return cudaErrorInvalidValue;
   if (p.num_slots < 0 || (p.num_slots > 0 && (p.credit_ids == nullptr || p.credit_vals == nullptr)))
     return cudaErrorInvalidValue;

@@ -275,8 +275,6 @@ void decode_step_cpu(const DecodeStepParams& p, int num_threads) {
     if (p.nonfinite != nullptr) p.nonfinite[n] = acc.nonfinite != 0;
     p.candidate[n] = r.candidate;
     p.confidence[n] = r.confidence;
-    p.row_max[n] = r.max;
-    p.row_lse[n] = r.lse;
     fallback[n] = r.fallback;
     fallback_conf[n] = r.fallback_conf;
   }

@@ -15,8 +15,6 @@ def decode_step(
     candidate,
     confidence,
     commit,
-    row_max,
-    row_lse,
     nonfinite,
     *,
     mask_id: int,
@@ -41,8 +39,6 @@ def decode_step(
         candidate,
         confidence,
         commit,
-        row_max,
-        row_lse,
         row_keys,
         nonfinite,
     )

@@ -103,7 +103,7 @@ def _decode_step_op(
     credit_gamma: float,
     row_keys: Optional[torch.Tensor],
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N = logits.shape[0]
     dev = logits.device
     if backend == "torch":
@@ -127,13 +127,11 @@ def _decode_step_op(
             credit_gamma=credit_gamma,
             row_keys=row_keys,
         )
-        candidate, confidence, commit, row_max, row_lse, nonfinite = (t.clone() for t in out)
-        return candidate, confidence, commit, row_max, row_lse, nonfinite
+        candidate, confidence, commit, nonfinite = (t.clone() for t in out)
+        return candidate, confidence, commit, nonfinite
     candidate = torch.empty(N, dtype=torch.int64, device=dev)
     confidence = torch.empty(N, dtype=torch.float32, device=dev)
     commit = torch.empty(N, dtype=torch.bool, device=dev)
-    row_max = torch.empty(N, dtype=torch.float32, device=dev)
-    row_lse = torch.empty(N, dtype=torch.float32, device=dev)
     nonfinite = torch.empty(N, dtype=torch.bool, device=dev)
     _backend.impl("decode_step", backend)(
         logits,
@@ -146,8 +144,6 @@ def _decode_step_op(
         candidate,
         confidence,
         commit,
-        row_max,
-        row_lse,
         nonfinite,
         mask_id=mask_id,
         rule=rule,
@@ -160,7 +156,7 @@ def _decode_step_op(
         credit_gamma=credit_gamma,
         row_keys=row_keys,
     )
-    return candidate, confidence, commit, row_max, row_lse, nonfinite
+    return candidate, confidence, commit, nonfinite
 
 
 @_decode_step_op.register_fake
@@ -186,7 +182,7 @@ def _(
 ):
     N = logits.shape[0]
     f = lambda dt: logits.new_empty((N,), dtype=dt)
-    return f(torch.int64), f(torch.float32), f(torch.bool), f(torch.float32), f(torch.float32), f(torch.bool)
+    return f(torch.int64), f(torch.float32), f(torch.bool), f(torch.bool)
 
 
 def _per_sequence(name, value, B, dtype, device):
@@ -232,7 +228,7 @@ def decode_step(
     num_commit: k per sequence for rule="fixed" (int or [B] int32); credit: a CreditState (updated in
     place) or None; row_keys: [N] int64 noise keys of the rows (low 32 bits; default: the row
     index), so a caller can key sampling on something stabler than a row's place in the batch.
-    Returns DecodeOutput(candidate, confidence, commit, row_max, row_lse, nonfinite): nonfinite[n]
+    Returns DecodeOutput(candidate, confidence, commit, nonfinite): nonfinite[n]
     tells that row n's raw logits hold a NaN or +-inf (a broken model; the step itself still
     commits, see the reference's step 5).
 

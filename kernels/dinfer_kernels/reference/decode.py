@@ -35,12 +35,10 @@ Semantics (all math in fp32 unless compute_dtype says otherwise)
    nonfinite[n] = whether row n of the *raw* logits holds a NaN or a +-inf anywhere (sanitising
    does not hide it: the caller can stop a run whose model produces them).
    A row whose z is -inf everywhere is *dead*: candidate = mask_id, confidence = 0, not eligible,
-   row_max = row_lse = -inf, credit only decays (it may still commit through step 5).
-1. Raw statistics: m = max z, a = argmax z (lowest index on ties), s = sum exp(z - m),
-   lse = m + log s, p* = 1 / s. (Probabilities are always exp(z - m) / s, never exp(z - lse):
-   near FLT_MAX, lse cannot hold m + log s.) Outputs row_max = m, row_lse = lse (raw statistics:
-   soft_embedding does not take them, its softmax has its own temperature and lse loses s where |m|
-   is large).
+   credit only decays (it may still commit through step 5).
+1. Raw statistics: m = max z, a = argmax z (lowest index on ties), s = sum exp(z - m), p* = 1 / s.
+   (Probabilities are always exp(z - m) / s, never exp(z - (m + log s)): near FLT_MAX, m + log s
+   cannot be formed.)
 2. Credit (K > 0), dInfer's CreditDecoding kept sparse:
    every slot value *= beta; then, for masked live rows, the raw top-1 token a gains p* ** gamma:
    added to its slot if it has one, else stored in the first empty slot, else it replaces the slot
@@ -69,8 +67,7 @@ Semantics (all math in fp32 unless compute_dtype says otherwise)
    logits. And tokens[n] == candidate[n] wherever commit[n], always.
 6. tokens[n] = candidate[n] where commit[n].
 
-Outputs: DecodeOutput(candidate [N] int64, confidence [N] fp32, commit [N] bool,
-row_max [N] fp32, row_lse [N] fp32, nonfinite [N] bool).
+Outputs: DecodeOutput(candidate [N] int64, confidence [N] fp32, commit [N] bool, nonfinite [N] bool).
 """
 
 from typing import NamedTuple
@@ -101,8 +98,6 @@ class DecodeOutput(NamedTuple):
     candidate: torch.Tensor
     confidence: torch.Tensor
     commit: torch.Tensor
-    row_max: torch.Tensor
-    row_lse: torch.Tensor
     nonfinite: torch.Tensor
 
 
@@ -204,7 +199,6 @@ def decode_step_reference(
     m, s = _max_sumexp(z)
     a = torch.argmax(z, dim=-1)
     dead = m == float("-inf")
-    lse = torch.where(dead, m, m + torch.log(s))
     p_top = torch.where(dead, torch.zeros_like(m), 1.0 / s)
 
     if credit_ids is not None and credit_ids.shape[1] > 0:
@@ -272,7 +266,5 @@ def decode_step_reference(
         cand.to(torch.int64),
         conf.to(torch.float32),
         commit,
-        m.to(torch.float32),
-        lse.to(torch.float32),
         nonfinite,
     )

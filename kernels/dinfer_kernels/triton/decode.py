@@ -11,8 +11,7 @@ Two launches, both with grids fixed by the shapes (CUDA-graph capturable, no hos
    programs, and each streams >= BLOCK_V = 2048 logits.
 2. `_finalize_kernel`, grid (B,): one program per sequence walks its rows in chunks of BLOCK_R and
    (A) merges the S partials of each row, folds in the mask token, updates the credit slots, applies
-   the credit to max / sum / argmax in O(K) and writes candidate, confidence, row_max, row_lse,
-   nonfinite;
+   the credit to max / sum / argmax in O(K) and writes candidate, confidence, nonfinite;
    (B) after a CTA barrier, applies the commit rule and the progress guarantee and writes commit and
    tokens. Per-row values that (B) reads across rows go through a small scratch area.
 
@@ -40,7 +39,7 @@ AT_LEAST_ONE_EPS = tl.constexpr(1e-5)
 PARTIAL_FIELDS = tl.constexpr(6)
 ROW_FIELDS = 4
 # 4 programs per SM of an H200 (132 SMs); a constant, not the device's count, so that the split (and
-# hence the summation order, i.e. the bits of row_lse) is the same on every device.
+# hence the summation order, i.e. the bits of the confidences) is the same on every device.
 TARGET_PROGRAMS = 4 * 132
 
 
@@ -239,8 +238,6 @@ def _finalize_kernel(
     candidate,
     confidence,
     commit,
-    row_max,
-    row_lse,
     nonfinite,
     N,
     V,
@@ -318,8 +315,6 @@ def _finalize_kernel(
         dead = m == float("-inf")
         m_safe = tl.where(dead, 0.0, m)
         total = s_nm * tl.exp(m_nm - m_safe) + tl.exp(z_mask - m_safe)
-        tl.store(row_max + rows, m, mask=live)
-        tl.store(row_lse + rows, tl.where(dead, float("-inf"), m_safe + tl.log(total)), mask=live)
         g_all, gi_all = _pick(g_nm, gi_nm, _score(z_mask, row_key, mask_id, temperature, SAMPLE), mask_id)
 
         if HAS_CREDIT:
@@ -467,8 +462,6 @@ def decode_step(
     candidate,
     confidence,
     commit,
-    row_max,
-    row_lse,
     nonfinite,
     *,
     mask_id: int,
@@ -534,8 +527,6 @@ def decode_step(
         candidate,
         confidence,
         commit,
-        row_max,
-        row_lse,
         nonfinite,
         N,
         V,

@@ -30,7 +30,7 @@ int main() {
   using namespace decode_case;
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
-  float *d_logits, *d_threshold, *d_confidence, *d_row_max, *d_row_lse;
+  float *d_logits, *d_threshold, *d_confidence;
   int64_t *d_tokens, *d_candidate;
   int32_t* d_offsets;
   uint8_t *d_commit, *d_workspace;
@@ -40,14 +40,12 @@ int main() {
   CHECK(device_array(&d_threshold, kThreshold, kSeqs, stream));
   CHECK(device_array<int64_t>(&d_candidate, nullptr, kRows, stream));
   CHECK(device_array<float>(&d_confidence, nullptr, kRows, stream));
-  CHECK(device_array<float>(&d_row_max, nullptr, kRows, stream));
-  CHECK(device_array<float>(&d_row_lse, nullptr, kRows, stream));
   CHECK(device_array<uint8_t>(&d_commit, nullptr, kRows, stream));
   const size_t workspace_bytes = dinfer_kernels::decode_step_cuda_workspace_bytes(kRows, kVocab);
   CHECK(device_array<uint8_t>(&d_workspace, nullptr, workspace_bytes, stream));
 
-  const dinfer_kernels::DecodeStepParams p = params(d_logits, d_tokens, d_offsets, d_threshold, d_candidate,
-                                                    d_confidence, d_commit, d_row_max, d_row_lse);
+  const dinfer_kernels::DecodeStepParams p =
+      params(d_logits, d_tokens, d_offsets, d_threshold, d_candidate, d_confidence, d_commit);
   CHECK(static_cast<cudaError_t>(dinfer_kernels::decode_step_cuda(p, d_workspace, workspace_bytes, stream)));
 
   int64_t tokens[kRows];
@@ -63,8 +61,7 @@ int main() {
   for (void* ptr :
        {static_cast<void*>(d_logits), static_cast<void*>(d_tokens), static_cast<void*>(d_offsets),
         static_cast<void*>(d_threshold), static_cast<void*>(d_candidate), static_cast<void*>(d_confidence),
-        static_cast<void*>(d_row_max), static_cast<void*>(d_row_lse), static_cast<void*>(d_commit),
-        static_cast<void*>(d_workspace)})
+        static_cast<void*>(d_commit), static_cast<void*>(d_workspace)})
     CHECK(cudaFree(ptr));
   CHECK(cudaStreamDestroy(stream));
   std::printf("OK\n");

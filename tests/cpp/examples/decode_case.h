@@ -22,7 +22,7 @@ const float kThreshold[kSeqs] = {0.9f, 0.9f};
 // The step's parameters over the case's arrays, wherever they live (host or device).
 inline dinfer_kernels::DecodeStepParams params(const float* logits, int64_t* tokens, const int32_t* offsets,
                                                const float* threshold, int64_t* candidate, float* confidence,
-                                               uint8_t* commit, float* row_max, float* row_lse) {
+                                               uint8_t* commit) {
   dinfer_kernels::DecodeStepParams p;
   p.logits = logits;
   p.num_rows = kRows;
@@ -36,8 +36,6 @@ inline dinfer_kernels::DecodeStepParams params(const float* logits, int64_t* tok
   p.candidate = candidate;
   p.confidence = confidence;
   p.commit = commit;
-  p.row_max = row_max;
-  p.row_lse = row_lse;
   return p;
 }
 

@@ -41,8 +41,6 @@ struct DecodeStepParams {
   int64_t* candidate = nullptr;  // [N]
   float* confidence = nullptr;  // [N]
   uint8_t* commit = nullptr;  // [N] (bool)
-  float* row_max = nullptr;  // [N] raw max of the sanitised logits
-  float* row_lse = nullptr;  // [N] raw log-sum-exp
   uint8_t* nonfinite = nullptr;  // [N] (bool) the raw row holds a NaN or +-inf; may be null
 };
 

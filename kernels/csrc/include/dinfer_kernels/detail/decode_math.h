@@ -116,7 +116,6 @@ struct RowResult {
   float confidence;
   int64_t fallback;  // best non-mask token, default_token() if none
   float fallback_conf;  // its probability, -inf if none
-  float max, lse;  // raw statistics
 };
 
 // Steps 1-3 of the reference for one row, given the row's combined partial. Reads the logits of the
@@ -143,7 +142,7 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
     vals[j] *= prm.credit_beta;
   }
   if (K > 0 && masked && !dead) {
-    const float boost = powf(1.0f / p.sum, prm.credit_gamma);  // p* = exp(max - lse) = 1 / sum
+    const float boost = powf(1.0f / p.sum, prm.credit_gamma);  // p* = softmax(z)[arg] = 1 / sum
     int hit = -1, empty = -1, weakest = 0;
     for (int j = 0; j < K; ++j) {
       if (ids[j] == p.arg && hit < 0) hit = j;
@@ -163,7 +162,6 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
     r.confidence = 0.f;
     r.fallback = default_token(prm.mask_id);
     r.fallback_conf = -INFINITY;
-    r.max = r.lse = -INFINITY;
     return r;
   }
 
@@ -203,8 +201,6 @@ DINFER_HD RowResult finalize_row(const Partial& p, const void* row, const Decode
   const bool nm_ok = nm_i != kNoIndex && nm_i != prm.mask_id && fused_logit(nm_i) > -INFINITY;
   r.fallback = nm_ok ? nm_i : default_token(prm.mask_id);
   r.fallback_conf = nm_ok ? expf(fused_logit(nm_i) - fmax) / sum : -INFINITY;
-  r.max = p.max;
-  r.lse = p.max + logf(p.sum);
   return r;
 }
 

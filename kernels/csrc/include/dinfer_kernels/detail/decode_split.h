@@ -413,8 +413,6 @@ DINFER_HD void finalize_rows(const FinalizeArgs& a, const FinalizeSeq& q, Finali
     if (p.nonfinite != nullptr) p.nonfinite[n] = part.nonfinite != 0;
     p.candidate[n] = r.candidate;
     p.confidence[n] = r.confidence;
-    p.row_max[n] = r.max;
-    p.row_lse[n] = r.lse;
     a.fb_token[n] = r.fallback;
     a.fb_conf[n] = r.fallback_conf;
     if (q.staged) {
