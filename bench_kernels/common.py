@@ -344,8 +344,10 @@ def git_commit():
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
         )
+        # Changed results (this folder's outputs) do not make the code dirty: one benchmark's
+        # new JSON must not mark the next run's.
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench_kernels/results"],
             cwd=ROOT,
             capture_output=True,
             text=True,
