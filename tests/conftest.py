@@ -149,16 +149,15 @@ def _drop_needless_isa_cases(config, items):
         items[:] = [item for item in items if not needless(item)]
 
 
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+
+
 def load_bench(name):
     """bench_kernels/<name>.py as a module (its main(argv) runs the benchmark)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "bench_kernels", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench_kernels" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_cpp_examples(build, *cmake_args, cuda_archs=None):

@@ -8,14 +8,12 @@ import re
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench_kernels"))
+sys.path.insert(0, str(ROOT / "bench_kernels"))
 import common
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def checkout_state():

@@ -6,11 +6,9 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import ROOT
 
 # Runs in a child whose only copy of dinfer_kernels is the installed one and where `import dinfer`
 # fails: the op package must need nothing from the engine.

@@ -2,13 +2,13 @@
 chunk, a block never outlives its length in forwards, and seeded sampling is keyed on the request,
 not its slot in the batch."""
 
-import os
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import ROOT
 from safetensors.torch import load_file, save_file
 from test_engine import MOE, ScriptedModel, model_of, run
 
@@ -18,7 +18,6 @@ from dinfer.decoders import DecoderConfig
 from dinfer.generate import GenerationConfig, generate
 from dinfer.models.embedded import model_dir
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "add:048213+000937"
 UNROLL = GenerationConfig().unroll  # forwards between two host checks
 
@@ -79,7 +78,7 @@ def test_nan_weights_stop_with_a_clear_error_via_cli(nan_checkpoint):
         ],
         capture_output=True,
         text=True,
-        cwd=REPO,
+        cwd=ROOT,
         timeout=300,
     )
     assert proc.returncode == 2

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
 from dinfer import LLM
 from dinfer.evaluate import evaluate
@@ -18,7 +19,6 @@ from dinfer.models.embedded import DEFAULT, EMBEDDED, generation_defaults, model
 from dinfer.tasks import TASKS, eval_problems
 from dinfer.train import PRESETS
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VANILLA = dict(decoder="fixed", steps_per_block=0, cache="none", early_stop=False, align_blocks=False)
 
 
@@ -83,7 +83,7 @@ def test_default_decoding_solves_tasks():
 
 def run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "dinfer", *args], capture_output=True, text=True, cwd=REPO, timeout=300
+        [sys.executable, "-m", "dinfer", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
 
 

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
@@ -37,7 +38,6 @@ TEMPLATE = (
     "<|role_end|>{% endfor %}{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}"
 )
 FAST = dict(gen_length=16, block_length=8)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config() -> ModelConfig:
@@ -124,7 +124,7 @@ def run_cli(*args, stdin=None):
         input=stdin,
         capture_output=True,
         text=True,
-        cwd=REPO,
+        cwd=ROOT,
         timeout=120,
     )
 
@@ -554,7 +554,7 @@ def test_cli_ctrl_c_keeps_finished_answers(ckpt, llm):
     ]
     for p in prompts:
         args += ["--prompt", p]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         line = proc.stdout.readline()  # the first answer, printed as soon as it is done
         proc.send_signal(signal.SIGINT)

@@ -18,11 +18,10 @@ from pathlib import Path
 import pytest
 import test_decode
 import torch
-from conftest import EXT, HAS_GPU, assert_precision
+from conftest import EXT, HAS_GPU, ROOT, assert_precision
 
 from dinfer_kernels.reference import decode_step_reference
 
-ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((Path(__file__).resolve().parent / "device_logic").glob("*.cpp"))
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 EMULATED = "cuda-on-host"

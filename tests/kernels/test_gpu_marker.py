@@ -10,12 +10,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import REAL_GPU
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import REAL_GPU, ROOT
 
 
 def collect(*args, as_gpu=False):

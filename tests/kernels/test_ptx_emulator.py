@@ -16,8 +16,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 EMU = Path(__file__).resolve().parent / "ptx_emu"
 
 TILES = [

@@ -3,16 +3,14 @@ op on every host backend (the Triton interpreter included) and exits 0; a wrong 
 fails its row and makes the exit status non-zero."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
 from dinfer_kernels import _backend, selftest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_quick_selftest_covers_every_op_and_host_backend(tmp_path):
