@@ -46,7 +46,8 @@ To add or replace a result: run the benchmark with `--json bench_kernels/results
 bench_kernels/results/decode_cpu.json`), or copy the `bench_<name>.json` files that
 `bash bench_kernels/gpu_check.sh OUT_DIR` writes on a GPU machine to
 `bench_kernels/results/<name>_<gpu>.json`; then run `python bench_kernels/results_page.py` and commit
-the JSON with the page. A commit marked `-dirty` ran with uncommitted changes to tracked files.
+the JSON with the page. A commit marked `-dirty` ran with uncommitted changes to tracked files
+(result files aside).
 """
 
 
