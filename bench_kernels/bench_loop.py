@@ -76,7 +76,9 @@ def main(argv=None):
         ("threshold, no cache", {"cache": "none"}),
     ]:
         g = dataclasses.replace(
-            GenerationConfig(gen_length=a.gen_length, block_length=a.block_length, early_stop=False), **kw
+            GenerationConfig(
+                gen_length=a.gen_length, block_length=a.block_length, early_stop=False, time_phases=True
+            ), **kw
         )
         generate(model, prompts, g)  # warm-up
         _, stats = generate(model, prompts, g)

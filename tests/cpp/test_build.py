@@ -82,6 +82,7 @@ def test_cuda_cpp_runtime_builds_against_the_installed_package(cuda_cpp_examples
 
 @pytest.mark.slow
 @pytest.mark.gpu
+@pytest.mark.timeout(240)  # its fixture builds the package with CUDA first: longer than one test's limit
 def test_cuda_cpp_runtime_calls_the_kernel_without_python(cuda_cpp_examples):
     out = subprocess.run(
         [str(cuda_cpp_examples["decode_cuda_example"])], capture_output=True, text=True, check=True

@@ -370,6 +370,7 @@ def test_fuzz_bindings_never_crash(case):
 @pytest.mark.parametrize("name,make,exc", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
 def test_gpu_binding_errors_name_the_argument(name, make, exc):
     a, p = make_args(device="cuda")
+    p["workspace"] = workspace_for(a, p)  # sized from the valid arguments: the bad one may have no shape
     bad = make({k: (t.cpu() if isinstance(t, torch.Tensor) else t) for k, t in a.items()})
     a[name] = bad.cuda() if isinstance(bad, torch.Tensor) else bad
     with pytest.raises(exc, match=rf"^{name}\b"):

@@ -1,7 +1,6 @@
 #include "tensor_arg.h"
 
 #include <algorithm>
-#include <sstream>
 
 namespace dinfer_bindings {
 
@@ -233,18 +232,19 @@ int64_t TensorArg::numel() const {
   return n;
 }
 
+// The messages are built with std::string and std::to_string, not iostreams: on the GPU image a
+// ValueError whose text went through an ostringstream's number formatting crashed the process
+// (SIGSEGV inside the binding; the same call raised cleanly on the CPU build machine).
 void TensorArg::expect_dtype(std::initializer_list<DType> allowed) const {
   for (DType a : allowed)
     if (a == dtype_) return;
-  std::ostringstream os;
-  os << name_ << ": expected dtype ";
+  std::string msg = name_ + ": expected dtype ";
   bool first = true;
   for (DType a : allowed) {
-    os << (first ? "" : " or ") << dtype_name(a);
+    msg += std::string(first ? "" : " or ") + dtype_name(a);
     first = false;
   }
-  os << ", got " << dtype_name(dtype_);
-  throw_type_error(os.str());
+  throw_type_error(msg + ", got " + dtype_name(dtype_));
 }
 
 void TensorArg::expect_shape(std::initializer_list<int64_t> dims) const {
@@ -255,14 +255,12 @@ void TensorArg::expect_shape(std::initializer_list<int64_t> dims) const {
     ++i;
   }
   if (ok) return;
-  std::ostringstream os;
-  os << name_ << ": expected shape [";
+  std::string msg = name_ + ": expected shape [";
   i = 0;
-  for (int64_t d : dims) os << (i++ ? ", " : "") << (d >= 0 ? std::to_string(d) : std::string("*"));
-  os << "], got [";
-  for (int j = 0; j < t_->ndim; ++j) os << (j ? ", " : "") << t_->shape[j];
-  os << "]";
-  throw_value_error(os.str());
+  for (int64_t d : dims) msg += (i++ ? ", " : "") + (d >= 0 ? std::to_string(d) : std::string("*"));
+  msg += "], got [";
+  for (int j = 0; j < t_->ndim; ++j) msg += (j ? ", " : "") + std::to_string(t_->shape[j]);
+  throw_value_error(msg + "]");
 }
 
 void TensorArg::expect_contiguous() const {

@@ -124,20 +124,22 @@ def attention_reference(
     # 0 for keys not attended and rows with no key (softmax gives NaN there); a NaN or +inf score
     # keeps the row's NaN (non-finite inputs propagate)
     probs = torch.where(allowed, torch.softmax(scores, -1), 0.0)
-    # Non-finite values are added entry by entry, each only to the rows that attend its key: in the
-    # einsum a key a row does not attend would give 0 * inf = NaN.
+    # Non-finite values: in the einsum a key a row does not attend would give 0 * inf = NaN, so they
+    # enter as zeros there and are added back per row as IEEE sums would give them (counted by dense
+    # einsums, no data-dependent shapes: the op stays capturable). A term p * x with x = +-inf is
+    # +-inf where p > 0 and NaN where p is 0 or NaN; x = NaN gives NaN.
     bad = ~vf.isfinite()
     out = torch.einsum("bhws,bshd->bwhd", probs, vf.masked_fill(bad, 0.0))
-    if bad.any():
-        b_, s_, h_, d_ = bad.nonzero(as_tuple=True)
-        rows = allowed.expand(B, Hq, W, S)[b_, h_, :, s_]  # [K, W]
-        terms = torch.where(rows, probs[b_, h_, :, s_] * vf[b_, s_, h_, d_][:, None], 0.0)
-        w_ = torch.arange(W, device=q.device).expand_as(terms)
-        out.index_put_(
-            (b_[:, None].expand_as(terms), w_, h_[:, None].expand_as(terms), d_[:, None].expand_as(terms)),
-            terms,
-            accumulate=True,
-        )
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or bad.any():
+        attended = allowed.expand(B, Hq, W, S)
+        hit = attended & (probs > 0)
+        count = lambda rows, keys: torch.einsum("bhws,bshd->bwhd", rows.float(), keys.float())
+        nan = count(attended, vf.isnan()) + count(attended & ~hit, vf.isinf())
+        pos, neg = count(hit, vf.isposinf()), count(hit, vf.isneginf())
+        inf = torch.full_like(out, float("inf"))  # made on the device: no host copy under capture
+        extra = torch.where((nan > 0) | ((pos > 0) & (neg > 0)), inf - inf, torch.where(pos > 0, inf, -inf))
+        out = torch.where((nan > 0) | (pos > 0) | (neg > 0), out + extra, out)
     out = out * row_valid[:, :, None, None]
     out = out.to(q.dtype if compute_dtype == torch.float32 else compute_dtype).contiguous()
     if not (return_lse or return_block_mass):

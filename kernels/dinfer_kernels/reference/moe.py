@@ -17,7 +17,8 @@ routed_scaling  multiplies the final weights (LLaDA2: 2.5)
 expert_range    (e0, e1) or None: only experts in [e0, e1) contribute (expert parallelism: the caller
                 sums the partial outputs over ranks)
 
-    l = hidden·router_weightᵀ in fp32 (or router_logits in fp32)
+    l = hidden·router_weightᵀ in fp32 (or router_logits in fp32); in fp64 with compute_dtype=float64, the exact
+    routing that precision checks hold the fp32 routers to
     s = softmax(l) | sigmoid(l);  c = s + bias (selection score)
     groups: keep the topk_groups best groups by group score (lower group first on ties), c = -inf elsewhere
     e = top_k experts by c (lower expert first on ties), in descending order of c (the slot order)
@@ -49,19 +50,22 @@ def route(
     num_groups=1,
     topk_groups=1,
     routed_scaling=1.0,
+    compute_dtype=torch.float32,
 ):
-    """(weights [T, k] fp32, experts [T, k] int64) of the router; slot j holds the j-th best expert."""
+    """(weights [T, k] in compute_dtype, experts [T, k] int64) of the router; slot j holds the j-th
+    best expert. Scores in fp32, as the kernels compute them; fp64 gives the exact routing that a
+    precision check measures every fp32 router against."""
     if router_logits is not None:
-        logits = router_logits.float()
+        logits = router_logits.to(compute_dtype)
     else:
-        logits = hidden.float() @ router_weight.float().t()
+        logits = hidden.to(compute_dtype) @ router_weight.to(compute_dtype).t()
     if scoring == "softmax":
         score = torch.softmax(logits, dim=-1)
     elif scoring == "sigmoid":
         score = torch.sigmoid(logits)
     else:
         raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
-    sel = score if expert_bias is None else score + expert_bias.float()
+    sel = score if expert_bias is None else score + expert_bias.to(compute_dtype)
     weight_src = sel if scoring == "softmax" else score
     sel = torch.where(sel.isnan(), float("-inf"), sel)  # ranks like -inf
     if num_groups > 1:
@@ -124,6 +128,7 @@ def moe_reference(
         num_groups=num_groups,
         topk_groups=topk_groups,
         routed_scaling=routed_scaling,
+        compute_dtype=torch.float64 if compute_dtype == torch.float64 else torch.float32,
     )
     out = torch.zeros(T, H, dtype=acc, device=hidden.device)
     x = hidden.to(dt)
