@@ -192,6 +192,15 @@ class Generator:
     """Runs a GenerationConfig on a model (dinfer.models.DiffusionLM) for a batch of prompts."""
 
     def __init__(self, model, cfg: GenerationConfig):
+        if model.config.block_causal:
+            # This loop attends bidirectionally over the whole canvas; a block-causal model decoded
+            # that way would see later blocks it was never trained to see and write wrong tokens.
+            raise NotImplementedError(
+                f"model: {model.config.family} attends block-causally (blocks of "
+                f"{model.config.block_length} from position 0); this generation loop is bidirectional "
+                "only. The model loads and its forward runs (DiffusionLM.forward with the block-causal "
+                "attn_mask); generation needs the block-diffusion loop."
+            )
         self.model, self.cfg = model, cfg
         self.mask_id, self.eos_id = model.config.mask_id, model.config.eos_id
         use_graphs = cfg.cuda_graphs and model.device.type == "cuda" and cfg.decoder.temperature == 0

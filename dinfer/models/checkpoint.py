@@ -5,9 +5,11 @@ Canonical names (the models use these; per-layer names carry a `layers.{i}.` pre
   per layer: attn_norm [H], q [Hq*D,H], k [Hkv*D,H], v [Hkv*D,H], o [H,Hq*D], q_norm/k_norm [D] (QK-norm
   only), mlp_norm [H]; dense MLP: gate [I,H], up [I,H], down [H,I]; MoE: router [E,H] (fp32),
   w13 [E,2I,H] (per expert: gate rows, then up rows), w2 [E,H,I], expert_bias [E] (when enabled).
+  LLaDA2: qkv [(Hq+2Hkv)*D,H] (Q heads, then K, then V: its fused projection) instead of q/k/v; dense
+  MLP layers below first_k_dense; MoE layers add the shared expert shared_w13 [2S,H], shared_w2 [H,S].
 
-Released layouts (as the checkpoints ship): LLaDA dense, LLaDA-MoE per-expert and dInfer's fused
-stacked-expert layout. Loading parses safetensors over a private memory map, so a tensor that needs no
+Released layouts (as the checkpoints ship): LLaDA dense, LLaDA-MoE and LLaDA2 per-expert, and dInfer's
+fused stacked-expert layouts of both MoE families. Loading parses safetensors over a private memory map, so a tensor that needs no
 cast is a zero-copy view of the file and the model is never held twice in RAM. Before any tensor is used
 the checkpoint is checked against the config from the headers alone (load_weights), so a config that
 disagrees with the weights, or a broken file, is a CheckpointError naming the file, the key and both values.
@@ -28,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import CONFIG_FILE, DENSE, MOE, CheckpointError, ModelConfig
+from .config import CONFIG_FILE, DENSE, LLADA2, MOE, CheckpointError, ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -45,16 +47,23 @@ def _symbolic_shapes(config: ModelConfig) -> Dict[str, Tuple[str, ...]]:
     c = config
     shapes = {"embed": ("V", "H")}
     for i in range(c.num_layers):
-        layer = {"attn_norm": ("H",), "q": ("Q", "H"), "k": ("KV", "H"), "v": ("KV", "H"), "o": ("H", "Q")}
+        layer = {"attn_norm": ("H",)}
+        if c.family == LLADA2:
+            layer["qkv"] = ("QKV", "H")
+        else:
+            layer.update(q=("Q", "H"), k=("KV", "H"), v=("KV", "H"))
+        layer["o"] = ("H", "Q")
         if c.qk_norm:
             layer.update(q_norm=("D",), k_norm=("D",))
         layer["mlp_norm"] = ("H",)
-        if c.is_moe:
+        if c.is_dense_layer(i):
+            layer.update(gate=("DI", "H"), up=("DI", "H"), down=("H", "DI"))
+        else:
             layer.update(router=("E", "H"), w13=("E", "2I", "H"), w2=("E", "H", "I"))
             if c.expert_bias:
                 layer["expert_bias"] = ("E",)
-        else:
-            layer.update(gate=("I", "H"), up=("I", "H"), down=("H", "I"))
+            if c.shared_intermediate_size:
+                layer.update(shared_w13=("2S", "H"), shared_w2=("H", "S"))
         shapes.update({f"layers.{i}.{name}": dims for name, dims in layer.items()})
     shapes.update(final_norm=("H",), lm_head=("V", "H"))
     return shapes
@@ -63,17 +72,23 @@ def _symbolic_shapes(config: ModelConfig) -> Dict[str, Tuple[str, ...]]:
 def _dim_sizes(config: ModelConfig) -> Dict[str, Tuple[int, str]]:
     """Size symbol -> (size, the config.json keys that set it), so a shape mismatch names the key."""
     c, key = config, config.hf_key
-    inner = "expert_intermediate_size" if c.is_moe else "intermediate_size"
-    width = getattr(c, inner)
-    head_dim = f"head_dim ({key('hidden_size')}/{key('num_heads')})"
+    width, dense_width, shared = c.expert_intermediate_size, c.intermediate_size, c.shared_intermediate_size
+    head_dim = (
+        key("head_dim") if c.family == LLADA2 else f"head_dim ({key('hidden_size')}/{key('num_heads')})"
+    )
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     return {
         "V": (c.vocab_size, key("vocab_size")),
         "H": (c.hidden_size, key("hidden_size")),
         "Q": (c.num_heads * c.head_dim, f"{key('num_heads')} x {head_dim}"),
         "KV": (c.num_kv_heads * c.head_dim, f"{key('num_kv_heads')} x {head_dim}"),
+        "QKV": (qkv, f"({key('num_heads')} + 2 x {key('num_kv_heads')}) x {head_dim}"),
         "D": (c.head_dim, head_dim),
-        "I": (width, key(inner)),
-        "2I": (2 * (width or 0), f"2 x {key(inner)}"),
+        "DI": (dense_width, key("intermediate_size")),
+        "I": (width, key("expert_intermediate_size")),
+        "2I": (2 * (width or 0), f"2 x {key('expert_intermediate_size')}"),
+        "S": (shared, key("shared_intermediate_size")),
+        "2S": (2 * shared, f"2 x {key('shared_intermediate_size')}"),
         "E": (c.num_experts, key("num_experts")),
     }
 
@@ -137,16 +152,66 @@ def _moe_plan(config: ModelConfig, layout: str) -> Dict[str, List[Source]]:
             plan[f"layers.{i}.w13"] = [(p + "mlp.w1", ())]
             plan[f"layers.{i}.w2"] = [(p + "mlp.w2", ())]
         else:
-            experts = [p + f"mlp.experts.{e}." for e in range(E)]
-            plan[f"layers.{i}.w13"] = [
-                src
-                for e, x in enumerate(experts)
-                for src in (
-                    (x + "gate_proj.weight", (e, slice(0, I))),
-                    (x + "up_proj.weight", (e, slice(I, 2 * I))),
+            stacked = _stacked_experts(p, E, I, "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+            plan.update({f"layers.{i}.{ours}": sources for ours, sources in stacked.items()})
+    return plan
+
+
+def _stacked_experts(p: str, E: int, I: int, gate: str, up: str, down: str) -> Dict[str, List[Source]]:
+    """w13 / w2 of one layer from per-expert tensors under prefix p (gate rows, then up rows)."""
+    experts = [p + f"mlp.experts.{e}." for e in range(E)]
+    return {
+        "w13": [
+            src
+            for e, x in enumerate(experts)
+            for src in ((x + gate, (e, slice(0, I))), (x + up, (e, slice(I, 2 * I))))
+        ],
+        "w2": [(x + down, (e,)) for e, x in enumerate(experts)],
+    }
+
+
+def _llada2_plan(config: ModelConfig, layout: str) -> Dict[str, List[Source]]:
+    plan = {
+        "embed": [("model.word_embeddings.weight", ())],
+        "final_norm": [("model.norm.weight", ())],
+        "lm_head": [("lm_head.weight", ())],
+    }
+    S = config.shared_intermediate_size
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names = {
+            "attn_norm": "input_layernorm.weight",
+            "qkv": "attention.query_key_value.weight",
+            "q_norm": "attention.query_layernorm.weight",
+            "k_norm": "attention.key_layernorm.weight",
+            "o": "attention.dense.weight",
+            "mlp_norm": "post_attention_layernorm.weight",
+            "gate": "mlp.gate_proj.weight",
+            "up": "mlp.up_proj.weight",
+            "down": "mlp.down_proj.weight",
+            "router": "mlp.gate.weight",
+            "expert_bias": "mlp.gate.expert_bias",
+            "shared_w2": "mlp.shared_experts.down_proj.weight",
+        }
+        layer = {ours: [(p + theirs, ())] for ours, theirs in names.items()}
+        layer["shared_w13"] = [
+            (p + "mlp.shared_experts.gate_proj.weight", (slice(0, S),)),
+            (p + "mlp.shared_experts.up_proj.weight", (slice(S, 2 * S),)),
+        ]
+        if layout == "fused":  # dInfer's pre-fused experts (its load_state_dict accepts them)
+            layer.update(w13=[(p + "mlp.w1", ())], w2=[(p + "mlp.w2", ())])
+        else:
+            layer.update(
+                _stacked_experts(
+                    p,
+                    config.num_experts,
+                    config.expert_intermediate_size,
+                    "gate_proj.weight",
+                    "up_proj.weight",
+                    "down_proj.weight",
                 )
-            ]
-            plan[f"layers.{i}.w2"] = [(x + "down_proj.weight", (e,)) for e, x in enumerate(experts)]
+            )
+        plan.update({f"layers.{i}.{ours}": sources for ours, sources in layer.items()})
     return plan
 
 
@@ -155,8 +220,11 @@ def checkpoint_plan(config: ModelConfig, layout: str = "hf") -> Dict[str, List[S
     if layout not in ("hf", "fused"):
         raise ValueError(f"layout must be 'hf' or 'fused', got {layout!r}")
     if layout == "fused" and not config.is_moe:
-        raise ValueError("the fused layout exists only for LLaDA-MoE checkpoints")
-    plan = _moe_plan(config, layout) if config.is_moe else _dense_plan(config)
+        raise ValueError("the fused layout exists only for MoE checkpoints")
+    if config.family == LLADA2:
+        plan = _llada2_plan(config, layout)
+    else:
+        plan = _moe_plan(config, layout) if config.is_moe else _dense_plan(config)
     return {name: plan[name] for name in expected_shapes(config)}
 
 
@@ -311,9 +379,10 @@ _DERIVED = (".rotary_emb.inv_freq",)
 _LAYER = {
     DENSE: re.compile(r"model\.transformer\.blocks\.(\d+)\."),
     MOE: re.compile(r"model\.layers\.(\d+)\."),
+    LLADA2: re.compile(r"model\.layers\.(\d+)\."),
 }
 _EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
-_ROOT = {DENSE: "model.transformer.", MOE: "model.layers."}
+_ROOT = {DENSE: "model.transformer.", MOE: "model.layers.", LLADA2: "model.layers."}
 
 
 def load_weights(
@@ -324,14 +393,15 @@ def load_weights(
     The checkpoint is first checked against `config` from the headers alone: the layer and expert
     counts, the optional tensors (QK-norm, expert bias), every tensor's dtype and shape (a wrong size
     names the config.json key), and every tensor consumed; a CheckpointError names the file, the key
-    or tensor and both values. Everything is cast to `dtype` except the routers, which stay fp32 (as
-    dInfer keeps its gate). A tensor already in the target dtype, loaded to the host, is a view of the
+    or tensor and both values. Everything is cast to `dtype` except the routers (and LLaDA2's expert
+    bias), which stay fp32 (as dInfer keeps its gate). A tensor already in the target dtype, loaded to the host, is a view of the
     memory-mapped file; any other is converted with one copy, and per-expert tensors are copied straight
     into a preallocated stacked tensor. Values are not inspected (NaN weights load).
     """
     ckpt = _Checkpoint(os.fspath(path))
     # dInfer's fused layout is recognised by its tensor names, whatever config.json says.
-    layout = "fused" if config.is_moe and "model.layers.0.mlp.w1" in ckpt.where else "hf"
+    first_moe = f"model.layers.{config.first_k_dense}.mlp.w1"
+    layout = "fused" if config.is_moe and first_moe in ckpt.where else "hf"
     plan = checkpoint_plan(config, layout)
     _check_structure(ckpt, config, layout, plan)
     symbols, sizes = _symbolic_shapes(config), _dim_sizes(config)
@@ -343,10 +413,16 @@ def load_weights(
     shapes = expected_shapes(config)
     return {
         name: _assemble(
-            ckpt, sources, shapes[name], torch.float32 if name.endswith("router") else dtype, device
+            ckpt, sources, shapes[name], torch.float32 if _kept_fp32(config, name) else dtype, device
         )
         for name, sources in plan.items()
     }
+
+
+def _kept_fp32(config: ModelConfig, name: str) -> bool:
+    """The routers stay fp32 (as dInfer keeps its gate), and so does LLaDA2's expert bias (an fp32
+    buffer in the release: its selection-only bias would otherwise reorder near-tied experts)."""
+    return name.endswith("router") or (config.family == LLADA2 and name.endswith("expert_bias"))
 
 
 def _check_structure(
@@ -355,7 +431,7 @@ def _check_structure(
     """The checkpoint's tensor names against config: family, layer and expert counts, optional
     tensors, then every planned tensor present and every present tensor planned."""
     names, key = set(ckpt.where), config.hf_key
-    other = MOE if config.family == DENSE else DENSE
+    other = DENSE if config.family != DENSE else MOE
     if not any(n.startswith(_ROOT[config.family]) for n in names) and any(
         n.startswith(_ROOT[other]) for n in names
     ):
@@ -365,7 +441,7 @@ def _check_structure(
             f"{config.family} model but {ckpt.source} holds {other} tensors such as {example!r}"
         )
     counts = [(key("num_layers"), config.num_layers, "layers", _LAYER[config.family])]
-    if config.is_moe and layout == "hf":
+    if config.is_moe and layout == "hf" and config.first_k_dense < config.num_layers:
         counts.append((key("num_experts"), config.num_experts, "experts", _EXPERT))
     for config_key, want, what, pattern in counts:
         found = {int(m.group(1)) for m in map(pattern.match, names) if m}
@@ -373,13 +449,19 @@ def _check_structure(
             held = f"{what} 0..{max(found)}" if found else f"no {what}"
             raise CheckpointError(f"{CONFIG_FILE}: {config_key} is {want} but {ckpt.source} holds {held}")
     wanted = {src for sources in plan.values() for src, _ in sources}
-    if config.is_moe:  # the optional MoE tensors say which flag is wrong
+    if config.family == MOE:  # the optional MoE tensors say which flag is wrong
         every = _moe_plan(dataclasses.replace(config, num_layers=1), layout)  # layer 0's names suffice
-        for name, field in (("layers.0.q_norm", "qk_norm"), ("layers.0.expert_bias", "expert_bias")):
-            ((src, _),) = every[name]
-            if (src in names) != (name in plan):
-                state = f"true but {ckpt.source} has no" if name in plan else f"false but {ckpt.source} holds"
-                raise CheckpointError(f"{CONFIG_FILE}: {key(field)} is {state} tensor {src!r}")
+        optional = (("layers.0.q_norm", "qk_norm"), ("layers.0.expert_bias", "expert_bias"))
+    elif config.family == LLADA2 and config.first_k_dense < config.num_layers:
+        every, i = _llada2_plan(config, layout), config.first_k_dense  # the first MoE layer's names
+        optional = ((f"layers.{i}.expert_bias", "expert_bias"),)
+    else:
+        optional = ()
+    for name, field in optional:
+        ((src, _),) = every[name]
+        if (src in names) != (name in plan):
+            state = f"true but {ckpt.source} has no" if name in plan else f"false but {ckpt.source} holds"
+            raise CheckpointError(f"{CONFIG_FILE}: {key(field)} is {state} tensor {src!r}")
     missing = sorted(wanted - names, key=lambda n: [int(t) if t.isdigit() else t for t in n.split(".")])
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -395,8 +477,9 @@ def _check_structure(
 
 def _source_dims(dims: Tuple[str, ...], index: tuple) -> Tuple[str, ...]:
     """The size symbols of canonical[index]: an integer drops its dimension; the only slice taken is
-    one half (gate or up rows) of w13's 2I dimension."""
-    out = [None if isinstance(i, int) else ("I" if d == "2I" else d) for d, i in zip(dims, index)]
+    one half (gate or up rows) of a 2I or 2S dimension (w13, shared_w13)."""
+    half = {"2I": "I", "2S": "S"}
+    out = [None if isinstance(i, int) else half.get(d, d) for d, i in zip(dims, index)]
     return tuple(d for d in out if d is not None) + dims[len(index) :]
 
 

@@ -1,9 +1,11 @@
-"""ModelConfig: one normalised description of a LLaDA (dense) or LLaDA-MoE checkpoint.
+"""ModelConfig: one normalised description of a LLaDA (dense), LLaDA-MoE or LLaDA2-MoE checkpoint.
 
 The two families store their hyper-parameters under different key names (OLMo-style `d_model`/`n_layers`
 for dense, HF-style `hidden_size`/... for MoE) and both say `model_type: "llada"`, so `from_hf` tells them
 apart by `architectures` or by which keys exist, then maps each onto the
-same fields. Anything whose computation we do not implement is rejected with the offending key named,
+same fields. LLaDA2 (BailingMoeV2: fused QKV, partial RoPE, a dense first layer, sigmoid grouped routing,
+a shared expert; decoded block by block under a block-causal mask) is told by its architecture or its
+`first_k_dense_replace` / `n_group` keys. Anything whose computation we do not implement is rejected with the offending key named,
 rather than loaded and run wrongly; so are values of the wrong type and special-token ids that would
 break decoding (outside the vocabulary, or a mask token that is also the eos/pad token). Every error is a
 CheckpointError (a ValueError) that names the file, the key and the value.
@@ -21,13 +23,15 @@ CONFIG_FILE = "config.json"
 
 DENSE = "llada"
 MOE = "llada_moe"
+LLADA2 = "llada2_moe"
 
 DENSE_ARCH = "LLaDAModelLM"
 MOE_ARCH = "LLaDAMoEModelLM"
 FUSED_MOE_ARCH = "FusedLLaDAMoEModelLM"  # written by dInfer's tools/transfer.py (stacked experts)
 _MOE_ARCHS = {MOE_ARCH, "LLaDAMoEModel", FUSED_MOE_ARCH}  # some copies of the release say LLaDAMoEModel
-_LLADA2_ARCHS = {"LLaDA2MoeModelLM"}
+LLADA2_ARCH = "LLaDA2MoeModelLM"
 _LLADA2_KEYS = ("first_k_dense_replace", "n_group")
+LLADA2_BLOCK_LENGTH = 32  # not in config.json; dInfer's, SGLang's and HF generate()'s default
 
 # Special-token ids the releases hard-code when config.json omits them.
 DENSE_MASK_ID, DENSE_EOS_ID = 126336, 126081
@@ -50,6 +54,17 @@ _DENSE_ONLY = {
     "clip_qkv": None,
     "scale_logits": False,
     "input_emb_norm": False,
+}
+_LLADA2_ONLY = {
+    "hidden_act": "silu",
+    "use_qkv_bias": False,
+    "use_bias": False,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "norm_head": False,
+    "use_sliding_window": False,
+    "num_nextn_predict_layers": 0,
+    "score_function": "sigmoid",  # a softmax router would be LLaDA-MoE's; no release uses it here
 }
 _MOE_ONLY = {
     "hidden_act": "silu",
@@ -88,19 +103,33 @@ _HF_KEYS = {
         "qk_norm": "qk_layernorm",
         "expert_bias": "moe_router_enable_expert_bias",
     },
+    LLADA2: {
+        "hidden_size": "hidden_size",
+        "num_layers": "num_hidden_layers",
+        "num_heads": "num_attention_heads",
+        "num_kv_heads": "num_key_value_heads",
+        "head_dim": "head_dim",
+        "vocab_size": "vocab_size",
+        "intermediate_size": "intermediate_size",
+        "num_experts": "num_experts",
+        "expert_intermediate_size": "moe_intermediate_size",
+        "shared_intermediate_size": "moe_intermediate_size x num_shared_experts",
+        "expert_bias": "moe_router_enable_expert_bias",
+        "first_k_dense": "first_k_dense_replace",
+    },
 }
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # DENSE ("llada") or MOE ("llada_moe")
+    family: str  # DENSE ("llada"), MOE ("llada_moe") or LLADA2 ("llada2_moe")
     hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int  # rows of the embedding and of the LM head
-    intermediate_size: Optional[int]  # dense MLP width; None for MoE
+    intermediate_size: Optional[int]  # dense MLP width (LLaDA2: of its dense layers); None for LLaDA-MoE
     num_experts: int  # 0 for dense
     top_k: int  # 0 for dense
     expert_intermediate_size: Optional[int]  # per-expert width; None for dense
@@ -116,21 +145,40 @@ class ModelConfig:
     router_renormalize: bool  # LLaDA-MoE: top-k weights are not renormalised
     expert_bias: bool  # a per-layer [E] bias added to the router probabilities
     architectures: Tuple[str, ...]
+    # LLaDA2 only (the defaults are LLaDA / LLaDA-MoE's):
+    first_k_dense: int = 0  # layers [0, first_k_dense) have a dense MLP
+    shared_intermediate_size: int = 0  # the shared expert's width (0: none)
+    router_scoring: str = "softmax"  # "sigmoid": the bias only chooses, weights are the plain scores
+    num_groups: int = 1  # group-limited routing: keep topk_groups of num_groups expert groups
+    topk_groups: int = 1
+    routed_scaling: float = 1.0  # multiplies the final top-k weights
+    block_length: int = 0  # > 0: block-causal attention in blocks of this length from position 0
 
     def __post_init__(self):
-        if self.family not in (DENSE, MOE):
-            raise ValueError(f"ModelConfig.family must be {DENSE!r} or {MOE!r}, got {self.family!r}")
-        if self.is_moe != (self.intermediate_size is None) or self.is_moe == (
+        if self.family not in (DENSE, MOE, LLADA2):
+            raise ValueError(
+                f"ModelConfig.family must be {DENSE!r}, {MOE!r} or {LLADA2!r}, got {self.family!r}"
+            )
+        dense_mlp = self.family == DENSE or (self.family == LLADA2 and self.first_k_dense > 0)
+        if dense_mlp == (self.intermediate_size is None) or self.is_moe == (
             self.expert_intermediate_size is None
         ):
             raise ValueError(
-                "ModelConfig: a dense model sets intermediate_size only; an MoE model sets "
-                "expert_intermediate_size only"
+                "ModelConfig: intermediate_size is set exactly when the model has dense MLP layers, "
+                "expert_intermediate_size exactly when it has MoE layers"
             )
 
     @property
     def is_moe(self) -> bool:
-        return self.family == MOE
+        return self.family in (MOE, LLADA2)
+
+    @property
+    def block_causal(self) -> bool:
+        """Whether the model attends block-causally (LLaDA2): a block sees itself and earlier blocks."""
+        return self.block_length > 0
+
+    def is_dense_layer(self, i: int) -> bool:
+        return self.family == DENSE or i < self.first_k_dense
 
     def hf_key(self, field: str) -> str:
         """The config.json key that sets `field` in this family (the field's name where none does)."""
@@ -141,7 +189,7 @@ class ModelConfig:
         """Normalise a Hugging Face config.json dict (the released format of either family); `file`
         names the source in errors."""
         keys = _Keys(d, file)
-        return _parse_moe(keys) if _family(keys) == MOE else _parse_dense(keys)
+        return {DENSE: _parse_dense, MOE: _parse_moe, LLADA2: _parse_llada2}[_family(keys)](keys)
 
     @classmethod
     def from_dir(cls, path) -> "ModelConfig":
@@ -161,6 +209,8 @@ class ModelConfig:
         dInfer's stacked-expert checkpoint, which differs only in `architectures`."""
         if layout not in ("hf", "fused"):
             raise ValueError(f"layout must be 'hf' or 'fused', got {layout!r}")
+        if self.family == LLADA2:  # dInfer's pre-fused LLaDA2 keeps the released config.json
+            return self._llada2_hf()
         if not self.is_moe:
             if layout == "fused":
                 raise ValueError("the fused layout exists only for LLaDA-MoE checkpoints")
@@ -190,6 +240,43 @@ class ModelConfig:
             "use_cache": False,
         }
         d.update(_DENSE_ONLY)
+        return d
+
+    def _llada2_hf(self) -> dict:
+        d = {
+            "architectures": [LLADA2_ARCH],
+            "model_type": LLADA2,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "first_k_dense_replace": self.first_k_dense,
+            "moe_intermediate_size": self.expert_intermediate_size,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "num_shared_experts": self.shared_intermediate_size // self.expert_intermediate_size,
+            "n_group": self.num_groups,
+            "topk_group": self.topk_groups,
+            "moe_router_enable_expert_bias": self.expert_bias,
+            "routed_scaling_factor": self.routed_scaling,
+            "norm_topk_prob": True,
+            "router_dtype": "fp32",
+            "rms_norm_eps": self.rms_eps,
+            "use_qk_norm": True,
+            "rope_theta": self.rope_theta,
+            "partial_rotary_factor": self.rotary_dim / self.head_dim,
+            "rotary_dim": self.rotary_dim,
+            "max_position_embeddings": self.max_positions,
+            "eos_token_id": self.eos_id,
+            "pad_token_id": self.pad_id,
+            "use_cache": False,
+        }
+        d.update(_LLADA2_ONLY)
+        if self.mask_id != MOE_MASK_ID:
+            d["mask_token_id"] = self.mask_id
         return d
 
     def _moe_hf(self, arch: str) -> dict:
@@ -280,11 +367,8 @@ class _Keys:
 def _family(d: _Keys) -> str:
     """DENSE or MOE from `architectures`, else from key presence; never from `model_type` (shared)."""
     archs = set(d.architectures())
-    if _LLADA2_ARCHS & archs or any(k in d for k in _LLADA2_KEYS):
-        raise d.error(
-            "LLaDA2 checkpoints (architectures LLaDA2MoeModelLM, keys first_k_dense_replace/"
-            "n_group) are not supported"
-        )
+    if LLADA2_ARCH in archs or any(k in d for k in _LLADA2_KEYS):
+        return LLADA2
     if _MOE_ARCHS & archs:
         return MOE
     if DENSE_ARCH in archs:
@@ -383,6 +467,71 @@ def _parse_moe(d: _Keys) -> ModelConfig:
         router_renormalize=False,  # the HF and dInfer code ignore norm_topk_prob and never renormalise
         expert_bias=d.bool("moe_router_enable_expert_bias", False),
         architectures=d.architectures(),
+    )
+
+
+def _parse_llada2(d: _Keys) -> ModelConfig:
+    _reject_unsupported(d, _LLADA2_ONLY)
+    if d.get("use_qk_norm") is False:  # dInfer and HF build the QK-norm whatever the flag says
+        raise d.error("use_qk_norm=false is not supported (the released code always applies QK-norm)")
+    hidden, heads = d.int("hidden_size"), d.int("num_attention_heads")
+    kv_heads = d.int("num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        raise d.error(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    head_dim = d.int("head_dim", default=hidden // heads if hidden % heads == 0 else None)
+    factor = d.float("partial_rotary_factor", 1.0)
+    rotary_dim = d.int("rotary_dim", default=int(head_dim * factor))
+    if rotary_dim != int(head_dim * factor) or rotary_dim % 2 or rotary_dim > head_dim:
+        raise d.error(
+            f"rotary_dim={rotary_dim} must be even, at most head_dim={head_dim} and equal to "
+            f"head_dim x partial_rotary_factor={factor}"
+        )
+    layers, dense = d.int("num_hidden_layers"), d.int("first_k_dense_replace", 0, positive=False)
+    if dense > layers:
+        raise d.error(f"first_k_dense_replace={dense} exceeds num_hidden_layers={layers}")
+    experts, top_k = d.int("num_experts"), d.int("num_experts_per_tok")
+    groups, kept = d.int("n_group", 1), d.int("topk_group", 1)
+    if top_k > experts:
+        raise d.error(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    if experts % groups or kept > groups or top_k > kept * (experts // groups):
+        raise d.error(
+            f"n_group={groups}, topk_group={kept}: num_experts={experts} must split into n_group "
+            f"equal groups, and the kept groups must hold num_experts_per_tok={top_k} experts"
+        )
+    width = d.int("moe_intermediate_size")
+    vocab = d.int("vocab_size")
+    mask, eos, pad = _special_ids(d, vocab, "vocab_size", MOE_MASK_ID, MOE_EOS_ID)
+    return ModelConfig(
+        family=LLADA2,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        intermediate_size=d.int("intermediate_size") if dense else None,
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=width,
+        qk_norm=True,
+        rope_theta=d.float("rope_theta"),
+        rotary_dim=rotary_dim,
+        rms_eps=d.float("rms_norm_eps", 1e-6),
+        max_positions=d.int("max_position_embeddings"),
+        mask_id=mask,
+        eos_id=eos,
+        pad_id=pad,
+        tie_embeddings=False,
+        router_renormalize=top_k > 1,  # the released code renormalises whenever top_k > 1
+        expert_bias=d.bool("moe_router_enable_expert_bias", False),
+        architectures=d.architectures(),
+        first_k_dense=dense,
+        shared_intermediate_size=width * d.int("num_shared_experts", 0, positive=False),
+        router_scoring="sigmoid",
+        num_groups=groups,
+        topk_groups=kept,
+        routed_scaling=d.float("routed_scaling_factor", 1.0),
+        block_length=LLADA2_BLOCK_LENGTH,
     )
 
 

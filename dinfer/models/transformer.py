@@ -1,10 +1,11 @@
-"""The LLaDA / LLaDA-MoE transformer, written against dinfer_kernels ops.
+"""The LLaDA / LLaDA-MoE / LLaDA2-MoE transformer, written against dinfer_kernels ops.
 
 One forward takes a *window* of rows per sequence ([B, W], each row at its own absolute position)
 and a per-layer KV cache [B, S, Hkv, D]. Every row attends bidirectionally to keys [0, seq_lens[b])
 of its sequence: cached keys outside the window, the fresh keys of the window inside it. With
 write_back=True the window's fresh K/V replace the cache rows in place (a full-sequence forward with
 W = S therefore *fills* the cache); with False the cache is left as it was (dInfer's vicinity step).
+`attn_mask` [B, W, S] narrows what each row sees (LLaDA2's block-causal mask over a prefill).
 The LM head runs only on the rows the caller asks for (`logits_rows`), and so do the last layer's
 output projection and MLP.
 
@@ -43,6 +44,17 @@ class DiffusionLM:
         self.ops = ops
         self.dtype = weights["embed"].dtype
         self.device = weights["embed"].device
+        # LLaDA2's router (sigmoid scores, group-limited choice, scaled weights); LLaDA-MoE's defaults
+        self._routing = (
+            dict(
+                scoring=config.router_scoring,
+                num_groups=config.num_groups,
+                topk_groups=config.topk_groups,
+                routed_scaling=config.routed_scaling,
+            )
+            if config.router_scoring != "softmax"
+            else {}
+        )
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.bfloat16, device="cpu") -> "DiffusionLM":
@@ -103,9 +115,13 @@ class DiffusionLM:
         p = f"layers.{i}."
         B, W, _ = h.shape
         a = self.ops.rms_norm(h, w[p + "attn_norm"], c.rms_eps)
-        q = (a @ w[p + "q"].t()).view(B, W, c.num_heads, c.head_dim)
-        k = (a @ w[p + "k"].t()).view(B, W, c.num_kv_heads, c.head_dim)
-        v = (a @ w[p + "v"].t()).view(B, W, c.num_kv_heads, c.head_dim)
+        if p + "qkv" in w:  # LLaDA2's fused projection: Q heads, then K heads, then V heads
+            qkv = (a @ w[p + "qkv"].t()).view(B, W, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=2)
+        else:
+            q = (a @ w[p + "q"].t()).view(B, W, c.num_heads, c.head_dim)
+            k = (a @ w[p + "k"].t()).view(B, W, c.num_kv_heads, c.head_dim)
+            v = (a @ w[p + "v"].t()).view(B, W, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q = self.ops.rms_norm(q, w[p + "q_norm"], c.rms_eps)
             k = self.ops.rms_norm(k, w[p + "k_norm"], c.rms_eps)
@@ -131,7 +147,7 @@ class DiffusionLM:
         m = self.ops.rms_norm(h, w[p + "mlp_norm"], c.rms_eps).reshape(B * W, H)
         if ffn_rows is not None:
             m = m.index_select(0, ffn_rows)
-        if c.family == "llada":
+        if c.is_dense_layer(i):
             out = (F.silu(m @ w[p + "gate"].t()) * (m @ w[p + "up"].t())) @ w[p + "down"].t()
         else:
             out = self.ops.moe(
@@ -142,7 +158,11 @@ class DiffusionLM:
                 c.top_k,
                 renormalize=c.router_renormalize,
                 expert_bias=w.get(p + "expert_bias"),
+                **self._routing,
             )
+            if p + "shared_w13" in w:  # LLaDA2's shared expert: every token, weight 1
+                g, u = (m @ w[p + "shared_w13"].t()).chunk(2, dim=-1)
+                out = out + (F.silu(g) * u) @ w[p + "shared_w2"].t()
         if ffn_rows is not None:
             out = out.new_zeros(B * W, H).index_copy(0, ffn_rows, out)
         return out.view(B, W, H)

@@ -111,6 +111,29 @@ LLADA2_MINI = {
     "num_shared_experts": 1,
     "n_group": 8,
     "topk_group": 4,
+    "score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "router_dtype": "fp32",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "use_qk_norm": True,
+    "use_qkv_bias": False,
+    "use_bias": False,
+    "rope_theta": 600000,
+    "partial_rotary_factor": 0.5,
+    "rotary_dim": 64,
+    "rope_scaling": None,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+    "norm_head": False,
+    "pad_token_id": 156892,
+    "use_cache": False,
+    "use_sliding_window": False,
+    "max_window_layers": 28,
+    "output_router_logits": False,
+    "torch_dtype": "bfloat16",
 }
 
 TINY_DENSE = dict(
@@ -145,8 +168,31 @@ TINY_MOE = dict(
 )
 
 
+TINY_LLADA2 = dict(
+    LLADA2_MINI,
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=40,
+    moe_intermediate_size=12,
+    num_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    rotary_dim=4,
+    max_position_embeddings=128,
+    mask_token_id=96,
+    eos_token_id=95,
+    pad_token_id=95,
+)
+
+
 def tiny(kind, **changes):
-    return ModelConfig.from_hf(dict(TINY_DENSE if kind == "dense" else TINY_MOE, **changes))
+    base = {"dense": TINY_DENSE, "moe": TINY_MOE, "llada2": TINY_LLADA2}[kind]
+    return ModelConfig.from_hf(dict(base, **changes))
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -186,6 +232,38 @@ def test_release_moe_config_despite_model_type_llada():
     assert (c.mask_id, c.eos_id, c.pad_id) == (156895, 156892, 156892)  # mask is not in the release config
     assert c.qk_norm and not c.router_renormalize and not c.expert_bias
     assert (c.rope_theta, c.rotary_dim, c.max_positions) == (50000.0, 128, 8192)
+
+
+@pytest.mark.parametrize("drop_architectures", [False, True])
+def test_release_llada2_config(drop_architectures):
+    d = {k: v for k, v in LLADA2_MINI.items() if not (drop_architectures and k == "architectures")}
+    c = ModelConfig.from_hf(d)
+    assert (c.family, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        "llada2_moe",
+        2048,
+        20,
+        16,
+        4,
+        128,
+    )
+    assert (c.intermediate_size, c.expert_intermediate_size, c.shared_intermediate_size) == (5120, 512, 512)
+    assert (c.num_experts, c.top_k, c.num_groups, c.topk_groups, c.first_k_dense) == (256, 8, 8, 4, 1)
+    assert (c.router_scoring, c.routed_scaling, c.router_renormalize, c.expert_bias) == (
+        "sigmoid",
+        2.5,
+        True,
+        True,
+    )
+    assert (c.rotary_dim, c.rope_theta, c.rms_eps, c.qk_norm) == (64, 600000.0, 1e-6, True)
+    # the release leaves the mask and eos ids to the generation code
+    assert (c.mask_id, c.eos_id, c.pad_id, c.block_length) == (156895, 156892, 156892, 32)
+    assert c.block_causal and c.is_moe and c.is_dense_layer(0) and not c.is_dense_layer(1)
+
+
+def test_llada2_config_round_trip():
+    c = ModelConfig.from_hf(LLADA2_MINI)
+    assert ModelConfig.from_hf(c.to_hf()) == c
+    assert ModelConfig.from_hf(c.to_hf("fused")) == c  # dInfer's pre-fused weights keep the config
 
 
 def test_defaults_where_the_release_omits_keys():
@@ -237,8 +315,14 @@ def test_fused_config():
 @pytest.mark.parametrize(
     "config, key",
     [
-        (LLADA2_MINI, "LLaDA2"),
-        ({k: v for k, v in LLADA2_MINI.items() if k != "architectures"}, "first_k_dense_replace"),
+        (dict(LLADA2_MINI, use_qkv_bias=True), "use_qkv_bias"),
+        (dict(LLADA2_MINI, score_function="softmax"), "score_function"),
+        (dict(LLADA2_MINI, rope_scaling={"type": "linear"}), "rope_scaling"),
+        (dict(LLADA2_MINI, rotary_dim=32), "rotary_dim"),
+        (dict(LLADA2_MINI, n_group=7), "n_group"),
+        (dict(LLADA2_MINI, first_k_dense_replace=21), "first_k_dense_replace"),
+        (dict(LLADA2_MINI, num_nextn_predict_layers=1), "num_nextn_predict_layers"),
+        (dict(LLADA2_MINI, use_qk_norm=False), "use_qk_norm"),
         (dict(MOE_7B, moe_layer_freq=[0] + [1] * 15), "moe_layer_freq"),
         (dict(MOE_7B, shared_expert_intermediate_size=1024), "shared_expert_intermediate_size"),
         ({k: v for k, v in MOE_7B.items() if k != "num_experts"}, "num_experts"),
@@ -274,6 +358,9 @@ def test_missing_config_json(tmp_path):
         ("moe", "hf", 3),
         ("moe", "fused", 1),
         ("moe", "fused", 3),
+        ("llada2", "hf", 1),
+        ("llada2", "hf", 4),
+        ("llada2", "fused", 2),
     ],
 )
 def test_round_trip_is_bit_exact(kind, layout, shards, tmp_path):
@@ -286,6 +373,27 @@ def test_round_trip_is_bit_exact(kind, layout, shards, tmp_path):
     assert list(loaded) == list(expected_shapes(c))
     for name, t in w.items():
         assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], t), name
+
+
+def test_llada2_released_names_and_fused_qkv(tmp_path):
+    """The names of models.md's LLaDA2 table; Q, K and V are row ranges of query_key_value, the
+    shared expert's gate and up the two halves of shared_w13, the dense layer below
+    first_k_dense_replace has no router, and the expert bias stays fp32 in a bf16 load."""
+    c = tiny("llada2")
+    w = random_weights(c, seed=5)
+    save_checkpoint(tmp_path, c, w)
+    from safetensors.torch import load_file
+
+    f = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(f["model.layers.1.attention.query_key_value.weight"], w["layers.1.qkv"])
+    assert f["model.layers.1.attention.query_key_value.weight"].shape == ((4 + 2 * 2) * 8, 32)
+    assert torch.equal(f["model.layers.2.mlp.shared_experts.up_proj.weight"], w["layers.2.shared_w13"][12:])
+    assert torch.equal(f["model.layers.2.mlp.experts.7.down_proj.weight"], w["layers.2.w2"][7])
+    assert "model.layers.0.mlp.gate_proj.weight" in f and "model.layers.0.mlp.gate.weight" not in f
+    assert {"model.word_embeddings.weight", "model.norm.weight", "lm_head.weight"} <= set(f)
+    loaded = load_weights(tmp_path, c, dtype=torch.bfloat16)
+    assert loaded["layers.1.expert_bias"].dtype == torch.float32 == loaded["layers.1.router"].dtype
+    assert loaded["layers.1.qkv"].dtype == torch.bfloat16
 
 
 def test_hf_layout_uses_released_names_and_expert_order(tmp_path):
