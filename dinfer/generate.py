@@ -129,6 +129,10 @@ class BlockState:
         # Rows past a sequence's end are padding: they read a non-mask token and are never written.
         self.valid = pos < batch.total_len[:, None].to(torch.int64)
         self.block_pos = pos.clamp(max=S - 1)
+        # A block-causal model's rows see keys up to the end of the block being decoded, never the
+        # masked blocks after it; a bidirectional model's see the whole sequence.
+        ends = (pos[:, -1] + 1).clamp(max=batch.total_len.to(torch.int64)).to(torch.int32)
+        self.seq_lens = ends if c.block_causal else batch.total_len
         self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
         self.window_lo, self.window_len = window(batch, k, cfg.cache, cfg.prefix_look, cfg.after_look)
         self.iters = sched.iters[self.rows]  # [B] iterations each sequence was active (schedules)
@@ -165,7 +169,7 @@ class BlockState:
         new.rows, new.batch = self.rows[keep], self.batch.select(keep)
         new.cache = type(self.cache)([t[keep] for t in self.cache.keys], [t[keep] for t in self.cache.values])
         new.valid, new.block_pos, new.pad_token = self.valid[keep], self.block_pos[keep], self.pad_token[keep]
-        new.window_lo, new.iters = self.window_lo[keep], self.iters[keep]
+        new.window_lo, new.iters, new.seq_lens = self.window_lo[keep], self.iters[keep], self.seq_lens[keep]
         new.request_keys, new.nonfinite_at = self.request_keys[keep], self.nonfinite_at[keep]
         new.decoder = self.decoder.select(keep)
         new.soft = self.soft.view(self.batch.size, bl, -1)[keep].flatten(0, 1)
@@ -193,14 +197,7 @@ class Generator:
 
     def __init__(self, model, cfg: GenerationConfig):
         if model.config.block_causal:
-            # This loop attends bidirectionally over the whole canvas; a block-causal model decoded
-            # that way would see later blocks it was never trained to see and write wrong tokens.
-            raise NotImplementedError(
-                f"model: {model.config.family} attends block-causally (blocks of "
-                f"{model.config.block_length} from position 0); this generation loop is bidirectional "
-                "only. The model loads and its forward runs (DiffusionLM.forward with the block-causal "
-                "attn_mask); generation needs the block-diffusion loop."
-            )
+            _check_block_causal(cfg)
         self.model, self.cfg = model, cfg
         self.mask_id, self.eos_id = model.config.mask_id, model.config.eos_id
         use_graphs = cfg.cuda_graphs and model.device.type == "cuda" and cfg.decoder.temperature == 0
@@ -300,8 +297,18 @@ class Generator:
                 spare = torch.cat([emb.view(B * W, -1), emb.new_zeros(1, emb.shape[-1])])
                 spare[torch.where(st.valid.flatten(), rows, B * W)] = st.soft
                 emb = spare[:-1].view(B, W, -1)
+            block_mask = None
+            if model.config.block_causal:  # windows start on a block boundary (_check_block_causal)
+                c, S = model.config, st.batch.max_len
+                block_mask = dk.BlockMask.block_causal(B, c.num_kv_heads, W, S, bl, bl, bl, lo, device=dev)
             logits = model.forward(
-                emb, pos, st.cache, st.batch.total_len, write_back=refresh or cfg.write_back, logits_rows=rows
+                emb,
+                pos,
+                st.cache,
+                st.seq_lens,
+                write_back=refresh or cfg.write_back,
+                logits_rows=rows,
+                block_mask=block_mask,
             )
         with self.stats.phase("decode", dev):
             tokens = st.block_tokens()
@@ -320,6 +327,21 @@ class Generator:
                 w = torch.clamp(w0 + dw * st.iters.float(), max=wmax).repeat_interleave(bl)
                 st.soft.copy_(dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, w))
         st.iters += active.to(st.iters.dtype)
+
+
+def _check_block_causal(cfg: GenerationConfig):
+    """The settings a block-causal model (LLaDA2) decodes under: blocks on the grid from position 0,
+    as it was trained, and windows that start on a block boundary (where its block mask is exact).
+    A block's first forward is a full refresh, whose rows before the block recompute the committed
+    blocks' K/V from their final tokens while being unable to see the block: the clean K/V of the
+    block before comes with that forward, not with an extra one."""
+    if not cfg.align_blocks:
+        raise ValueError("align_blocks: a block-causal model decodes blocks aligned at position 0 (True)")
+    if cfg.cache == "vicinity" and cfg.prefix_look % cfg.block_length:
+        raise ValueError(
+            f"prefix_look: a block-causal model's vicinity window must start on a block boundary: "
+            f"a multiple of block_length ({cfg.block_length}), got {cfg.prefix_look}"
+        )
 
 
 def _check_chunk(left, nonfinite_at, prompts, blocks, step: int, block_length: int):

@@ -83,10 +83,13 @@ class LLM:
             raise FileNotFoundError(f"model_path: checkpoint directory {path!r} does not exist")
         generation_config(**defaults)  # unknown names and bad values fail here, not at the first call
         self.path = path
-        self.defaults = {**generation_defaults(path), **defaults}
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         config = ModelConfig.from_dir(path)
+        # A block-causal model decodes in the blocks it was trained with, each block's window the
+        # block itself (its committed prefix is final: nothing before it needs recomputing).
+        model_defaults = dict(block_length=config.block_length, cache="dual") if config.block_causal else {}
+        self.defaults = {**model_defaults, **generation_defaults(path), **defaults}
         check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
         self.tokenizer = Tokenizer(path, config=config)  # checked against the model config

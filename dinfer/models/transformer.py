@@ -5,7 +5,8 @@ and a per-layer KV cache [B, S, Hkv, D]. Every row attends bidirectionally to ke
 of its sequence: cached keys outside the window, the fresh keys of the window inside it. With
 write_back=True the window's fresh K/V replace the cache rows in place (a full-sequence forward with
 W = S therefore *fills* the cache); with False the cache is left as it was (dInfer's vicinity step).
-`attn_mask` [B, W, S] narrows what each row sees (LLaDA2's block-causal mask over a prefill).
+`attn_mask` [B, W, S] (dense, torch backend) or `block_mask` (a dinfer_kernels.BlockMask, every backend)
+narrow what each row sees: LLaDA2's block-causal attention.
 The LM head runs only on the rows the caller asks for (`logits_rows`), and so do the last layer's
 output projection and MLP.
 
@@ -88,6 +89,7 @@ class DiffusionLM:
         logits_rows: Optional[torch.Tensor] = None,
         attn_mask: Optional[torch.Tensor] = None,
         ffn_rows: Optional[torch.Tensor] = None,
+        block_mask: Optional[dk.BlockMask] = None,
     ) -> torch.Tensor:
         """inputs_embeds [B, W, H], positions [B, W] int64, seq_lens [B] int32 →
         logits [R, V] for the flat rows `logits_rows` (indices into B * W; all rows if None).
@@ -98,7 +100,7 @@ class DiffusionLM:
         B, W, H = inputs_embeds.shape
         h = inputs_embeds
         for i in range(c.num_layers):
-            o = self._attention(i, h, positions, cache, seq_lens, write_back, attn_mask)
+            o = self._attention(i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask)
             if i == c.num_layers - 1 and logits_rows is not None:
                 # Past the last attention (whose K/V come from its input) only the logits rows are
                 # read: the other rows' output projection and MLP would be thrown away. A refresh's
@@ -110,7 +112,7 @@ class DiffusionLM:
             h = h + self._mlp(i, h, ffn_rows)
         return self.ops.rms_norm(h.reshape(-1, H), self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
 
-    def _attention(self, i, h, positions, cache, seq_lens, write_back, attn_mask):
+    def _attention(self, i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask):
         c, w = self.config, self.w
         p = f"layers.{i}."
         B, W, _ = h.shape
@@ -137,6 +139,7 @@ class DiffusionLM:
             seq_lens,
             write_back=write_back,
             attn_mask=attn_mask,
+            **({} if block_mask is None else {"block_mask": block_mask}),
         )
         return o.reshape(B, W, c.num_heads * c.head_dim)  # the output projection is the caller's
 

@@ -420,17 +420,3 @@ def test_cuda_graph_replay_equals_eager_on_gpu(cache):
     streamed, _ = generate(model, prompts, cfg, batch_size=1)
     assert [o.tolist() for o in streamed] == eager
 
-
-def test_block_causal_models_are_refused_by_the_bidirectional_loop():
-    """A LLaDA2 model decoded bidirectionally would attend to later blocks: a clear error instead."""
-    cfg = dataclasses.replace(
-        MOE,
-        family="llada2_moe",
-        router_scoring="sigmoid",
-        router_renormalize=True,
-        block_length=4,
-        architectures=("LLaDA2MoeModelLM",),
-    )
-    model = model_of(cfg)
-    with pytest.raises(NotImplementedError, match="block-causal"):
-        generate(model, [torch.tensor([1, 2, 3])], GenerationConfig(gen_length=8, block_length=4))
