@@ -78,7 +78,8 @@ def main(argv=None):
         g = dataclasses.replace(
             GenerationConfig(
                 gen_length=a.gen_length, block_length=a.block_length, early_stop=False, time_phases=True
-            ), **kw
+            ),
+            **kw,
         )
         generate(model, prompts, g)  # warm-up
         _, stats = generate(model, prompts, g)

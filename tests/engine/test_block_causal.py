@@ -10,9 +10,10 @@ import pytest
 import torch
 from test_checkpoint import tiny
 
+from dinfer import LLM
 from dinfer.decoders import Decoder, DecoderConfig
 from dinfer.generate import GenerationConfig, generate
-from dinfer.models.checkpoint import random_weights
+from dinfer.models.checkpoint import random_weights, save_checkpoint
 from dinfer.models.transformer import DiffusionLM
 
 BL = 4
@@ -138,3 +139,37 @@ def test_cuda_graph_replay_equals_eager_on_gpu():
         )
         runs[graphs] = [o.tolist() for o in generate(model, PROMPTS, g, 2)[0]]
     assert runs[True] == runs[False]
+
+
+@pytest.fixture(scope="module")
+def llada2_checkpoint(tmp_path_factory):
+    """A tiny LLaDA2 folder in the released layout, with test_llm_cli's word-level tokenizer."""
+    from test_llm_cli import EOS, MASK, VOCAB, write_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llada2")
+    cfg = tiny("llada2", vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS, pad_token_id=EOS)
+    w = random_weights(cfg, seed=4)
+    for name in w:
+        if name.split(".")[-1] in MIXING:
+            w[name] = w[name] * 10
+    save_checkpoint(path, cfg, w)
+    write_tokenizer(path)
+    return str(path)
+
+
+def test_llm_and_cli_on_a_llada2_checkpoint(llada2_checkpoint, capsys, monkeypatch):
+    from test_llm_cli import cli
+
+    llm = LLM(llada2_checkpoint, device="cpu", gen_length=12)
+    assert llm.model.config.block_causal
+    ids = [1, 2, 10, 11, 12]
+    res = llm.generate([ids], chat=False)
+    # The model's own block length and the block window are the defaults for a block-causal model.
+    want = GenerationConfig(gen_length=12, block_length=32, cache="dual")
+    tokens = generate(llm.model, [ids], want)[0][0].tolist()
+    eos = llm.model.config.eos_id
+    assert res.token_ids[0] == (tokens[: tokens.index(eos)] if eos in tokens else tokens)
+    args = ("generate", "--model", llada2_checkpoint, "--prompt", "hello world", "--gen-length", "12")
+    rc, out, err = cli(capsys, monkeypatch, *args)
+    assert rc == 0, err
+    assert out.strip() == llm.generate("hello world").texts[0].strip()

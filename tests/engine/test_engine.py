@@ -419,4 +419,3 @@ def test_cuda_graph_replay_equals_eager_on_gpu(cache):
     )
     streamed, _ = generate(model, prompts, cfg, batch_size=1)
     assert [o.tolist() for o in streamed] == eager
-
