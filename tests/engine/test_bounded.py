@@ -130,8 +130,8 @@ class PoisonedAt(ScriptedModel):
         super().__init__(lambda p: torch.full_like(p, 5))
         self.position = position
 
-    def forward(self, emb, pos, cache, seq_lens, write_back=True, logits_rows=None):
-        logits = super().forward(emb, pos, cache, seq_lens, write_back, logits_rows)
+    def forward(self, emb, pos, cache, seq_lens, write_back=True, logits_rows=None, block_mask=None):
+        logits = super().forward(emb, pos, cache, seq_lens, write_back, logits_rows, block_mask)
         flat = pos.flatten() if logits_rows is None else pos.flatten()[logits_rows]
         logits[flat == self.position] = float("nan")
         return logits
