@@ -35,6 +35,7 @@ def _attention_op(
     v_cache: torch.Tensor,
     positions: torch.Tensor,
     seq_lens: torch.Tensor,
+    block_table: Optional[torch.Tensor],
     write_back: bool,
     attn_mask: Optional[torch.Tensor],
     kv_num_blocks: Optional[torch.Tensor],
@@ -48,7 +49,7 @@ def _attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Always returns (out, lse, block_mass); an unrequested extra is an empty [0] fp32 tensor."""
     B, W, Hq, D = q.shape
-    S = k_cache.shape[1]
+    S = _cache_len(k_cache, block_table)
     empty = q.new_empty((0,), dtype=torch.float32)
     if backend == "torch":
         bm = None if kv_num_blocks is None else (kv_num_blocks, kv_indices, q_block, kv_block)
@@ -66,6 +67,7 @@ def _attention_op(
             block_mask=bm,
             return_lse=return_lse,
             return_block_mass=return_block_mass,
+            block_table=block_table,
         )
         if not (return_lse or return_block_mass):
             return res, empty, empty.clone()
@@ -111,6 +113,7 @@ def _(
     v_cache,
     positions,
     seq_lens,
+    block_table,
     write_back,
     attn_mask,
     kv_num_blocks,
@@ -123,20 +126,30 @@ def _(
     backend,
 ):
     B, W, Hq, D = q.shape
-    S = k_cache.shape[1]
+    S = _cache_len(k_cache, block_table)
     out = q.new_empty((B, W, Hq, D))
     lse = q.new_empty((B, W, Hq) if return_lse else (0,), dtype=torch.float32)
     mass = q.new_empty((B, Hq, cdiv(S, kv_block)) if return_block_mass else (0,), dtype=torch.float32)
     return out, lse, mass
 
 
+def _cache_len(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
+    """S: the cache length, or with a block table the positions its pages cover."""
+    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+
+
 def _pick_backend(
-    backend: str, dev: torch.device, dtype: torch.dtype, D: int, attn_mask: Optional[torch.Tensor]
+    backend: str,
+    dev: torch.device,
+    dtype: torch.dtype,
+    D: int,
+    attn_mask: Optional[torch.Tensor],
+    paged: bool = False,
 ) -> str:
     """backend, checked against what the call needs, or for "auto" the first backend that serves it
     (each kernel backend's supports(); only the torch one takes a dense attn_mask)."""
     if backend == "auto":
-        if attn_mask is not None:
+        if attn_mask is not None or paged:
             return "torch"
         for b in _backend.auto_backends(dev, "attention"):
             if b == "torch" or _backend.module("attention", b).supports(dtype, D):
@@ -150,6 +163,8 @@ def _pick_backend(
             f"attn_mask: a dense mask is only supported by the torch backend, got "
             f"backend={backend!r} (express it as a block_mask, or use 'torch')"
         )
+    if paged:
+        raise ValueError(f"block_table: the paged layout is not supported by the {backend} backend yet")
     kernel = _backend.module("attention", backend)
     if not kernel.supports(dtype, D):
         if kernel.HEAD_DIMS is not None and D not in kernel.HEAD_DIMS:
@@ -172,6 +187,7 @@ def attention(
     positions: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
+    block_table: Optional[torch.Tensor] = None,
     write_back: bool = True,
     attn_mask: Optional[torch.Tensor] = None,
     block_mask: Optional[BlockMask] = None,
@@ -182,7 +198,9 @@ def attention(
     validate: Optional[bool] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """out [B, W, Hq, D], or (out, lse?, block_mass?) with only the requested extras, in that order.
-    See the reference docstring for every argument; block_mask is a BlockMask.
+    See the reference docstring for every argument; block_mask is a BlockMask. block_table
+    [B, MP] int32: k_cache / v_cache are page pools [P, page_size, Hkv, D] shared by the sequences,
+    and the cache length is S = MP * page_size (the reference's docstring).
 
     validate: check tensor *values* (positions, seq_lens, block lists). Default: on host tensors only
     (on a GPU it would synchronise, and under capture it is impossible); the kernels never read out
@@ -191,10 +209,20 @@ def attention(
     dev = q.device
     B, W, Hq, D = q.shape
     _checks.tensor("k_cache", k_cache, (q.dtype,), ndim=4, device=dev)
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
-    _checks.shape("k_cache", k_cache, [B, S, Hkv, D])
+    Hkv = k_cache.shape[2]
+    if block_table is None:
+        S = k_cache.shape[1]
+        _checks.shape("k_cache", k_cache, [B, S, Hkv, D])
+    else:
+        _checks.tensor("block_table", block_table, (torch.int32,), ndim=2, device=dev)
+        _checks.shape("block_table", block_table, [B, block_table.shape[1]])
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"k_cache: a page pool needs >= 1 page of >= 1 row, got {list(k_cache.shape)}")
+        _checks.shape("k_cache", k_cache, [num_pages, page_size, Hkv, D])
+        S = block_table.shape[1] * page_size
     _checks.tensor("v_cache", v_cache, (q.dtype,), ndim=4, device=dev)
-    _checks.shape("v_cache", v_cache, [B, S, Hkv, D])
+    _checks.shape("v_cache", v_cache, list(k_cache.shape))
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"k_cache: query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
     for name, t in (("k", k), ("v", v)):
@@ -240,12 +268,13 @@ def attention(
         "v": v,
         "positions": positions,
         "seq_lens": seq_lens,
+        "block_table": block_table,
         "attn_mask": attn_mask,
         "block_mask.kv_num_blocks": block_mask and block_mask.kv_num_blocks,
         "block_mask.kv_indices": block_mask and block_mask.kv_indices,
     }
     _checks.disjoint(caches if write_back else {}, reads)
-    backend = _pick_backend(backend, dev, q.dtype, D, attn_mask)
+    backend = _pick_backend(backend, dev, q.dtype, D, attn_mask, block_table is not None)
 
     if _checks.data_checks_possible(q) if validate is None else validate:
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= S):
@@ -254,11 +283,16 @@ def attention(
             raise ValueError(f"seq_lens: must be in [0, {S}]")
         if counts is not None:
             _check_block_lists(counts, indices, nkb)
+        if block_table is not None:
+            _check_block_table(
+                block_table, k_cache.shape[0], k_cache.shape[1], positions, seq_lens, write_back
+            )
     if backend != "torch":
-        # The kernels read positions / seq_lens as dense arrays and q / k / v rows with a unit last
-        # stride: make them so (no-ops in the usual case; an expanded arange of positions is not).
-        # The caches are written in place, so their layout is the caller's (errors name them).
+        # The kernels read positions / seq_lens / the block table as dense arrays and q / k / v rows
+        # with a unit last stride: make them so (no-ops in the usual case; an expanded arange of
+        # positions is not). The caches are written in place, so their layout is the caller's.
         positions, seq_lens = positions.contiguous(), seq_lens.contiguous()
+        block_table = None if block_table is None else block_table.contiguous()
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse, mass = _attention_op(
         q,
@@ -268,6 +302,7 @@ def attention(
         v_cache,
         positions,
         seq_lens,
+        block_table,
         bool(write_back),
         attn_mask,
         counts,
@@ -296,3 +331,23 @@ def _check_block_lists(counts, indices, nkb):
         s = torch.where(listed, idx, -1 - torch.arange(maxb, device=idx.device)).sort(-1).values
         if bool(((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any()):
             raise ValueError("block_mask.kv_indices: listed key blocks must be distinct")
+
+
+def _check_block_table(block_table, num_pages, page_size, positions, seq_lens, write_back):
+    """The pages every sequence attends are in the pool, and the rows a call writes are distinct."""
+    covered = torch.arange(block_table.shape[1], device=block_table.device) * page_size < seq_lens[:, None]
+    bad = covered & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table: page {j} of sequence {b} (positions before seq_lens[{b}] = "
+            f"{int(seq_lens[b])}) has id {int(block_table[b, j])}, outside the pool [0, {num_pages})"
+        )
+    if write_back:
+        valid = positions < seq_lens[:, None].to(torch.int64)
+        page = block_table.to(torch.int64).gather(1, positions // page_size)
+        rows = (page * page_size + positions % page_size)[valid]
+        if rows.numel() != rows.unique().numel():
+            raise ValueError(
+                "block_table: two valid window rows of the call map to the same pool row (written twice)"
+            )

@@ -102,6 +102,8 @@ def _decode_step_op(
     credit_beta: float,
     credit_gamma: float,
     row_keys: Optional[torch.Tensor],
+    editable: Optional[torch.Tensor],
+    edit_threshold: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N = logits.shape[0]
@@ -126,6 +128,8 @@ def _decode_step_op(
             credit_beta=credit_beta,
             credit_gamma=credit_gamma,
             row_keys=row_keys,
+            editable=editable,
+            edit_threshold=None if edit_threshold == float("inf") else edit_threshold,
         )
         candidate, confidence, commit, nonfinite = (t.clone() for t in out)
         return candidate, confidence, commit, nonfinite
@@ -178,6 +182,8 @@ def _(
     credit_beta,
     credit_gamma,
     row_keys,
+    editable,
+    edit_threshold,
     backend,
 ):
     N = logits.shape[0]
@@ -218,6 +224,8 @@ def decode_step(
     credit_beta: float = DEFAULTS.credit_beta,
     credit_gamma: float = DEFAULTS.credit_gamma,
     row_keys: Optional[torch.Tensor] = None,
+    editable: Optional[torch.Tensor] = None,
+    edit_threshold: Optional[float] = None,
     backend: str = "auto",
     validate: Optional[bool] = None,
 ) -> DecodeOutput:
@@ -228,6 +236,10 @@ def decode_step(
     num_commit: k per sequence for rule="fixed" (int or [B] int32); credit: a CreditState (updated in
     place) or None; row_keys: [N] int64 noise keys of the rows (low 32 bits; default: the row
     index), so a caller can key sampling on something stabler than a row's place in the batch.
+    rule="joint" (LLaDA2.1's JointThreshold): the threshold rule on masked rows, plus rewrites of
+    the `editable` rows ([N] bool; None: all) whose candidate differs from their token with
+    confidence > edit_threshold; edit_threshold None or <= 0 turns editing off (diffusers'
+    convention).
     Returns DecodeOutput(candidate, confidence, commit, nonfinite): nonfinite[n]
     tells that row n's raw logits hold a NaN or +-inf (a broken model; the step itself still
     commits, see the reference's step 5).
@@ -278,7 +290,22 @@ def decode_step(
         _checks.tensor("row_keys", row_keys, (torch.int64,), ndim=1, device=dev)
         _checks.shape("row_keys", row_keys, [N])
         row_keys = row_keys.contiguous()
+    if rule != "joint" and (editable is not None or edit_threshold is not None):
+        raise ValueError(f"editable / edit_threshold: only rule='joint' edits tokens, got rule={rule!r}")
+    if editable is not None:
+        _checks.tensor("editable", editable, (torch.bool,), ndim=1, device=dev)
+        _checks.shape("editable", editable, [N])
+        editable = editable.contiguous()
+    if edit_threshold is not None:
+        _checks.number("edit_threshold", edit_threshold)
+    # +inf: off (no confidence exceeds it); None and <= 0 mean off (diffusers' convention)
+    edit_at = float("inf") if edit_threshold is None or edit_threshold <= 0 else float(edit_threshold)
+    requested = backend
     backend = _backend.resolve(backend, dev, "decode_step")
+    if rule == "joint" and backend != "torch":
+        if requested != "auto":
+            raise ValueError(f"rule: 'joint' is not supported by the {backend} backend yet")
+        backend = "torch"
     _checks.disjoint(
         {"tokens": tokens, "credit.ids": ids, "credit.vals": vals},
         {
@@ -287,6 +314,7 @@ def decode_step(
             "threshold": thr,
             "num_commit": k,
             "row_keys": row_keys,
+            "editable": editable,
         },
     )
 
@@ -321,6 +349,8 @@ def decode_step(
         float(credit_beta),
         float(credit_gamma),
         row_keys,
+        editable,
+        edit_at,
         backend,
     )
     return DecodeOutput(*out)

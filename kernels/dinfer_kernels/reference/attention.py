@@ -7,7 +7,16 @@ q           [B, W, Hq, D]   window queries (QK-norm and RoPE already applied at 
 k, v        [B, W, Hkv, D]  the window's fresh keys/values; Hq is a multiple of Hkv (GQA: query head h
                             reads kv head h // (Hq / Hkv))
 k_cache,
-v_cache     [B, S, Hkv, D]  the layer's cache (same dtype as q)
+v_cache     [B, S, Hkv, D]  the layer's cache (same dtype as q), or with block_table a page pool
+                            [P, page_size, Hkv, D] that every sequence of the call shares (below)
+block_table [B, MP] int32 or None: the paged layout (vLLM style). Sequence b's position s lives in
+            page block_table[b, s // page_size] at row s % page_size, so S = MP * page_size takes
+            the place of the cache length everywhere (positions, seq_lens, key blocks, block_mass).
+            Unchecked page ids (the op checks them on host tensors only) never reach outside the
+            pool: a position whose page id is outside [0, P) is absent -- never attended (even where
+            a window row sits), never written. Valid window rows written back must land on distinct
+            pool rows; pages may be shared between sequences of a call only where no window row of
+            the call sits (prefix sharing).
 positions   [B, W] int64    absolute position of each window row in [0, S). Valid rows have distinct
                             positions, and no padding row shares a valid row's position. A row with
                             position >= seq_lens[b] is padding: it is never written, its output is 0.
@@ -65,6 +74,39 @@ def block_mask_dense(kv_num_blocks, kv_indices, num_key_blocks: int):
     return dense[..., :num_key_blocks]
 
 
+def paged_rows(block_table, num_pages: int, page_size: int):
+    """([B, S] int64 flat pool row of each position, [B, S] bool whether its page id is in
+    [0, num_pages)) for S = MP * page_size; absent positions point at row 0 (never read as keys)."""
+    B, MP = block_table.shape
+    pages = block_table.to(torch.int64).repeat_interleave(page_size, dim=1)  # [B, S]
+    present = (pages >= 0) & (pages < num_pages)
+    offset = torch.arange(MP * page_size, device=block_table.device) % page_size
+    return torch.where(present, pages * page_size + offset, torch.zeros_like(pages)), present
+
+
+def _gather(pool, rows):
+    """[B, S, Hkv, D]: pool rows `rows` [B, S] (pool [P, page, Hkv, D] seen as [P * page, Hkv, D])."""
+    flat = pool.reshape(-1, *pool.shape[2:])
+    return flat[rows.flatten()].view(*rows.shape, *pool.shape[2:])
+
+
+def _write_pages(k_pool, v_pool, k, v, rows, write):
+    """Window rows `write` [B, W] of k / v [B, W, Hkv, D] into pool rows `rows` [B, W], in place.
+    Fixed shapes and no host sync (capturable): every other row repeats the first written row's
+    copy (or, with none written, rewrites one row with what it holds), so duplicate indices always
+    carry equal values and the result does not depend on the order of the copies."""
+    r, w = rows.flatten(), write.flatten()
+    if r.numel() == 0:
+        return
+    first = torch.argmax(w.to(torch.int32))  # 0 when nothing is written
+    target = torch.where(w, r, r[first])
+    for pool, fresh in ((k_pool, k), (v_pool, v)):
+        flat = pool.view(-1, *pool.shape[2:])
+        src = fresh.flatten(0, 1)
+        fill = torch.where(w[first], src[first], flat[r[first]])
+        flat.index_copy_(0, target, torch.where(w[:, None, None], src, fill))
+
+
 def attention_reference(
     q,
     k,
@@ -81,9 +123,11 @@ def attention_reference(
     block_mask=None,
     return_lse=False,
     return_block_mass=False,
+    block_table=None,
 ):
     B, W, Hq, D = q.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[2]
+    S = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if return_block_mass and block_mask is None:
         raise ValueError(
@@ -92,7 +136,11 @@ def attention_reference(
         )
     lens = seq_lens.to(torch.int64)
     row_valid = positions < lens[:, None]
-    if write_back:
+    key_present = torch.ones(B, S, dtype=torch.bool, device=q.device)
+    if block_table is not None:
+        page_rows, key_present = paged_rows(block_table, k_cache.shape[0], k_cache.shape[1])
+        keys, values = _gather(k_cache, page_rows), _gather(v_cache, page_rows)
+    elif write_back:
         keys, values = k_cache, v_cache
     else:
         keys, values = k_cache.clone(), v_cache.clone()
@@ -102,12 +150,21 @@ def attention_reference(
     keep = row_valid[:, :, None, None]
     keys.scatter_(1, idx, torch.where(keep, k, keys.gather(1, idx)))
     values.scatter_(1, idx, torch.where(keep, v, values.gather(1, idx)))
+    if block_table is not None and write_back:
+        _write_pages(
+            k_cache,
+            v_cache,
+            k,
+            v,
+            page_rows.gather(1, positions),
+            row_valid & key_present.gather(1, positions),
+        )
 
     group = Hq // Hkv
     kf = keys.to(compute_dtype).repeat_interleave(group, dim=2)  # [B, S, Hq, D]
     vf = values.to(compute_dtype).repeat_interleave(group, dim=2)
     scores = torch.einsum("bwhd,bshd->bhws", q.to(compute_dtype), kf) * scale
-    key_valid = torch.arange(S, device=q.device)[None, :] < lens[:, None]  # [B, S]
+    key_valid = (torch.arange(S, device=q.device)[None, :] < lens[:, None]) & key_present  # [B, S]
     vf = vf.masked_fill(~key_valid[:, :, None, None], 0.0)  # garbage in padding rows must not leak
     allowed = key_valid[:, None, None, :] & row_valid[:, None, :, None]  # [B, 1, W, S]
     if attn_mask is not None:

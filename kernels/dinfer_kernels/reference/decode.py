@@ -15,10 +15,16 @@ seq_offsets  [B+1] int32, non-decreasing, seq_offsets[0] == 0, seq_offsets[B] ==
              sequence b is rows [lo, hi) with lo = clamp(seq_offsets[b], 0, N), hi = clamp(
              seq_offsets[b+1], lo, N); rows covered twice or never have unspecified outputs.
 mask_id      int in [0, V). A position is *masked* when tokens[n] == mask_id.
-rule         "threshold" | "hierarchical" | "fixed".
-threshold    [B] fp32: tau for "threshold", tau_high for "hierarchical" (unused by "fixed").
+rule         "threshold" | "hierarchical" | "fixed" | "joint".
+threshold    [B] fp32: tau for "threshold" and "joint", tau_high for "hierarchical" (unused by "fixed").
 low_threshold  float: tau_low for "hierarchical" (default DEFAULTS.low_threshold).
 num_commit   [B] int32 >= 0: k for "fixed".
+editable     [N] bool or None ("joint" only): rows whose committed token may be rewritten (LLaDA2.1's
+             token-to-token editing: the generated, non-prompt positions of the current block).
+             None: every row.
+edit_threshold  float or None ("joint" only): a non-masked editable row is rewritten when its
+             candidate differs from its token with confidence > edit_threshold. None: editing off
+             (the public op also reads <= 0 as off, the convention of diffusers' LLaDA2 pipeline).
 temperature  float >= 0. 0: candidate = argmax. > 0: Gumbel-max sample from softmax(z'/T) with the
              counter-based noise of reference/rng.py keyed by (seed, offset, row key, token v).
 row_keys     [N] int64 or None: row n's noise key (low 32 bits); None: the row index n. Any values
@@ -54,7 +60,12 @@ Semantics (all math in fp32 unless compute_dtype says otherwise)
    - hierarchical: runs = maximal runs of consecutive masked rows; commit eligible rows that hold the
                    maximum c of their run and c > tau_low, plus every eligible row with c > tau_high,
                    plus the first row holding the sequence's maximum c;
-   - fixed:        commit the min(k, #eligible) eligible rows of highest c (lower row first on ties).
+   - fixed:        commit the min(k, #eligible) eligible rows of highest c (lower row first on ties);
+   - joint:        LLaDA2.1's JointThreshold: the threshold rule on the masked rows (mask-to-token),
+                   plus every row that is editable, not masked, live, whose candidate is neither
+                   the mask token nor its current token, with confidence > edit_threshold
+                   (token-to-token; rows are edited independently of each other and of the
+                   sequence's masked rows).
 5. Progress guarantee (dInfer can loop forever here): if a sequence has masked rows but none is
    eligible (all predict the mask token, or are dead), the masked row whose fallback token has the
    highest probability softmax(z')[fallback] (lowest row on ties) commits its fallback token; its
@@ -76,7 +87,7 @@ import torch
 
 from . import rng
 
-RULES = ("threshold", "hierarchical", "fixed")
+RULES = ("threshold", "hierarchical", "fixed", "joint")
 
 
 class RuleDefaults(NamedTuple):
@@ -145,7 +156,7 @@ def commit_sequence(c, eligible, masked, rule, tau, tau_low, k):
     commit = torch.zeros(L, dtype=torch.bool)
     if not bool(eligible.any()):
         return commit
-    if rule == "threshold":
+    if rule in ("threshold", "joint"):
         cut = torch.minimum(torch.tensor(tau, dtype=c.dtype), c.max() - AT_LEAST_ONE_EPS)
         return eligible & (c >= cut)
     if rule == "hierarchical":
@@ -183,6 +194,8 @@ def decode_step_reference(
     credit_beta=DEFAULTS.credit_beta,
     credit_gamma=DEFAULTS.credit_gamma,
     row_keys=None,
+    editable=None,
+    edit_threshold=None,
     compute_dtype=torch.float32,
 ) -> DecodeOutput:
     """The spec (module docstring). Mutates tokens and the credit slots in place.
@@ -261,6 +274,9 @@ def decode_step_reference(
             cand[r] = fb[r]
             conf[r] = fb_conf[r].clamp(min=0.0)  # 0 for the default token
 
+    if rule == "joint" and edit_threshold is not None:
+        edit = ~masked & ~dead & (cand != mask_id) & (cand != tokens) & (conf > edit_threshold)
+        commit |= edit if editable is None else edit & editable
     tokens.copy_(torch.where(commit, cand, tokens))
     return DecodeOutput(
         cand.to(torch.int64),
