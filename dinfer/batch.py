@@ -1,4 +1,4 @@
-"""Token state of a ragged batch, its blocks, and the windows each cache mode recomputes.
+"""Token state of a ragged batch and its blocks.
 
 Sequence b holds its prompt (length Lp_b) and gen_length [MASK] tokens: total_b = Lp_b + gen_length
 positions. Nothing is padded into the sequence: positions >= total_b are padding, never attended
@@ -12,8 +12,6 @@ per sequence everywhere.
 from dataclasses import dataclass
 
 import torch
-
-CACHE_MODES = ("none", "prefix", "dual", "vicinity")
 
 
 @dataclass
@@ -113,23 +111,3 @@ def make_batch(
     return Batch(
         x.to(device), batch.total_len.to(device), first.to(device), lp.to(device), block_length, batch.room
     )
-
-
-def window(batch: Batch, k: torch.Tensor, mode: str, prefix_look: int, after_look: int):
-    """(start [B], W) of the rows a window step recomputes for each sequence's block k[b] under `mode`.
-
-    none: everything; dual: the block; vicinity: [block - P, block + A) (moved right at position 0);
-    prefix: from the block to the sequence's end. A window's start depends only on its own sequence,
-    and rows past a sequence's end are padding, so a sequence computes the same alone or in a batch.
-    """
-    bl, S = batch.block_length, batch.max_len
-    start = batch.block_start(k)
-    if mode == "none":
-        return torch.zeros_like(start), S
-    if mode == "dual":
-        return start, bl
-    if mode == "vicinity":
-        return (start - prefix_look).clamp(min=0), prefix_look + bl + after_look
-    if mode == "prefix":
-        return start, max(1, int((batch.total_len.to(torch.int64) - start).max()))
-    raise ValueError(f"cache: expected one of {CACHE_MODES}, got {mode!r}")

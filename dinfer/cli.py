@@ -27,11 +27,12 @@ import os
 import sys
 from typing import Dict, List, Optional
 
-from .batch import CACHE_MODES
 from .decoders import DECODERS
 from .evaluate import Progress
-from .llm import LLM, _device, _dtype, generation_config
-from .models.embedded import DEFAULT, EMBEDDED, generation_defaults, model_dir
+from .generate import CACHE_MODES
+from .kv_paged import CLEAN_KV
+from .llm import LLM, _device, _dtype, checkpoint_defaults, generation_config
+from .models.embedded import DEFAULT, EMBEDDED, model_dir
 from .tasks import TASKS
 
 
@@ -40,7 +41,7 @@ def _defaults(model: Optional[str]) -> Dict[str, object]:
     under its generation_config.json (the configs' own when the checkpoint cannot be read: the
     command then fails on it with a proper message)."""
     try:
-        cfg = generation_config(**generation_defaults(model_dir(model)))
+        cfg = generation_config(**checkpoint_defaults(model_dir(model)))
     except (OSError, ValueError):
         cfg = generation_config()
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
@@ -87,9 +88,32 @@ def _generation_options(parser: argparse.ArgumentParser, d: Dict[str, object]) -
     opt("--threshold", type=float, help="commit threshold in [0, 1] (tau_high for hierarchical)")
     opt("--low-threshold", type=float, help="tau_low in [0, 1] for hierarchical")
     opt("--steps-per-block", type=int, help="fixed decoder: steps per block (0: one token per step)")
+    opt(
+        "--edit-threshold",
+        type=float,
+        help="joint decoder: rewrite a generated token whose prediction differs with confidence above "
+        "this (None or <= 0: no editing)",
+    )
+    opt(
+        "--max-post-edit-steps",
+        type=int,
+        help="joint decoder: forwards that only edit, after a block's last [MASK]",
+    )
     opt("--temperature", type=float, help="sampling temperature (0: the most likely token)")
     opt("--seed", type=int, help="sampling seed, in [0, 2**32)")
-    opt("--cache", choices=CACHE_MODES, help="KV cache mode")
+    opt("--cache", choices=CACHE_MODES, help="KV cache mode (paged: block-causal models)")
+    opt(
+        "--clean-kv",
+        choices=CLEAN_KV,
+        help="paged cache: a finished block's clean K/V fused into the next block's first forward, or "
+        "from an extra forward",
+    )
+    opt("--prefill-chunk", type=int, help="paged cache: prompt positions per prefill forward (whole blocks)")
+    opt(
+        "--kv-pages",
+        type=int,
+        help="paged cache: pages in the pool (0: every sequence in flight at its longest)",
+    )
     opt("--warmup-steps", type=int, help="first N iterations are full refreshes")
     opt("--unroll", type=int, help="iterations per host check")
     opt(

@@ -1,14 +1,22 @@
-"""The diffusion generation loop: blocks, cache refreshes, window steps, decoding, smoothing.
+"""The diffusion iteration manager: blocks, forwards, decoding, smoothing.
 
     until every prompt is finished (dinfer.scheduler: the queue, refills, early stop, the answers):
         schedule: up to `batch_size` sequences in flight; a finished one's slot goes to the next prompt
-        run the round: every sequence in flight decodes its own next block
-            repeat until the block holds no [MASK] (one host check per chunk of <= `unroll` iterations):
-                compact: sequences whose block is done leave the block's remaining iterations
-                iteration: forward (a full refresh at the block's start, else the cache mode's window)
+        start the round (the KV-cache manager): every sequence in flight decodes its own next block
+        run the round:
+            repeat until every block is settled (one host check per chunk of <= `unroll` iterations):
+                compact: sequences whose block is settled leave the block's remaining iterations
+                iteration: forward over the window the KV-cache manager names for the iteration's kind
                            + decode_step on the block's rows (+ soft embeddings for the next forward)
         postprocess: a sequence whose block holds EOS is finished (early stop), the rest of it EOS;
         so is one whose last block is done
+
+The KV-cache manager is the model's: a bidirectional model (LLaDA, LLaDA-MoE) sees the whole sequence,
+so its cache goes stale and is refreshed (dinfer.kv_refresh: full refreshes at block starts, window
+steps per cache mode); a block-causal one (LLaDA2) never sees later blocks, so the committed blocks'
+K/V are exact and appended once to a paged cache (dinfer.kv_paged: chunked prompt prefill, the
+previous block's clean K/V fused into the block's first forward). A block is settled when it holds no
+[MASK] and, for an editing decoder (joint), its post-edit steps are over (dinfer.decoders).
 
 Every iteration is one model forward and one decode_step. Commits, thresholds, schedules and the
 stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU).
@@ -37,12 +45,15 @@ import torch
 import dinfer_kernels as dk
 from dinfer_kernels.reference import rng
 
-from .batch import CACHE_MODES, Batch, make_batch, window
+from . import kv_paged, kv_refresh
+from .batch import Batch, make_batch
 from .decoders import Decoder, DecoderConfig
 from .graphs import StepGraphs
-from .params import Bool, Instance, Int, OneOf, Real, Tuple, check, check_memory
+from .params import Bool, Instance, Int, OneOf, Real, Tuple, check
 from .scheduler import Round, Scheduler
 from .stats import Stats
+
+CACHE_MODES = kv_refresh.MODES + kv_paged.MODES
 
 SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)  # dInfer's w_n = min(w0 + dw * n, w_max)
 
@@ -57,7 +68,7 @@ class GenerationConfig:
     gen_length: int = 1024
     block_length: int = 64  # capped to gen_length
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
-    cache: str = "vicinity"  # none | prefix | dual | vicinity
+    cache: str = "vicinity"  # none | prefix | dual | vicinity (bidirectional) | paged (block-causal)
     prefix_look: int = 16  # vicinity window: [block - prefix_look, block + after_look)
     after_look: int = 16
     warmup_steps: int = 0  # the request's first N iterations are full refreshes (dInfer: 4)
@@ -77,6 +88,12 @@ class GenerationConfig:
     align_blocks: bool = True  # dInfer's start_block_align; False: block 0 starts after the prompt
     cuda_graphs: bool = True
     time_phases: bool = False  # synchronise around phases to time them (always on the host)
+    # Block-causal (paged) only: where the previous block's clean K/V come from (kv_paged): "fused"
+    # into the block's first forward, or an extra "forward"; the prompt prefill's positions per
+    # forward (whole blocks); the page pool's size (0: every sequence in flight at its longest).
+    clean_kv: str = "fused"
+    prefill_chunk: int = 512
+    kv_pages: int = 0
 
     def __post_init__(self):  # the rules of every field (dinfer.params)
         n, count, unit, flag = Int(1), Int(0), Real(0.0, 1.0), Bool()
@@ -104,6 +121,9 @@ class GenerationConfig:
                 align_blocks=flag,
                 cuda_graphs=flag,
                 time_phases=flag,
+                clean_kv=OneOf(kv_paged.CLEAN_KV),
+                prefill_chunk=n,
+                kv_pages=count,
             ),
         )
         # A block longer than the answer would only decode padding rows (8x slower at 1000 for 32
@@ -114,27 +134,24 @@ class GenerationConfig:
 class BlockState:
     """What the iterations of one block read and write. Tensors keep their addresses all block long."""
 
-    def __init__(self, sched: Scheduler, rnd: Round, cfg: GenerationConfig, model, cache, request_keys):
+    def __init__(self, sched: Scheduler, rnd: Round, cfg: GenerationConfig, model, request_keys):
         """The round `rnd` of `sched`: its sequences' tokens and counters, taken from the run's."""
         c = model.config
         dev = sched.batch.x.device
-        self.prompts, self.rows = rnd.prompts, rnd.prompts.to(dev)  # host and device indices
+        self.prompts, self.rows, self.blocks = (
+            rnd.prompts,
+            rnd.prompts.to(dev),
+            rnd.blocks,
+        )  # host, device, host
         self.batch = batch = sched.batch.select(self.rows, trim=True)
         B, bl, S = batch.size, batch.block_length, batch.max_len
-        k = rnd.blocks.to(dev)
-        # The round's cache: the head of each slot buffer seen as [B, S, Hkv, D], contiguous. What a
-        # block leaves there is never read again (every block starts with a refresh).
-        self.cache = type(cache)([_head(t, B, S) for t in cache.keys], [_head(t, B, S) for t in cache.values])
-        pos = batch.block_positions(k)
+        pos = batch.block_positions(rnd.blocks.to(dev))
         # Rows past a sequence's end are padding: they read a non-mask token and are never written.
         self.valid = pos < batch.total_len[:, None].to(torch.int64)
         self.block_pos = pos.clamp(max=S - 1)
-        # A block-causal model's rows see keys up to the end of the block being decoded, never the
-        # masked blocks after it; a bidirectional model's see the whole sequence.
-        ends = (pos[:, -1] + 1).clamp(max=batch.total_len.to(torch.int64)).to(torch.int32)
-        self.seq_lens = ends if c.block_causal else batch.total_len
+        # The rows an editing decoder may rewrite: generated ones (a block may hold the prompt's tail)
+        self.editable = (self.valid & (pos >= batch.prompt_len[:, None])).flatten()
         self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
-        self.window_lo, self.window_len = window(batch, k, cfg.cache, cfg.prefix_look, cfg.after_look)
         self.iters = sched.iters[self.rows]  # [B] iterations each sequence was active (schedules)
         self.request_keys = request_keys[self.rows]  # [B] sampling keys (rng.sequence_key)
         # [B] the request's forward (its own count, from 1) whose logits first held a NaN or +-inf
@@ -144,6 +161,7 @@ class BlockState:
         self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev, warmup)
         self.decoder.start_block(self.block_tokens().view(B, bl))
         self.soft = model.embed(self.block_tokens())  # hard embeddings until the block has logits
+        self.kv = None  # the KV-cache manager's state of the round (its start_round)
 
     def block_tokens(self) -> torch.Tensor:
         return torch.where(self.valid, self.batch.x.gather(1, self.block_pos), self.pad_token).flatten()
@@ -152,27 +170,30 @@ class BlockState:
         cur = self.batch.x.gather(1, self.block_pos)
         self.batch.x.scatter_(1, self.block_pos, torch.where(self.valid, tokens.view(cur.shape), cur))
 
-    def poll(self, mask_id):
-        """([B] [MASK] tokens left in each sequence's block, [B] nonfinite_at) on the host: one
-        sync, once per chunk."""
-        left = (self.block_tokens().view(self.batch.size, -1) == mask_id).sum(1)
+    def poll(self):
+        """([B] work left in each sequence's block (Decoder.remaining), [B] nonfinite_at) on the
+        host: one sync, once per chunk."""
+        left = self.decoder.remaining(self.block_tokens().view(self.batch.size, -1))
         both = torch.stack([left, self.nonfinite_at]).cpu()
         return both[0], both[1]
 
-    def select(self, keep: torch.Tensor) -> "BlockState":
-        """The state of sequences `keep` (host indices) only. Their cache rows are copied: nothing a
-        block's iterations write into the cache is read after the block, whose successor starts with
-        a refresh."""
+    def select(self, keep: torch.Tensor, kv) -> "BlockState":
+        """The state of sequences `keep` (host indices) only; `kv`: the KV-cache manager, which
+        selects its own round state."""
         new = copy.copy(self)
         bl = self.batch.block_length
-        new.prompts, keep = self.prompts[keep], keep.to(self.rows.device)
+        new.prompts, new.blocks, keep = self.prompts[keep], self.blocks[keep], keep.to(self.rows.device)
         new.rows, new.batch = self.rows[keep], self.batch.select(keep)
-        new.cache = type(self.cache)([t[keep] for t in self.cache.keys], [t[keep] for t in self.cache.values])
         new.valid, new.block_pos, new.pad_token = self.valid[keep], self.block_pos[keep], self.pad_token[keep]
-        new.window_lo, new.iters, new.seq_lens = self.window_lo[keep], self.iters[keep], self.seq_lens[keep]
-        new.request_keys, new.nonfinite_at = self.request_keys[keep], self.nonfinite_at[keep]
+        new.editable = self.editable.view(-1, bl)[keep].flatten()
+        new.iters, new.request_keys, new.nonfinite_at = (
+            self.iters[keep],
+            self.request_keys[keep],
+            self.nonfinite_at[keep],
+        )
         new.decoder = self.decoder.select(keep)
         new.soft = self.soft.view(self.batch.size, bl, -1)[keep].flatten(0, 1)
+        new.kv = kv.select(self.kv, keep)
         return new
 
 
@@ -188,10 +209,6 @@ def request_keys_of(prompts: List[List[int]]) -> List[int]:
     return keys
 
 
-def _head(buffer: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    return buffer.view(-1)[: B * S * buffer[0, 0].numel()].view(B, S, *buffer.shape[2:])
-
-
 class Generator:
     """Runs a GenerationConfig on a model (dinfer.models.DiffusionLM) for a batch of prompts."""
 
@@ -199,6 +216,7 @@ class Generator:
         if model.config.block_causal:
             _check_block_causal(cfg)
         self.model, self.cfg = model, cfg
+        self.kv_manager = kv_paged.PagedKV if model.config.block_causal else kv_refresh.RefreshKV
         self.mask_id, self.eos_id = model.config.mask_id, model.config.eos_id
         use_graphs = cfg.cuda_graphs and model.device.type == "cuda" and cfg.decoder.temperature == 0
         self.graphs = StepGraphs(enabled=use_graphs and not cfg.time_phases)
@@ -214,13 +232,17 @@ class Generator:
         for prompt i as soon as it is finished (at a block boundary), with its generated tokens.
         Raises NonFiniteLogitsError when the model's logits hold a NaN or +-inf."""
         t0 = time.perf_counter()
-        sched = Scheduler(self._batch(prompts), batch_size, self.eos_id, self.cfg.early_stop, on_finish)
-        max_len = sched.batch.max_len
-        check_memory(self.model, sched.slots, max_len, self.cfg.block_length)  # a refusal, not an OOM
-        cache = self.model.new_cache(sched.slots, max_len)
+        batch = self._batch(prompts)
+        slots = Scheduler.slots_for(batch_size, batch.size)
+        self.kv = self.kv_manager(self.model, self.cfg, batch, slots)  # refuses a run that cannot fit
+        sched = Scheduler(
+            batch, slots, self.eos_id, self.cfg.early_stop, on_finish, self.kv.admit, self.kv.release
+        )
         request_keys = self._request_keys(prompts)
         while (rnd := sched.schedule()) is not None:
-            self.run_round(BlockState(sched, rnd, self.cfg, self.model, cache, request_keys), sched)
+            st = BlockState(sched, rnd, self.cfg, self.model, request_keys)
+            st.kv = self.kv.start_round(st, sched, self.stats)
+            self.run_round(st, sched)
             sched.postprocess(rnd)
         self.stats.seconds = time.perf_counter() - t0
         self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in sched.outputs)
@@ -250,73 +272,54 @@ class Generator:
         """Every sequence of the round decodes its block, in chunks of iterations with one host
         check each; the tokens and counters go back to `sched`."""
         cfg = self.cfg
-        left, step = st.poll(self.mask_id)[0], 0
+        left, step = st.poll()[0], 0
         while left.any():
-            if cfg.compact and not left.all():  # sequences whose block is done leave it
+            if cfg.compact and not left.all():  # sequences whose block is settled leave it
                 sched.store(st.rows, st.batch.x, st.iters)
                 keep = left.nonzero().flatten()
-                st, left = st.select(keep), left[keep]
+                st, left = st.select(keep, self.kv), left[keep]
             # The slowest sequence sets the chunk: a chunk never outruns the last block to finish.
             chunk = max(1, min(int(left.max()) // cfg.expected_tpf, cfg.unroll))
             first = int(sched.forwards[st.prompts].min())
-            kinds = tuple(self._is_refresh(step + j, first + j) for j in range(chunk))
+            kinds = self.kv.kinds(step, first, chunk)
             self.graphs.run(self.iteration, st, kinds)
             self.stats.count_chunk(kinds, st.batch.size)
             sched.forwards[st.prompts] += chunk
             step += chunk
-            left, nonfinite_at = st.poll(self.mask_id)
-            _check_chunk(left, nonfinite_at, st.prompts, sched.next_block, step, st.batch.block_length)
+            left, nonfinite_at = st.poll()
+            limit = st.batch.block_length + (cfg.decoder.max_post_edit_steps if cfg.decoder.edits else 0)
+            _check_chunk(left, nonfinite_at, st.prompts, sched.next_block, step, limit)
         sched.store(st.rows, st.batch.x, st.iters)
 
-    def _is_refresh(self, step: int, ran: int) -> bool:
-        """Whether the block's iteration `step` is a full refresh; `ran`: the fewest forwards any
-        sequence in it has run before (the warm-up is per sequence: a newcomer gets its own)."""
-        c = self.cfg
-        return (
-            step == 0
-            or c.cache == "none"
-            or ran < c.warmup_steps
-            or (c.refresh_every > 0 and step % c.refresh_every == 0)
-        )
-
-    def iteration(self, st: BlockState, refresh: bool):
+    def iteration(self, st: BlockState, kind: str):
         """One forward and one decode of the block; every state update is in place."""
         cfg, model, dev = self.cfg, self.model, self.model.device
         B, bl = st.batch.size, st.batch.block_length
-        lo = torch.zeros_like(st.window_lo) if refresh else st.window_lo
-        W = st.batch.max_len if refresh else st.window_len
-        pos = (lo[:, None] + torch.arange(W, device=dev)).clamp(max=st.batch.max_len - 1)  # [B, W]
-        # The block's rows inside the window (flat over B * W). Padding rows may fall outside the
-        # window: they read any row's logits, and their soft inputs go to a spare row B * W.
-        rows = (
-            (st.block_pos - lo[:, None]).clamp(0, W - 1) + W * torch.arange(B, device=dev)[:, None]
-        ).flatten()
+        w = self.kv.window(st, kind)
+        W = w.pos.shape[1]
         with self.stats.phase("forward", dev):
-            emb = model.embed(st.batch.x.gather(1, pos))
-            if cfg.smoothing:
+            emb = model.embed(st.batch.x.gather(1, w.pos.clamp(max=st.batch.max_len - 1)))
+            if cfg.smoothing:  # padding rows' soft inputs go to a spare row B * W
                 spare = torch.cat([emb.view(B * W, -1), emb.new_zeros(1, emb.shape[-1])])
-                spare[torch.where(st.valid.flatten(), rows, B * W)] = st.soft
+                spare[torch.where(st.valid.flatten(), w.rows, B * W)] = st.soft
                 emb = spare[:-1].view(B, W, -1)
-            block_mask = None
-            if model.config.block_causal:  # windows start on a block boundary (_check_block_causal)
-                c, S = model.config, st.batch.max_len
-                block_mask = dk.BlockMask.block_causal(B, c.num_kv_heads, W, S, bl, bl, bl, lo, device=dev)
             logits = model.forward(
                 emb,
-                pos,
-                st.cache,
-                st.seq_lens,
-                write_back=refresh or cfg.write_back,
-                logits_rows=rows,
-                block_mask=block_mask,
+                w.pos,
+                w.cache,
+                w.seq_lens,
+                write_back=w.write_back,
+                logits_rows=w.rows,
+                block_mask=w.block_mask,
+                block_table=w.block_table,
             )
         with self.stats.phase("decode", dev):
             tokens = st.block_tokens()
-            active = (tokens.view(B, bl) == self.mask_id).any(1)
+            active = ~st.decoder.settled
             keys = None
             if cfg.decoder.temperature > 0:
                 keys = rng.request_row_keys(st.request_keys, st.block_pos, st.iters).flatten()
-            out = st.decoder(logits, tokens, st.iters, keys)
+            out = st.decoder(logits, tokens, st.iters, keys, st.editable)
             bad = (out.nonfinite.view(B, bl) & st.valid).any(1)
             st.nonfinite_at.copy_(torch.where(bad & (st.nonfinite_at < 0), st.iters + 1, st.nonfinite_at))
             st.store_block_tokens(tokens)
@@ -324,29 +327,21 @@ class Generator:
             with self.stats.phase("smoothing", dev):
                 # The next forward's inputs of the rows still masked: w_n of each sequence.
                 w0, dw, wmax = cfg.smoothing_weight
-                w = torch.clamp(w0 + dw * st.iters.float(), max=wmax).repeat_interleave(bl)
-                st.soft.copy_(dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, w))
+                weight = torch.clamp(w0 + dw * st.iters.float(), max=wmax).repeat_interleave(bl)
+                st.soft.copy_(dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, weight))
         st.iters += active.to(st.iters.dtype)
 
 
 def _check_block_causal(cfg: GenerationConfig):
-    """The settings a block-causal model (LLaDA2) decodes under: blocks on the grid from position 0,
-    as it was trained, and windows that start on a block boundary (where its block mask is exact).
-    A block's first forward is a full refresh, whose rows before the block recompute the committed
-    blocks' K/V from their final tokens while being unable to see the block: the clean K/V of the
-    block before comes with that forward, not with an extra one."""
+    """A block-causal model decodes blocks on the grid from position 0, as it was trained."""
     if not cfg.align_blocks:
         raise ValueError("align_blocks: a block-causal model decodes blocks aligned at position 0 (True)")
-    if cfg.cache == "vicinity" and cfg.prefix_look % cfg.block_length:
-        raise ValueError(
-            f"prefix_look: a block-causal model's vicinity window must start on a block boundary: "
-            f"a multiple of block_length ({cfg.block_length}), got {cfg.prefix_look}"
-        )
 
 
-def _check_chunk(left, nonfinite_at, prompts, blocks, step: int, block_length: int):
-    """After a chunk (host values): no logits held a NaN or +-inf, and no block outlived its length
-    in forwards. prompts [B]: the prompt index of each sequence; blocks: each prompt's block."""
+def _check_chunk(left, nonfinite_at, prompts, blocks, step: int, limit: int):
+    """After a chunk (host values): no logits held a NaN or +-inf, and no block outlived its bound
+    in forwards (`limit`: its length, plus the post-edit steps of an editing decoder). prompts [B]:
+    the prompt index of each sequence; blocks: each prompt's block."""
     bad = (nonfinite_at >= 0).nonzero().flatten().tolist()
     if bad:
         i, f = int(prompts[bad[0]]), int(nonfinite_at[bad[0]])
@@ -355,12 +350,12 @@ def _check_chunk(left, nonfinite_at, prompts, blocks, step: int, block_length: i
             f"non-finite logits (NaN or inf) from the model at forward {f} of prompt {i}, block "
             f"{int(blocks[i])}{more}: its weights are broken or its activations overflow their dtype"
         )
-    if step >= block_length and left.any():
+    if step >= limit and left.any():
         b = int(left.nonzero()[0])
         raise RuntimeError(
-            f"internal error: block {int(blocks[int(prompts[b])])} of prompt {int(prompts[b])} still holds "
-            f"{int(left[b])} [MASK] tokens after {step} forwards, more than its length {block_length} "
-            "(decode_step commits at least one per forward)"
+            f"internal error: block {int(blocks[int(prompts[b])])} of prompt {int(prompts[b])} is not "
+            f"settled ({int(left[b])} left) after {step} forwards, more than its bound {limit} (its length "
+            "and post-edit steps: decode_step commits at least one [MASK] per forward)"
         )
 
 

@@ -70,6 +70,15 @@ def generation_config(**options) -> GenerationConfig:
     return dataclasses.replace(base, decoder=decoder, **options)
 
 
+def checkpoint_defaults(path, config: Optional[ModelConfig] = None) -> dict:
+    """The generation defaults a checkpoint folder sets: a block-causal model's (it decodes in the
+    blocks it was trained with, on the append-only paged cache: its committed blocks are final),
+    then its generation_config.json's."""
+    config = ModelConfig.from_dir(path) if config is None else config
+    model = dict(block_length=config.block_length, cache="paged") if config.block_causal else {}
+    return {**model, **generation_defaults(path)}
+
+
 class LLM:
     """A diffusion LLM ready to generate: LLM("path/to/LLaDA-MoE-7B-A1B-Instruct").generate("Hi").
 
@@ -86,10 +95,7 @@ class LLM:
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         config = ModelConfig.from_dir(path)
-        # A block-causal model decodes in the blocks it was trained with, each block's window the
-        # block itself (its committed prefix is final: nothing before it needs recomputing).
-        model_defaults = dict(block_length=config.block_length, cache="dual") if config.block_causal else {}
-        self.defaults = {**model_defaults, **generation_defaults(path), **defaults}
+        self.defaults = {**checkpoint_defaults(path, config), **defaults}
         check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
         self.tokenizer = Tokenizer(path, config=config)  # checked against the model config

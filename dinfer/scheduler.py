@@ -6,9 +6,11 @@ each is finished. Schedule, run and postprocess stay apart (as in nano-vllm):
     (Generator)    runs the round: every sequence decodes its block, store() writes it back
     postprocess()  early stop, next blocks, done flags, and the one write-back of finished answers
 
-Slots are refilled only between rounds, at block boundaries: every block starts with a full refresh,
-so a newcomer's first forward builds its cache rows along with everyone's and nothing is prefilled
-apart.
+Slots are refilled only between rounds, at block boundaries, where the KV-cache manager starts each
+round (a bidirectional model's blocks start with a full refresh that builds a newcomer's cache rows
+along with everyone's; a block-causal model's newcomers get their prompt prefilled). A manager with
+a bounded cache admits a prompt only when its cache fits (`admit`) and takes back a finished one's
+(`release`); the queue waits, in order, until it does.
 """
 
 from collections import deque
@@ -26,7 +28,8 @@ class Round(NamedTuple):
 
 class Scheduler:
     """The schedule of the prompts of `batch` through at most `slots` sequences in flight (default:
-    all). on_finish(i, tokens) is called for prompt i as soon as it is finished."""
+    all). on_finish(i, tokens) is called for prompt i as soon as it is finished; admit(i) says
+    whether prompt i may start now (reserving what it needs), release(i) that it is finished."""
 
     def __init__(
         self,
@@ -35,11 +38,12 @@ class Scheduler:
         eos_id: int,
         early_stop: bool,
         on_finish: Optional[Callable[[int, torch.Tensor], None]] = None,
+        admit: Optional[Callable[[int], bool]] = None,
+        release: Optional[Callable[[int], None]] = None,
     ):
         n = batch.size
-        self.slots = n if slots is None else min(slots, n)
-        if self.slots < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {slots}")
+        self.slots = self.slots_for(slots, n)
+        self.admit, self.release = admit, release
         self.batch = batch  # every prompt's tokens, as the rounds leave them
         self.eos_id, self.early_stop, self.on_finish = eos_id, early_stop, on_finish
         self.next_block = torch.zeros(n, dtype=torch.int64)
@@ -52,12 +56,26 @@ class Scheduler:
         self.queue, self.flight = deque(range(n)), []
         self.outputs: List[torch.Tensor] = [None] * n  # filled as prompts finish; all do
 
+    @staticmethod
+    def slots_for(batch_size: Optional[int], prompts: int) -> int:
+        """Sequences in flight: batch_size (all prompts when None), at most the prompts."""
+        slots = prompts if batch_size is None else min(batch_size, prompts)
+        if slots < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        return slots
+
     def schedule(self) -> Optional[Round]:
         """The next round, or None when every prompt is finished."""
         self.flight = [i for i in self.flight if not self.done[i]]
         while len(self.flight) < self.slots and self.queue:
+            if self.admit is not None and not self.admit(self.queue[0]):
+                break  # the queue's head waits for a finished sequence's cache
             self.flight.append(self.queue.popleft())
         if not self.flight:
+            if self.queue:
+                raise RuntimeError(
+                    f"internal error: prompt {self.queue[0]} cannot start with nothing in flight"
+                )
             return None
         prompts = torch.tensor(self.flight)
         return Round(prompts, self.next_block[prompts])
@@ -77,6 +95,8 @@ class Scheduler:
         b = self.batch
         for i in p[self.done[p]].tolist():  # a finished prompt's tokens are final: read them once
             self.outputs[i] = b.x[i, int(b.prompt_len[i]) : int(b.total_len[i])].cpu()
+            if self.release is not None:
+                self.release(i)
             if self.on_finish is not None:
                 self.on_finish(i, self.outputs[i])
 

@@ -302,8 +302,10 @@ class ScriptedModel:
     def new_cache(self, batch, max_len):
         return DiffusionLM(MOE, random_weights(MOE)).new_cache(batch, max_len)
 
-    def forward(self, emb, pos, cache, seq_lens, write_back=True, logits_rows=None, block_mask=None):
-        assert block_mask is None, "the scripted model is bidirectional"
+    def forward(
+        self, emb, pos, cache, seq_lens, write_back=True, logits_rows=None, block_mask=None, block_table=None
+    ):
+        assert block_mask is None and block_table is None, "the scripted model is bidirectional"
         self.batch_sizes.append(emb.shape[0])
         self.widths.append(emb.shape[1])
         flat = pos.flatten() if logits_rows is None else pos.flatten()[logits_rows]
