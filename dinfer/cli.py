@@ -80,7 +80,8 @@ def _generation_options(parser: argparse.ArgumentParser, d: Dict[str, object]) -
 
     def opt(*flags, help, **kw):
         dest = flags[0].lstrip("-").replace("-", "_")
-        add(*flags, dest=dest, help=f"{help} (default: {d[dest]})", **kw)
+        shown = "off" if d[dest] is None else d[dest]  # edit_threshold: None turns editing off
+        add(*flags, dest=dest, help=f"{help} (default: {shown})", **kw)
 
     opt("--gen-length", "--max-new-tokens", type=int, help="tokens generated per prompt")
     opt("--block-length", type=int, help="tokens per block (capped to --gen-length)")
@@ -101,7 +102,7 @@ def _generation_options(parser: argparse.ArgumentParser, d: Dict[str, object]) -
     )
     opt("--temperature", type=float, help="sampling temperature (0: the most likely token)")
     opt("--seed", type=int, help="sampling seed, in [0, 2**32)")
-    opt("--cache", choices=CACHE_MODES, help="KV cache mode (paged: block-causal models)")
+    opt("--cache", choices=CACHE_MODES, help="KV cache mode")
     opt(
         "--clean-kv",
         choices=CLEAN_KV,

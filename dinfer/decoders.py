@@ -86,7 +86,8 @@ JOINT_SPEED = DecoderConfig(name="joint", threshold=0.5, edit_threshold=None, ma
 
 class Decoder:
     """Per-block decoder state for B sequences of block_length rows each. warmup: (start, decay) of
-    the threshold warm-up, or None for the fixed tau.
+    the threshold warm-up, or None for the fixed tau; tau: [B] each sequence's threshold (default:
+    the config's).
 
     A sequence's block is *settled* when it holds no [MASK] and, for an editing decoder, its
     post-edit steps are over: the last changed nothing, or max_post_edit_steps of them ran. A
@@ -101,8 +102,12 @@ class Decoder:
         mask_id: int,
         device,
         warmup: Optional[Tuple[float, float]] = None,
+        tau: Optional[torch.Tensor] = None,
     ):
         self.cfg = cfg
+        self.tau = (
+            torch.full((batch,), cfg.threshold, dtype=torch.float32, device=device) if tau is None else tau
+        )
         self.warmup = warmup
         self.mask_id = mask_id
         self.bl = block_length
@@ -143,7 +148,7 @@ class Decoder:
                 *(t.view(-1, self.bl, t.shape[1])[keep].flatten(0, 1) for t in self.credit)
             )
         new.step, new.masked_at_start = self.step[keep], self.masked_at_start[keep]
-        new.post_steps, new.settled = self.post_steps[keep], self.settled[keep]
+        new.post_steps, new.settled, new.tau = self.post_steps[keep], self.settled[keep], self.tau[keep]
         return new
 
     def _num_commit(self):
@@ -156,11 +161,10 @@ class Decoder:
 
     def _threshold(self, iters: torch.Tensor) -> torch.Tensor:
         """[B] tau of each sequence after its iters [B] iterations."""
-        tau = torch.full(iters.shape, self.cfg.threshold, dtype=torch.float32, device=iters.device)
         if self.warmup is None:
-            return tau
+            return self.tau
         start, decay = self.warmup
-        return torch.maximum(start - decay * iters.float(), tau)
+        return torch.maximum(start - decay * iters.float(), self.tau)
 
     def __call__(self, logits, block_tokens, iters, row_keys=None, editable=None):
         """One step on logits [B * bl, V]; block_tokens [B * bl] updated in place. iters [B]: each

@@ -46,11 +46,12 @@ import dinfer_kernels as dk
 from dinfer_kernels.reference import rng
 
 from . import kv_paged, kv_refresh
-from .batch import Batch, make_batch
+from .batch import check_prompt, span
+from .batch import slots as slots_storage
 from .decoders import Decoder, DecoderConfig
 from .graphs import StepGraphs
 from .params import Bool, Instance, Int, OneOf, Real, Tuple, check
-from .scheduler import Round, Scheduler
+from .scheduler import Request, Round, Scheduler
 from .stats import Stats
 
 CACHE_MODES = kv_refresh.MODES + kv_paged.MODES
@@ -134,15 +135,17 @@ class GenerationConfig:
 class BlockState:
     """What the iterations of one block read and write. Tensors keep their addresses all block long."""
 
-    def __init__(self, sched: Scheduler, rnd: Round, cfg: GenerationConfig, model, request_keys):
+    def __init__(self, sched: Scheduler, rnd: Round, cfg: GenerationConfig, model):
         """The round `rnd` of `sched`: its sequences' tokens and counters, taken from the run's."""
         c = model.config
         dev = sched.batch.x.device
-        self.prompts, self.rows, self.blocks = (
-            rnd.prompts,
-            rnd.prompts.to(dev),
+        # slots and their requests and blocks (host), the slots on the device
+        self.slots, self.requests, self.blocks, self.rows = (
+            rnd.slots,
+            rnd.requests,
             rnd.blocks,
-        )  # host, device, host
+            rnd.slots.to(dev),
+        )
         self.batch = batch = sched.batch.select(self.rows, trim=True)
         B, bl, S = batch.size, batch.block_length, batch.max_len
         pos = batch.block_positions(rnd.blocks.to(dev))
@@ -153,12 +156,12 @@ class BlockState:
         self.editable = (self.valid & (pos >= batch.prompt_len[:, None])).flatten()
         self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
         self.iters = sched.iters[self.rows]  # [B] iterations each sequence was active (schedules)
-        self.request_keys = request_keys[self.rows]  # [B] sampling keys (rng.sequence_key)
+        self.request_keys = sched.keys[self.rows]  # [B] sampling keys (rng.sequence_key)
         # [B] the request's forward (its own count, from 1) whose logits first held a NaN or +-inf
         # in a valid row of this block; -1: none yet.
         self.nonfinite_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
         warmup = (cfg.smoothing_threshold_start, cfg.smoothing_threshold_decay) if cfg.smoothing else None
-        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev, warmup)
+        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev, warmup, sched.tau[self.rows])
         self.decoder.start_block(self.block_tokens().view(B, bl))
         self.soft = model.embed(self.block_tokens())  # hard embeddings until the block has logits
         self.kv = None  # the KV-cache manager's state of the round (its start_round)
@@ -182,7 +185,8 @@ class BlockState:
         selects its own round state."""
         new = copy.copy(self)
         bl = self.batch.block_length
-        new.prompts, new.blocks, keep = self.prompts[keep], self.blocks[keep], keep.to(self.rows.device)
+        new.slots, new.requests, new.blocks = self.slots[keep], self.requests[keep], self.blocks[keep]
+        keep = keep.to(self.rows.device)
         new.rows, new.batch = self.rows[keep], self.batch.select(keep)
         new.valid, new.block_pos, new.pad_token = self.valid[keep], self.block_pos[keep], self.pad_token[keep]
         new.editable = self.editable.view(-1, bl)[keep].flatten()
@@ -210,7 +214,8 @@ def request_keys_of(prompts: List[List[int]]) -> List[int]:
 
 
 class Generator:
-    """Runs a GenerationConfig on a model (dinfer.models.DiffusionLM) for a batch of prompts."""
+    """Runs a GenerationConfig on a model (dinfer.models.DiffusionLM): `run` for a list of prompts, or
+    `open`, then `submit` requests at any time and `step` rounds (a server's engine)."""
 
     def __init__(self, model, cfg: GenerationConfig):
         if model.config.block_causal:
@@ -221,6 +226,8 @@ class Generator:
         use_graphs = cfg.cuda_graphs and model.device.type == "cuda" and cfg.decoder.temperature == 0
         self.graphs = StepGraphs(enabled=use_graphs and not cfg.time_phases)
         self.stats = Stats(timed=cfg.time_phases or model.device.type == "cpu")
+        self.sched = None
+        self._next_id = 0
 
     def run(
         self,
@@ -228,45 +235,104 @@ class Generator:
         batch_size: Optional[int] = None,
         on_finish: Optional[Callable[[int, torch.Tensor], None]] = None,
     ) -> List[torch.Tensor]:
-        """batch_size: the most sequences in flight (default: all); on_finish(i, tokens) is called
-        for prompt i as soon as it is finished (at a block boundary), with its generated tokens.
-        Raises NonFiniteLogitsError when the model's logits hold a NaN or +-inf."""
+        """Each prompt's generated tokens. batch_size: the most sequences in flight (default: all);
+        on_finish(i, tokens) is called for prompt i as soon as it is finished (at a block boundary),
+        with its generated tokens. Raises NonFiniteLogitsError when the model's logits hold a NaN or
+        +-inf."""
         t0 = time.perf_counter()
-        batch = self._batch(prompts)
-        slots = Scheduler.slots_for(batch_size, batch.size)
-        self.kv = self.kv_manager(self.model, self.cfg, batch, slots)  # refuses a run that cannot fit
-        sched = Scheduler(
-            batch, slots, self.eos_id, self.cfg.early_stop, on_finish, self.kv.admit, self.kv.release
-        )
-        request_keys = self._request_keys(prompts)
-        while (rnd := sched.schedule()) is not None:
-            st = BlockState(sched, rnd, self.cfg, self.model, request_keys)
-            st.kv = self.kv.start_round(st, sched, self.stats)
-            self.run_round(st, sched)
-            sched.postprocess(rnd)
+        cfg = self.cfg
+        if not prompts:
+            raise ValueError("prompts: expected at least one prompt")
+        for i, p in enumerate(prompts):
+            check_prompt(i, p, cfg.gen_length, self.model.config.max_positions)
+        slots = len(prompts) if batch_size is None else min(batch_size, len(prompts))
+        if slots < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        outputs: List[torch.Tensor] = [None] * len(prompts)
+
+        def finished(i: int, tokens: torch.Tensor, forwards: int) -> None:
+            outputs[i] = tokens
+            if on_finish is not None:
+                on_finish(i, tokens)
+
+        width = max(self._span(len(p), cfg.gen_length) for p in prompts)
+        self.open(slots, width, max(len(p) for p in prompts) + cfg.gen_length, finished)
+        sampling = cfg.decoder.temperature > 0
+        keys = request_keys_of(prompts) if sampling else [0] * len(prompts)  # no hashing to pay
+        for p, key in zip(prompts, keys):
+            self.submit(p, key=key)
+        while self.step():
+            pass
         self.stats.seconds = time.perf_counter() - t0
-        self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in sched.outputs)
-        return sched.outputs
+        self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in outputs)
+        return outputs
 
-    def _batch(self, prompts: List[List[int]]) -> Batch:
-        cfg, model = self.cfg, self.model
-        return make_batch(
-            prompts,
-            cfg.gen_length,
-            cfg.block_length,
-            self.mask_id,
+    def _span(self, prompt_len: int, gen_length: int) -> int:
+        c = self.cfg
+        return span(prompt_len, gen_length, c.block_length, c.align_blocks, c.after_look + 1)
+
+    def open(
+        self,
+        slots: int,
+        width: int,
+        max_total: int,
+        on_finish: Optional[Callable[[int, torch.Tensor, int], None]] = None,
+        on_block: Optional[Callable[[int, torch.Tensor], None]] = None,
+    ) -> None:
+        """Storage and a KV cache for `slots` sequences in flight, of up to `max_total` positions
+        and `width` columns (Generator._span) each: a run that cannot fit is refused here, before
+        anything large is allocated. on_finish(id, tokens, forwards) / on_block(id, tokens) as the
+        Scheduler calls them."""
+        cfg = self.cfg
+        storage = slots_storage(
+            slots, width, cfg.block_length, cfg.after_look + 1, self.eos_id, self.model.device
+        )
+        self.kv = self.kv_manager(self.model, cfg, storage, max_total)
+        self.max_total = max_total
+        self.sched = Scheduler(
+            storage,
             self.eos_id,
-            model.device,
-            model.config.max_positions,
+            self.mask_id,
+            cfg.early_stop,
             cfg.align_blocks,
-            cfg.after_look,
+            on_finish,
+            on_block,
+            self.kv.admit,
+            self.kv.release,
         )
 
-    def _request_keys(self, prompts: List[List[int]]) -> torch.Tensor:
-        """[P] sampling keys of the prompts (zeros when nothing is sampled: no hashing to pay)."""
-        sampling = self.cfg.decoder.temperature > 0
-        keys = request_keys_of(prompts) if sampling else [0] * len(prompts)
-        return torch.tensor(keys, dtype=torch.int64, device=self.model.device)
+    def submit(
+        self,
+        prompt: List[int],
+        gen_length: Optional[int] = None,
+        key: int = 0,
+        threshold: Optional[float] = None,
+    ) -> int:
+        """Queues a request (after open): prompt token ids, its gen_length (default: the config's),
+        sampling key and threshold (default: the decoder's). Returns its id (0, 1, ... in order)."""
+        gen_length = self.cfg.gen_length if gen_length is None else gen_length
+        rid = self._next_id
+        check_prompt(rid, prompt, gen_length, min(self.model.config.max_positions, self.max_total))
+        if self._span(len(prompt), gen_length) > self.sched.batch.max_len:
+            raise ValueError(
+                f"prompts[{rid}]: {len(prompt)} + {gen_length} positions do not fit the engine's rows"
+            )
+        tau = self.cfg.decoder.threshold if threshold is None else threshold
+        self.sched.add(Request(rid, list(prompt), gen_length, key, tau))
+        self._next_id += 1
+        return rid
+
+    def step(self) -> bool:
+        """One round: every request in flight decodes its next block (newcomers admitted first).
+        False when nothing was queued or in flight."""
+        rnd = self.sched.schedule()
+        if rnd is None:
+            return False
+        st = BlockState(self.sched, rnd, self.cfg, self.model)
+        st.kv = self.kv.start_round(st, self.sched, self.stats)
+        self.run_round(st, self.sched)
+        self.sched.postprocess(rnd)
+        return True
 
     def run_round(self, st: BlockState, sched: Scheduler):
         """Every sequence of the round decodes its block, in chunks of iterations with one host
@@ -280,15 +346,15 @@ class Generator:
                 st, left = st.select(keep, self.kv), left[keep]
             # The slowest sequence sets the chunk: a chunk never outruns the last block to finish.
             chunk = max(1, min(int(left.max()) // cfg.expected_tpf, cfg.unroll))
-            first = int(sched.forwards[st.prompts].min())
+            first = int(sched.forwards[st.slots].min())
             kinds = self.kv.kinds(step, first, chunk)
             self.graphs.run(self.iteration, st, kinds)
             self.stats.count_chunk(kinds, st.batch.size)
-            sched.forwards[st.prompts] += chunk
+            sched.forwards[st.slots] += chunk
             step += chunk
             left, nonfinite_at = st.poll()
             limit = st.batch.block_length + (cfg.decoder.max_post_edit_steps if cfg.decoder.edits else 0)
-            _check_chunk(left, nonfinite_at, st.prompts, sched.next_block, step, limit)
+            _check_chunk(left, nonfinite_at, st.requests, st.blocks, step, limit)
         sched.store(st.rows, st.batch.x, st.iters)
 
     def iteration(self, st: BlockState, kind: str):
@@ -338,22 +404,22 @@ def _check_block_causal(cfg: GenerationConfig):
         raise ValueError("align_blocks: a block-causal model decodes blocks aligned at position 0 (True)")
 
 
-def _check_chunk(left, nonfinite_at, prompts, blocks, step: int, limit: int):
+def _check_chunk(left, nonfinite_at, requests, blocks, step: int, limit: int):
     """After a chunk (host values): no logits held a NaN or +-inf, and no block outlived its bound
-    in forwards (`limit`: its length, plus the post-edit steps of an editing decoder). prompts [B]:
-    the prompt index of each sequence; blocks: each prompt's block."""
+    in forwards (`limit`: its length, plus the post-edit steps of an editing decoder). requests [B],
+    blocks [B]: each sequence's request (its prompt's index in a run) and block."""
     bad = (nonfinite_at >= 0).nonzero().flatten().tolist()
     if bad:
-        i, f = int(prompts[bad[0]]), int(nonfinite_at[bad[0]])
+        i, f = int(requests[bad[0]]), int(nonfinite_at[bad[0]])
         more = f" (and {len(bad) - 1} more prompts)" if len(bad) > 1 else ""
         raise NonFiniteLogitsError(
             f"non-finite logits (NaN or inf) from the model at forward {f} of prompt {i}, block "
-            f"{int(blocks[i])}{more}: its weights are broken or its activations overflow their dtype"
+            f"{int(blocks[bad[0]])}{more}: its weights are broken or its activations overflow their dtype"
         )
     if step >= limit and left.any():
         b = int(left.nonzero()[0])
         raise RuntimeError(
-            f"internal error: block {int(blocks[int(prompts[b])])} of prompt {int(prompts[b])} is not "
+            f"internal error: block {int(blocks[b])} of prompt {int(requests[b])} is not "
             f"settled ({int(left[b])} left) after {step} forwards, more than its bound {limit} (its length "
             "and post-edit steps: decode_step commits at least one [MASK] per forward)"
         )

@@ -34,9 +34,10 @@ import torch
 
 import dinfer_kernels as dk
 
-from .batch import Batch
+from .batch import Batch, first_block
 from .kv_refresh import Window, block_rows
 from .params import check_memory
+from .scheduler import Request
 
 MODES = ("paged",)
 CLEAN_KV = ("fused", "forward")
@@ -111,50 +112,54 @@ class PagedRound(NamedTuple):
 
 
 class PagedKV:
-    """The paged cache of a run of `model` (a block-causal DiffusionLM) under GenerationConfig `cfg`
-    for the prompts of `batch`, at most `slots` of them in flight."""
+    """The paged cache of `model` (a block-causal DiffusionLM) under GenerationConfig `cfg` for the
+    rows of `storage` (a row per sequence in flight), sequences of up to `max_total` positions."""
 
-    def __init__(self, model, cfg, batch: Batch, slots: int):
+    def __init__(self, model, cfg, storage: Batch, max_total: int):
         if cfg.cache not in MODES:
             raise ValueError(
                 f"cache: a block-causal model ({model.config.family}) keeps an exact append-only cache: "
                 f"'paged', got {cfg.cache!r}"
             )
         self.model, self.cfg = model, cfg
-        bl = self.bl = batch.block_length
-        self.total = batch.total_len.cpu().tolist()
-        self.first_block = batch.first_block.cpu().tolist()
-        longest = pages_for(max(self.total), bl)
+        bl = self.bl = storage.block_length
+        slots = storage.size
+        longest = pages_for(max_total, bl)
         num_pages = cfg.kv_pages or slots * longest
         if longest > num_pages:
             raise MemoryError(
-                f"kv_pages: a sequence of {max(self.total)} positions needs {longest} pages of {bl}, "
+                f"kv_pages: a sequence of {max_total} positions needs {longest} pages of {bl}, "
                 f"the pool has {num_pages}"
             )
         self.chunk = max(bl, cfg.prefill_chunk // bl * bl)  # prefill positions per forward
-        forward_rows = slots * max(2 * bl, min(self.chunk, max(self.first_block)))
+        forward_rows = slots * max(2 * bl, min(self.chunk, max_total))
         what = f"a paged cache of {num_pages} pages x {bl} positions"
         check_memory(model, num_pages * bl, forward_rows, slots * bl, what)  # a refusal, not an OOM
         self.pool = PagePool(model, num_pages, bl)
+        self.total: Dict[int, int] = {}  # request id -> its positions, while admitted
+        self.first: Dict[int, int] = {}  # request id -> its first block's position
 
-    def admit(self, i: int) -> bool:
-        """Admits prompt i (reserving its pages) if they are free."""
-        if not self.pool.can_admit(self.total[i]):
+    def admit(self, r: Request) -> bool:
+        """Admits request r (reserving its pages) if they are free."""
+        total = len(r.prompt) + r.gen_length
+        if not self.pool.can_admit(total):
             return False
-        self.pool.admit(i, self.total[i])
+        self.pool.admit(r.id, total)
+        self.total[r.id], self.first[r.id] = total, first_block(len(r.prompt), self.bl, True)
         return True
 
-    def release(self, i: int) -> None:
-        self.pool.release(i)
+    def release(self, rid: int) -> None:
+        self.pool.release(rid)
+        del self.total[rid], self.first[rid]
 
     def start_round(self, st, sched, stats) -> PagedRound:
         """Pages for every block of the round, the newcomers' prompts prefilled, and (clean_kv
         "forward") the previous blocks' clean K/V written; then the round's tables and windows."""
-        bl, seqs, blocks = self.bl, st.prompts.tolist(), st.blocks.tolist()
-        starts = [self.first_block[i] + k * bl for i, k in zip(seqs, blocks)]
+        bl, seqs, blocks = self.bl, st.requests.tolist(), st.blocks.tolist()
+        starts = [self.first[i] + k * bl for i, k in zip(seqs, blocks)]
         for i, s in zip(seqs, starts):
             self.pool.grow(i, min(s + bl, self.total[i]))
-        newcomers = [b for b, k in enumerate(blocks) if k == 0 and self.first_block[seqs[b]] > 0]
+        newcomers = [b for b, k in enumerate(blocks) if k == 0 and self.first[seqs[b]] > 0]
         if newcomers:
             self._prefill(st, newcomers, stats)
         # every window's positions inside the table: the fused one reaches past short blocks
@@ -194,8 +199,8 @@ class PagedKV:
         """The whole prompt blocks [0, first_block) of sequences `newcomers` (indices into the round),
         chunk by chunk: K/V written, no logits read."""
         bl, c = self.bl, self.model.config
-        seqs = [int(st.prompts[b]) for b in newcomers]
-        chunk, longest = self.chunk, max(self.first_block[i] for i in seqs)
+        seqs = [int(st.requests[b]) for b in newcomers]
+        chunk, longest = self.chunk, max(self.first[i] for i in seqs)
         chunks = pages_for(longest, chunk)
         table = self.pool.table(seqs, pages_for(chunks * chunk, bl))
         rows = torch.tensor(newcomers, device=table.device)

@@ -70,22 +70,24 @@ class RoundCache(NamedTuple):
 
 
 class RefreshKV:
-    """The cache of a run of `model` (a DiffusionLM) under GenerationConfig `cfg`, for `slots`
-    sequences of at most `batch.max_len` positions."""
+    """The cache of `model` (a DiffusionLM) under GenerationConfig `cfg` for the rows of `storage`
+    (a row per sequence in flight, of storage.max_len positions); max_total is not needed: every
+    row holds its sequence whole."""
 
-    admit = None  # every prompt fits its slot: no admission control, nothing to give back
+    admit = None  # every request fits its row: no admission control, nothing to give back
     release = None
 
-    def __init__(self, model, cfg, batch: Batch, slots: int):
+    def __init__(self, model, cfg, storage: Batch, max_total: int):
         if cfg.cache not in MODES:
             raise ValueError(
                 f"cache: a bidirectional model ({model.config.family}) takes one of {MODES}, got {cfg.cache!r}"
             )
         self.model, self.cfg = model, cfg
-        rows = slots * batch.max_len  # the cache, and a refresh's forward over every row
-        what = f"a run of {slots} sequence(s) x {batch.max_len} positions"
+        slots, width = storage.size, storage.max_len
+        rows = slots * width  # the cache, and a refresh's forward over every row
+        what = f"a run of {slots} sequence(s) x {width} positions"
         check_memory(model, rows, rows, slots * cfg.block_length, what)  # a refusal, not an OOM
-        self.cache = model.new_cache(slots, batch.max_len)
+        self.cache = model.new_cache(slots, width)
 
     def start_round(self, st, sched, stats) -> RoundCache:
         """The round's cache: the head of each slot buffer as [B, S, Hkv, D]. What a block leaves
