@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_precision, device_backends
+from conftest import assert_precision, device_backends, paged_caches
 
 import dinfer_kernels as dk
 from dinfer_kernels import _backend
@@ -277,6 +277,7 @@ def test_internal_signature_poisoned_outputs(backend, device, with_lse, with_mas
         vc.clone().to(device),
         dev(pos),
         dev(lens),
+        None,
         dev(bm.kv_num_blocks),
         dev(bm.kv_indices),
         out,
@@ -599,6 +600,7 @@ def test_opcheck(backend):
                 vc,
                 pos,
                 lens,
+                None,
                 True,
                 None,
                 bm.kv_num_blocks,
@@ -613,7 +615,15 @@ def test_opcheck(backend):
         )
     torch.library.opcheck(
         torch.ops.dinfer.attention.default,
-        (q, k, v, kc, vc, pos, lens, False, None, None, None, 5, 64, 0.125, False, False, backend),
+        (q, k, v, kc, vc, pos, lens, None, False, None, None, None, 5, 64, 0.125, False, False, backend),
+    )
+    # the paged layout: the same cache as a pool of 8-row pages in shuffled order
+    (pool_k, pool_v), table = paged_caches((kc, vc), 8, seed=2)
+    torch.library.opcheck(
+        torch.ops.dinfer.attention.default,
+        (q, k, v, pool_k, pool_v, pos, lens, table, True, None, bm.kv_num_blocks, bm.kv_indices)
+        + (bm.q_block, bm.kv_block, 0.125, True, True, backend),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 
 
