@@ -1126,13 +1126,19 @@ def test_kernel_backend_rejects_unsupported_head_dim_but_auto_falls_back():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_cuda_graph_capture(backend):
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_capture(backend, paged):
     if backend not in dk.available_backends("cuda", "attention"):
         pytest.skip(f"{backend} not available")
     B, W, S, Hq, Hkv, D = 1, 96, 2048, 16, 16, 128
-    q, k, v, kc, vc, pos, lens = [t.cuda() for t in make_case(B, W, S, Hq, Hkv, D, BF16, seed=4)]
+    q, k, v, kc, vc, pos, lens = make_case(B, W, S, Hq, Hkv, D, BF16, seed=4)
+    extra = {}
+    if paged:  # pages of 32 in shuffled order, absent ids past seq_lens
+        (kc, vc), table = paged_caches((kc, vc), 32, lens, seed=4, absent=True)
+        extra = dict(block_table=table.cuda())
+    q, k, v, kc, vc, pos, lens = [t.cuda() for t in (q, k, v, kc, vc, pos, lens)]
     bm = _to(random_block_mask(B, Hkv, W, S, 32, 64, seed=4)[0], "cuda")
-    kw = dict(block_mask=bm, return_lse=True, return_block_mass=True, backend=backend)
+    kw = dict(block_mask=bm, return_lse=True, return_block_mass=True, backend=backend, **extra)
     want = dk.attention(q, k, v, kc.clone(), vc.clone(), pos, lens, write_back=False, **kw)
     kc2, vc2 = kc.clone(), vc.clone()
     g = torch.cuda.CUDAGraph()

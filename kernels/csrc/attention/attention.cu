@@ -5,9 +5,6 @@
 //   1. refresh_prologue_kernel: one CTA per window row. A valid row's fresh K/V replace its cache
 //      row (write_back = false: the old row is saved to the workspace first). Extra CTAs fill the
 //      per-block statistics scratch with -inf when block_mass is wanted.
-// Every cache row is found through attention_math::kv_slot (contiguous caches, or page pools through
-// a block table): rows of absent pages are neither written nor restored, and the forward kernel
-// neither loads them (zero-filled) nor attends them (a per-key flag next to each K/V buffer).
 //   2. attention_fwd_kernel: flash-attention forward on the sm_80 tensor cores (mma.sync
 //      m16n8k16, ldmatrix, cp.async double buffering, online softmax in the exp2 domain). One CTA
 //      per (sequence, kv head, query block, 64-row query tile, key split); the query tile packs the
@@ -16,6 +13,9 @@
 //   3. attention_epilogue_kernel (when there are splits, block statistics or a cache to restore):
 //      combines the splits' partial outputs by their log-sum-exps, finishes block_mass from the
 //      per-(row, block) log-sum-exps and the rows' final ones, and restores saved cache rows.
+// Every cache row is found through attention_math::kv_slot (contiguous caches, or page pools through
+// a block table): rows of absent pages are neither written nor restored, and the forward kernel
+// neither loads them (zero-filled) nor attends them (a per-key flag next to each K/V buffer).
 #include <cuda_runtime.h>
 
 #include <cmath>

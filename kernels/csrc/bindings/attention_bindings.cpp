@@ -1,6 +1,8 @@
 // pybind11 entry for block-sparse window attention: validates every argument (dtype, shape, device,
-// strides, alignment, scalars), then calls the torch-free launcher of the arrays' device: the host
-// kernel (every build) or the CUDA one (CUDA builds; CUDA arrays are refused otherwise).
+// strides, alignment, scalars; with a block table the caches' shapes as page pools), then calls the
+// torch-free launcher of the arrays' device: the host kernel (every build) or the CUDA one (CUDA
+// builds; CUDA arrays are refused otherwise). Values (positions, page ids, block lists) are the
+// kernels' to take safely, whatever they are.
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -227,10 +229,10 @@ void register_attention(py::module_& m) {
         "Block-sparse window attention with partial KV refresh over DLPack arrays (contract: "
         "dinfer_kernels/reference/attention.py). Outputs are caller-allocated; the caches are "
         "updated in place (write_back) or left as they were (not). block_table [B, max_pages] int32: "
-        "the caches are page pools [P, page_size, Hkv, D] and S = max_pages * page_size. CUDA arrays: needs "
-        "a uint8 "
-        "workspace of attention_workspace_bytes(...) bytes and runs on `stream`. Host arrays (also "
-        "fp32, any head dim): runs on num_threads OpenMP threads (0: OpenMP's default).");
+        "the caches are page pools [P, page_size, Hkv, D] and S = max_pages * page_size. CUDA "
+        "arrays: needs a uint8 workspace of attention_workspace_bytes(...) bytes and runs on "
+        "`stream`. Host arrays (also fp32, any head dim): runs on num_threads OpenMP threads (0: "
+        "OpenMP's default).");
 #ifdef DINFER_WITH_CUDA
   m.def(
       "attention_workspace_bytes",
