@@ -21,6 +21,7 @@ import torch
 from conftest import EXT, HAS_GPU, ROOT, assert_precision
 
 from dinfer_kernels.reference import decode_step_reference
+from dinfer_kernels.reference.attention import paged_rows
 
 SOURCES = sorted((Path(__file__).resolve().parent / "device_logic").glob("*.cpp"))
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -666,6 +667,49 @@ def test_attention_split_combine(lib, ns, D):
     assert (out[empty] == 0).all() and (lse2[empty] == float("-inf")).all()
 
 
+# ---- attention: the paged layout's address translation ------------------------------------------------
+
+
+def emulated_kv_offsets(lib, table, page_size, num_pages, strides, head, B=None, S=None):
+    """[B, S] int64: the kernels' element offset of each position's cache row (head `head`), -1 where
+    absent; table None: contiguous caches of S positions."""
+    f = lib.dinfer_attention_kv_offsets_on_host
+    i64, i32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    f.argtypes = [vp, i64, i64, i32, i64, vp, i64, vp]
+    f.restype = None
+    if table is not None:
+        B, MP = table.shape
+    else:
+        MP, page_size = 1, S
+    st = torch.tensor(strides, dtype=torch.int64)
+    out = torch.full((B, MP * page_size), -7, dtype=torch.int64)
+    f(_ptr(table), B, MP, page_size, num_pages, _ptr(st), head, _ptr(out))
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 32])
+@pytest.mark.parametrize("strided", [False, True])
+def test_attention_paged_translation(lib, page_size, strided):
+    """Each position of each sequence maps to the reference's pool row (reference.attention.paged_rows:
+    page block_table[b, s // page_size], row s % page_size), through the pool's strides; ids outside
+    [0, P) (-3..-1, P..P+2, INT32_MIN / MAX) make the position absent."""
+    B, MP, P, H, D = 3, 7, 11, 2, 8
+    g = torch.Generator().manual_seed(page_size)
+    table = torch.randint(-3, P + 3, (B, MP), generator=g, dtype=torch.int32)
+    table[0, 0], table[1, -1] = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+    row = H * D
+    strides = (page_size * row + (24 if strided else 0), row, D)  # a padded page stride: a strided pool
+    got = emulated_kv_offsets(lib, table, page_size, P, strides, head=1)
+    rows, present = paged_rows(table, P, page_size)
+    want = (rows // page_size) * strides[0] + (rows % page_size) * strides[1] + strides[2]
+    assert torch.equal(got, torch.where(present, want, -1))
+    assert (~present).sum() > 0 and present.sum() > 0
+    # contiguous caches: (b, s) itself
+    S = MP * page_size
+    got = emulated_kv_offsets(lib, None, 0, 0, (S * row + 8, row, D), head=0, B=B, S=S)
+    assert torch.equal(got, torch.arange(B)[:, None] * (S * row + 8) + torch.arange(S)[None, :] * row)
+
+
 # ---- hostile inputs under AddressSanitizer ---------------------------------------------------------
 
 
@@ -720,6 +764,11 @@ def hostile_inputs(so):
         assert ((ids == -1) | ((ids >= 0) & (ids < V)))[covered].all()  # bad ids became empty slots
     for blocks, count in (([5, -1, 99, 2], 4), ([1, 2], 7), ([3], -1)):
         emulated_walk(lib, 640, 600, 64, blocks=blocks, count=count, mass=True)
+    # block tables of any ids, exactly sized: only their own entries are read
+    i32 = torch.iinfo(torch.int32)
+    for page_size in (1, 3, 32):
+        table = torch.tensor([[i32.min, -1, 5], [i32.max, 2, 0]], dtype=torch.int32)
+        emulated_kv_offsets(lib, table, page_size, 3, (page_size * 64, 64, 8), head=1)
     logits = torch.randn(3, 8)
     logits[1] = float("nan")
     emulated_route(lib, logits, 2, num_groups=4, topk_groups=1, e0=2, e1=6)
