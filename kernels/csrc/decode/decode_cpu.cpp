@@ -305,7 +305,7 @@ void decode_step_cpu(const DecodeStepParams& p, int num_threads) {
     for (int64_t i = 0; i < L; ++i)
       p.commit[lo + i] =
           decode_math::row_commits(i, L, tok, cand, conf, s, p.rule, tau, p.low_threshold, k, p.mask_id) ||
-          i == s.fallback_row;
+          i == s.fallback_row || decode_math::row_edits(p, lo + i, tok[i], cand[i], conf[i]);
     if (s.fallback_row >= 0) {
       cand[s.fallback_row] = fallback[lo + s.fallback_row];
       conf[s.fallback_row] = std::max(fallback_conf[lo + s.fallback_row], 0.f);  // 0: default token
