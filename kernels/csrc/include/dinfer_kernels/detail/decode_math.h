@@ -247,8 +247,9 @@ DINFER_HD SeqStats sequence_stats(int64_t L, const int64_t* tokens, const int64_
   return s;
 }
 
-// Whether row i commits under the rule (the progress guarantee and the joint rule's edits excluded). O(L) for the rank of the
-// fixed rule and O(run length) for the hierarchical run maximum, so rows can be decided in parallel.
+// Whether row i commits under the rule (the progress guarantee and the joint rule's edits excluded).
+// O(L) for the rank of the fixed rule and O(run length) for the hierarchical run maximum, so rows can
+// be decided in parallel.
 DINFER_HD bool row_commits(int64_t i, int64_t L, const int64_t* tokens, const int64_t* cand,
                            const float* conf, const SeqStats& s, CommitRule rule, float tau, float tau_low,
                            int32_t k, int64_t mask_id) {
