@@ -6,7 +6,9 @@ on the host so the float64 truth stays cheap there), once per dtype the backend 
 runs over contiguous caches and over the paged layout (outputs 2 and 3 of its row). The result is
 held to the precision-tied bound of dinfer_kernels.precision (the error against a float64 truth at
 most twice that of the torch reference run in the same dtype); outputs that are integers or masks
-must equal the reference's. One table; the exit status is 1 if any row fails.
+must equal the reference's (decode_step's row holds two calls: rule="threshold", and rule="joint" on
+half-committed rows, with token-to-token edits of the editable ones). One table; the exit status is 1
+if any row fails.
 
 Without a GPU the Triton kernels can only run in the interpreter, which is far too slow at real shapes:
 with --quick every shape is small and the interpreter rows run (in fp32: its bf16 arithmetic is not
@@ -75,25 +77,48 @@ def _dtypes(backend, device):
 
 
 def _decode(backend, device, dtype, N, V):
-    logits = (torch.randn(N, V, device=device) * 3).to(dtype)
+    z = torch.randn(N, V, device=device) * 3
+    peaks = torch.arange(N, device=device) % 3 == 0  # a third of the rows confident in one token
+    z[peaks, torch.randint(0, V, (int(peaks.sum()),), device=device)] += 20.0
+    logits = z.to(dtype)
     mask_id = V // 2
-    tokens = torch.randint(0, V, (N,), device=device)
-    tokens[torch.rand(N, device=device) < 0.7] = mask_id
     offsets = torch.tensor([0, N // 3, N], dtype=torch.int32, device=device)
     thr = torch.full((2,), 0.3, device=device)
     k = torch.zeros(2, dtype=torch.int32, device=device)
-    tok_b, tok_s, tok_t = tokens.clone(), tokens.clone(), tokens.clone()
-    out = decode_step(logits, tok_b, offsets, mask_id, threshold=0.3, backend=backend)
-    same = decode_step_reference(logits, tok_s, offsets, mask_id, threshold=thr, num_commit=k)
-    truth = decode_step_reference(
-        logits, tok_t, offsets, mask_id, threshold=thr, num_commit=k, compute_dtype=F64
-    )
-    exact = {
-        "candidate": (out.candidate, same.candidate),
-        "commit": (out.commit, same.commit),
-        "tokens": (tok_b, tok_s),
-    }
-    return [out.confidence], [same.confidence], [truth.confidence], exact
+    outs, sames, truths, exact = [], [], [], {}
+    for rule, masked_share in (("threshold", 0.7), ("joint", 0.5)):
+        tokens = torch.randint(0, V, (N,), device=device)
+        tokens[torch.rand(N, device=device) < masked_share] = mask_id
+        edits = {}
+        if rule == "joint":
+            edits = dict(editable=torch.rand(N, device=device) < 0.7, edit_threshold=0.5)
+        tok_b, tok_s, tok_t = tokens.clone(), tokens.clone(), tokens.clone()
+        out = decode_step(logits, tok_b, offsets, mask_id, rule=rule, threshold=0.3, backend=backend, **edits)
+        same = decode_step_reference(
+            logits, tok_s, offsets, mask_id, rule=rule, threshold=thr, num_commit=k, **edits
+        )
+        truth = decode_step_reference(
+            logits,
+            tok_t,
+            offsets,
+            mask_id,
+            rule=rule,
+            threshold=thr,
+            num_commit=k,
+            compute_dtype=F64,
+            **edits,
+        )
+        outs.append(out.confidence)
+        sames.append(same.confidence)
+        truths.append(truth.confidence)
+        exact.update(
+            {
+                f"{rule} candidate": (out.candidate, same.candidate),
+                f"{rule} commit": (out.commit, same.commit),
+                f"{rule} tokens": (tok_b, tok_s),
+            }
+        )
+    return outs, sames, truths, exact
 
 
 def _soft_embedding(backend, device, dtype, M, V, d):

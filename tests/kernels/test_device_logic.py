@@ -94,6 +94,8 @@ def emulated_decode_step(lib):
         vp,
         vp,
         vp,
+        vp,
+        flt,
     ]
     f.restype = ctypes.c_int
 
@@ -120,6 +122,8 @@ def emulated_decode_step(lib):
         credit_beta,
         credit_gamma,
         row_keys=None,
+        editable=None,
+        edit_threshold=float("inf"),
     ):
         assert logits.stride(1) == 1 or logits.shape[1] <= 1
         N, V = logits.shape
@@ -151,6 +155,8 @@ def emulated_decode_step(lib):
             _ptr(commit),
             _ptr(nonfinite),
             _ptr(row_keys),
+            _ptr(editable),
+            edit_threshold,
         )
         assert rc == 0
 
@@ -236,8 +242,30 @@ def test_decode_mask_predictions_and_sampling(emulated, rule):
 
 
 @pytest.mark.parametrize("slots", [4, 16])
-def test_decode_credit(emulated, slots):
-    test_decode.test_credit_over_a_block(EMULATED, "cpu", slots)
+@pytest.mark.parametrize("rule", ["threshold", "joint"])
+def test_decode_credit(emulated, slots, rule):
+    test_decode.test_credit_over_a_block(EMULATED, "cpu", slots, rule)
+
+
+@pytest.mark.parametrize("V", [41, 157184])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_decode_joint_commits_and_edits(emulated, V, dtype, temperature):
+    """The joint rule's edits in phase c of the finalize kernel (decode_math.h row_edits), next to
+    its threshold commits: every kind of row, editing off, sampled candidates."""
+    test_decode.test_joint_commits_and_edits(EMULATED, "cpu", V, dtype, temperature)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "test_joint_edit_threshold_is_strict",
+        "test_joint_only_masks_is_the_threshold_rule",
+        "test_joint_never_edits_the_prompt_tail",
+    ],
+)
+def test_decode_joint_edge_cases(emulated, case):
+    getattr(test_decode, case)(EMULATED, "cpu")
 
 
 def test_decode_all_equal_rows_across_splits(emulated):
@@ -283,17 +311,19 @@ def test_decode_bad_credit_ids_are_empty_slots(emulated):
 )
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature):
+@pytest.mark.parametrize("rule", ["hierarchical", "joint"])
+def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature, rule):
     """The GPU and its host run take the same decisions: candidates, commits, non-finite flags, tokens
     and credit slots agree exactly; confidences, where MUFU.EX2 stands against exp2f, are as close to
-    the fp64 truth as the host run's."""
+    the fp64 truth as the host run's. The joint rule edits the rows its steps commit."""
     N, V, B = 64, 157184, 5
     logits, tokens, offsets, mask_id = test_decode.make_case(N, V, test_decode.ragged_offsets(N, B), dtype)
+    edits = dict(editable=torch.rand(N) < 0.7, edit_threshold=0.02) if rule == "joint" else {}
     thr, k = torch.rand(B), torch.randint(0, 4, (B,), dtype=torch.int32)
     credit = (torch.full((N, 4), -1, dtype=torch.int32), torch.zeros(N, 4))
     for _ in range(3):
-        kw = dict(temperature=temperature, seed=3)
-        args = (logits, tokens, offsets, mask_id, "hierarchical", thr, k, credit)
+        kw = dict(temperature=temperature, seed=3, **edits)
+        args = (logits, tokens, offsets, mask_id, rule, thr, k, credit)
         gpu, tok_g, cred_g = test_decode.run_backend("cuda", "cuda", *args, **kw)
         host, tok_h, cred_h = test_decode.run_backend(EMULATED, "cpu", *args, **kw)
         ids, vals = credit[0].clone(), credit[1].clone()
@@ -302,7 +332,7 @@ def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature):
             tokens.clone(),
             offsets,
             mask_id,
-            rule="hierarchical",
+            rule=rule,
             threshold=thr,
             num_commit=k,
             credit_ids=ids,
@@ -735,7 +765,8 @@ def hostile_inputs(so):
             torch.full((N,), float("nan")),
             torch.zeros(N, dtype=torch.bool),
         ]
-        for rule in range(3):
+        editable = torch.rand(N) < 0.5  # exactly [N]: a read past it is reported
+        for rule in range(4):
             decode_step(
                 logits,
                 tokens,
@@ -755,6 +786,8 @@ def hostile_inputs(so):
                 credit_alpha=0.7,
                 credit_beta=0.8,
                 credit_gamma=0.2,
+                editable=editable if rule == 3 else None,
+                edit_threshold=0.01 if rule == 3 else float("inf"),
             )
         covered = torch.zeros(N, dtype=torch.bool)
         for b in range(B):  # the rows the kernels' clamp assigns to a sequence

@@ -411,7 +411,7 @@ def gen_decode_step(r, backend, floats, valid):
     mask_id = r.randrange(V)
     tokens = torch.randint(0, V, (N,))
     tokens[torch.rand(N) < 0.6] = mask_id
-    rule = r.choice(("threshold", "hierarchical", "fixed"))
+    rule = r.choice(("threshold", "hierarchical", "fixed", "joint"))
     a = dict(
         logits=rand(r, (N, V), r.choice(floats), scale=3, nonfinite=0.3),
         tokens=tokens,
@@ -428,6 +428,9 @@ def gen_decode_step(r, backend, floats, valid):
         offset=r.randrange(100),
         credit=credit_state(r, N, V, K) if K else None,
     )
+    if rule == "joint":  # editing off (None, <= 0) or on; editable rows or all
+        a["edit_threshold"] = r.choice((None, 0.0, -0.5, 0.05, 0.3, 0.9))
+        a["editable"] = r.choice((None, torch.rand(N) < 0.6))
     if valid:
         before = (tokens.clone(), a["credit"] and (a["credit"].ids.clone(), a["credit"].vals.clone()))
 
@@ -463,6 +466,11 @@ def gen_decode_step(r, backend, floats, valid):
                     offset=a["offset"],
                     credit_ids=ids,
                     credit_vals=vals,
+                    editable=a.get("editable"),
+                    # the op's convention: None and <= 0 turn editing off
+                    edit_threshold=None
+                    if a.get("edit_threshold") is None or a["edit_threshold"] <= 0
+                    else a["edit_threshold"],
                     compute_dtype=c,
                 )
                 res.append(tuple(out) + (tok,) + ((ids, vals) if ids is not None else ()))
@@ -495,6 +503,38 @@ def gen_decode_step(r, backend, floats, valid):
         (("num_commit",), lambda a: a.update(rule="fixed", num_commit=r.choice((-1, None, 1.5)))),
         (("temperature",), lambda a: a.update(temperature=r.choice((-0.1, float("nan"), float("inf"))))),
         (("seed",), lambda a: a.update(seed=r.choice((-1, 2**32, 0.5)))),
+        (
+            ("editable",),
+            lambda a: a.update(
+                rule="joint",
+                editable=r.choice(
+                    (
+                        torch.ones(N, dtype=torch.uint8),
+                        torch.ones(N, dtype=torch.int32),
+                        torch.ones(N + 1, dtype=torch.bool),
+                        torch.ones(N, 1, dtype=torch.bool),
+                        torch.ones(N, dtype=torch.bool, device="meta"),
+                        [True] * N,
+                    )
+                ),
+            ),
+        ),
+        (
+            ("edit_threshold",),
+            lambda a: a.update(
+                rule="joint", edit_threshold=r.choice((float("nan"), float("inf"), "0.5", True))
+            ),
+        ),
+        # editing asked of another rule
+        (
+            ("editable", "edit_threshold"),
+            lambda a: a.update(
+                rule=r.choice(("threshold", "hierarchical")),
+                **r.choice(({"editable": torch.ones(N, dtype=torch.bool)}, {"edit_threshold": 0.5})),
+            ),
+        ),
+        # the caller's buffer for both the tokens and the editable rows
+        (("tokens",), lambda a: a.update(rule="joint", editable=a["tokens"].view(torch.bool)[:N])),
         (("credit",), lambda a: a.update(credit=(torch.zeros(N, 1),))),
         (
             ("credit.ids", "credit_ids"),

@@ -159,6 +159,8 @@ def _decode_step_op(
         credit_beta=credit_beta,
         credit_gamma=credit_gamma,
         row_keys=row_keys,
+        editable=editable,
+        edit_threshold=edit_threshold,
     )
     return candidate, confidence, commit, nonfinite
 
@@ -291,7 +293,8 @@ def decode_step(
         _checks.shape("row_keys", row_keys, [N])
         row_keys = row_keys.contiguous()
     if rule != "joint" and (editable is not None or edit_threshold is not None):
-        raise ValueError(f"editable / edit_threshold: only rule='joint' edits tokens, got rule={rule!r}")
+        given = "editable" if editable is not None else "edit_threshold"
+        raise ValueError(f"{given}: only rule='joint' edits tokens, got rule={rule!r}")
     if editable is not None:
         _checks.tensor("editable", editable, (torch.bool,), ndim=1, device=dev)
         _checks.shape("editable", editable, [N])
@@ -300,12 +303,7 @@ def decode_step(
         _checks.number("edit_threshold", edit_threshold)
     # +inf: off (no confidence exceeds it); None and <= 0 mean off (diffusers' convention)
     edit_at = float("inf") if edit_threshold is None or edit_threshold <= 0 else float(edit_threshold)
-    requested = backend
     backend = _backend.resolve(backend, dev, "decode_step")
-    if rule == "joint" and backend != "torch":
-        if requested != "auto":
-            raise ValueError(f"rule: 'joint' is not supported by the {backend} backend yet")
-        backend = "torch"
     _checks.disjoint(
         {"tokens": tokens, "credit.ids": ids, "credit.vals": vals},
         {

@@ -23,8 +23,9 @@ editable     [N] bool or None ("joint" only): rows whose committed token may be 
              token-to-token editing: the generated, non-prompt positions of the current block).
              None: every row.
 edit_threshold  float or None ("joint" only): a non-masked editable row is rewritten when its
-             candidate differs from its token with confidence > edit_threshold. None: editing off
-             (the public op also reads <= 0 as off, the convention of diffusers' LLaDA2 pipeline).
+             candidate differs from its token with confidence > edit_threshold, compared in the
+             confidences' precision (fp32, as tau is). None: editing off (the public op also reads
+             <= 0 as off, the convention of diffusers' LLaDA2 pipeline; the kernels take +inf).
 temperature  float >= 0. 0: candidate = argmax. > 0: Gumbel-max sample from softmax(z'/T) with the
              counter-based noise of reference/rng.py keyed by (seed, offset, row key, token v).
 row_keys     [N] int64 or None: row n's noise key (low 32 bits); None: the row index n. Any values
