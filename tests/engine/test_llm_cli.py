@@ -411,6 +411,23 @@ def test_cli_eval_rejects_a_zero_batch_size(ckpt):
     assert r.returncode == 2 and "batch_size" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_serve_without_the_extra_says_how_to_install_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed: importing it fails
+    for name in [m for m in sys.modules if m == "dinfer.serve" or m.startswith("dinfer.serve.")]:
+        monkeypatch.delitem(sys.modules, name)
+    rc, _, err = cli(capsys, monkeypatch, "serve")
+    assert rc == 2 and 'dinfer serve needs fastapi: pip install "dinfer[serve]"' in err
+
+
+@pytest.mark.parametrize(
+    "args, match", [(["--max-batch", "0"], "max_batch: must be"), (["--port", "70000"], "port: must be in")]
+)
+def test_cli_serve_errors(ckpt, capsys, monkeypatch, args, match):
+    pytest.importorskip("fastapi")
+    rc, _, err = cli(capsys, monkeypatch, "serve", "--model", ckpt, *args)
+    assert rc == 2 and match in err
+
+
 def test_cli_missing_checkpoint(tmp_path):
     r = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "hello")
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
