@@ -196,7 +196,7 @@ def _engine_error(e: Exception) -> APIError:
 
 
 def _sse(payload) -> str:
-    return f"data: {payload.model_dump_json() if hasattr(payload, 'model_dump_json') else payload}\n\n"
+    return f"data: {payload.model_dump_json()}\n\n"
 
 
 class Server:
