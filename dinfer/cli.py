@@ -2,6 +2,7 @@
 
     dinfer generate [--model M] --prompt TEXT [options]     text for one or more prompts
     dinfer eval [--model M] [--tasks add,sort] [options]    accuracy / TPF / TPS on the task suite
+    dinfer serve [--model M] [--port 8000] [options]        an OpenAI-compatible server (dinfer.serve)
 
 --model is a checkpoint folder or an embedded model's name (default: tiny-llada-moe, shipped in the
 package). Options left out keep the GenerationConfig / DecoderConfig defaults, or the checkpoint's
@@ -50,7 +51,7 @@ def _defaults(model: Optional[str]) -> Dict[str, object]:
     return values
 
 
-def _model_options(p: argparse.ArgumentParser, batch_default: str) -> None:
+def _model_options(p: argparse.ArgumentParser, batch_default: Optional[str]) -> None:
     device = _device(None)
     p.add_argument(
         "--model",
@@ -62,12 +63,13 @@ def _model_options(p: argparse.ArgumentParser, batch_default: str) -> None:
         help=f"bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on the host: "
         f"{str(_dtype(None, device)).replace('torch.', '')} here)",
     )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        help=f"most prompts decoded at once; a finished one's place goes to the next "
-        f"(default: {batch_default})",
-    )
+    if batch_default is not None:
+        p.add_argument(
+            "--batch-size",
+            type=int,
+            help=f"most prompts decoded at once; a finished one's place goes to the next "
+            f"(default: {batch_default})",
+        )
 
 
 def _generation_options(parser: argparse.ArgumentParser, d: Dict[str, object]) -> None:
@@ -222,6 +224,39 @@ def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _model_options(e, "1")
     _generation_options(e, d)
+    s = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (needs the serve extra)",
+        description="Serves /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and "
+        "/openapi.json; requests join the running batch at block boundaries. The generation options "
+        "are the defaults of every request (which may set max_tokens, temperature, seed, stop, "
+        "block_length, threshold, decoder and cache).",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded at once per lane (default: 8)")
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests waiting for a slot; past it a request gets 429 with Retry-After (default: 64)",
+    )
+    s.add_argument(
+        "--max-len",
+        type=int,
+        help="positions of the longest sequence, prompt + answer (default: the model's)",
+    )
+    s.add_argument(
+        "--max-lanes",
+        type=int,
+        default=4,
+        help="request configurations (block length, decoder, cache, sampling) decoded side by side, "
+        "each with its own slots and KV cache (default: 4)",
+    )
+    s.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
+    s.add_argument("--log-level", default="info", help="uvicorn's log level (default: info)")
+    _model_options(s, None)
+    _generation_options(s, d)
     return parser
 
 
@@ -370,6 +405,8 @@ def _eval(args: argparse.Namespace, state: dict) -> None:
 
 
 def _interrupted(args: argparse.Namespace, state: dict) -> str:
+    if args.command == "serve":
+        return "dinfer: server stopped"
     if args.command == "eval":
         kept = (
             f"{state['saved']} finished task(s) are in {args.output}"
@@ -394,11 +431,32 @@ def _interrupted(args: argparse.Namespace, state: dict) -> str:
     return f"dinfer: interrupted; {kept}"
 
 
+def _serve(args: argparse.Namespace, state: dict) -> None:
+    from .serve import serve  # ImportError naming the extra when the web stack is missing
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"port: must be in [0, 65535], got {args.port}")
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_len=args.max_len,
+        max_lanes=args.max_lanes,
+        device=args.device,
+        dtype=args.dtype,
+        name=args.served_model_name,
+        log_level=args.log_level,
+        **{k: v for k, v in _options(args).items() if v is not None},
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser(argv).parse_args(argv)  # argparse itself exits 2 on a bad command line
     state: dict = {}
     try:
-        _generate(args, state) if args.command == "generate" else _eval(args, state)
+        {"generate": _generate, "eval": _eval, "serve": _serve}[args.command](args, state)
     except KeyboardInterrupt:
         print(_interrupted(args, state), file=sys.stderr)
         return 130

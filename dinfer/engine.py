@@ -24,6 +24,7 @@ answers with 429 and Retry-After) -- never an unbounded queue.
 """
 
 import dataclasses
+import logging
 import queue
 import threading
 from typing import Callable, Dict, List, Optional
@@ -31,6 +32,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .generate import GenerationConfig, Generator
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -123,6 +126,11 @@ class Engine:
     def in_flight(self) -> int:
         return sum(len(g.sched.flight) for g in list(self.lanes.values()))
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (a server's health)."""
+        return self._thread.is_alive()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -143,6 +151,11 @@ class Engine:
                 gen.step()
                 self.counters["rounds"] += 1
             except Exception as e:  # the lane's model failed: its requests fail, the engine goes on
+                log.error(
+                    "a lane failed its %d request(s) in flight and queued",
+                    len(gen.sched.flight) + len(gen.sched.queue),
+                    exc_info=e,
+                )
                 self._fail_lane(key, e)
 
     def _drain(self) -> None:

@@ -218,10 +218,9 @@ class Generator:
     `open`, then `submit` requests at any time and `step` rounds (a server's engine)."""
 
     def __init__(self, model, cfg: GenerationConfig):
-        if model.config.block_causal:
-            _check_block_causal(cfg)
+        check_for_model(model, cfg)
         self.model, self.cfg = model, cfg
-        self.kv_manager = kv_paged.PagedKV if model.config.block_causal else kv_refresh.RefreshKV
+        self.kv_manager = kv_manager(model)
         self.mask_id, self.eos_id = model.config.mask_id, model.config.eos_id
         use_graphs = cfg.cuda_graphs and model.device.type == "cuda" and cfg.decoder.temperature == 0
         self.graphs = StepGraphs(enabled=use_graphs and not cfg.time_phases)
@@ -396,6 +395,20 @@ class Generator:
                 weight = torch.clamp(w0 + dw * st.iters.float(), max=wmax).repeat_interleave(bl)
                 st.soft.copy_(dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, weight))
         st.iters += active.to(st.iters.dtype)
+
+
+def kv_manager(model):
+    """The KV-cache manager of `model`: paged for a block-causal one, refreshed for a bidirectional one."""
+    return kv_paged.PagedKV if model.config.block_causal else kv_refresh.RefreshKV
+
+
+def check_for_model(model, cfg: GenerationConfig) -> None:
+    """What `cfg` must agree with in `model`, checked before anything is allocated (a server checks a
+    request's configuration with it): a block-causal model's aligned blocks, the cache mode of the
+    model's KV-cache manager. ValueError naming the option."""
+    if model.config.block_causal:
+        _check_block_causal(cfg)
+    kv_manager(model).check(model, cfg)
 
 
 def _check_block_causal(cfg: GenerationConfig):

@@ -115,12 +115,17 @@ class PagedKV:
     """The paged cache of `model` (a block-causal DiffusionLM) under GenerationConfig `cfg` for the
     rows of `storage` (a row per sequence in flight), sequences of up to `max_total` positions."""
 
-    def __init__(self, model, cfg, storage: Batch, max_total: int):
+    @staticmethod
+    def check(model, cfg) -> None:
+        """ValueError naming `cache` unless cfg's cache mode is this manager's."""
         if cfg.cache not in MODES:
             raise ValueError(
                 f"cache: a block-causal model ({model.config.family}) keeps an exact append-only cache: "
                 f"'paged', got {cfg.cache!r}"
             )
+
+    def __init__(self, model, cfg, storage: Batch, max_total: int):
+        self.check(model, cfg)
         self.model, self.cfg = model, cfg
         bl = self.bl = storage.block_length
         slots = storage.size

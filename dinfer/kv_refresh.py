@@ -77,11 +77,16 @@ class RefreshKV:
     admit = None  # every request fits its row: no admission control, nothing to give back
     release = None
 
-    def __init__(self, model, cfg, storage: Batch, max_total: int):
+    @staticmethod
+    def check(model, cfg) -> None:
+        """ValueError naming `cache` unless cfg's cache mode is one of this manager's."""
         if cfg.cache not in MODES:
             raise ValueError(
                 f"cache: a bidirectional model ({model.config.family}) takes one of {MODES}, got {cfg.cache!r}"
             )
+
+    def __init__(self, model, cfg, storage: Batch, max_total: int):
+        self.check(model, cfg)
         self.model, self.cfg = model, cfg
         slots, width = storage.size, storage.max_len
         rows = slots * width  # the cache, and a refresh's forward over every row

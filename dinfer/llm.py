@@ -132,13 +132,13 @@ class LLM:
         Bool()("chat", chat)
         if batch_size is not None:
             Int(1)("batch_size", batch_size)
-        stops = _stop_strings(stop)
+        stops = stop_strings(stop)
         ids = self._prompt_ids(prompts, chat)
         token_ids: List[List[int]] = [None] * len(ids)
         texts: List[str] = [None] * len(ids)
 
         def decode(i: int, tokens: torch.Tensor) -> None:
-            token_ids[i], texts[i] = self._cut(self._until_eos(tokens.tolist()), stops)
+            token_ids[i], texts[i] = cut_at_stop(self.tokenizer, self._until_eos(tokens.tolist()), stops)
 
         def finished(i: int, tokens: torch.Tensor) -> None:  # decoded once, handed over at once
             decode(i, tokens)
@@ -161,20 +161,26 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts: expected at least one prompt")
-        return [self._encode(i, p, chat) for i, p in enumerate(prompts)]
+        return [self.encode(p, chat, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
-    def _encode(self, i: int, prompt, chat: bool) -> List[int]:
+    def encode(self, prompt, chat: bool = True, name: str = "prompt") -> List[int]:
+        """The token ids of one prompt: a string (in the chat template when `chat`) or token ids,
+        checked (TypeError / ValueError naming `name`: empty, not in the vocabulary)."""
         if isinstance(prompt, str):
             if not prompt:  # a chat template would hide it: the model would answer an empty turn
-                raise ValueError(f"prompts[{i}]: empty prompt")
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
+                raise ValueError(f"{name}: empty prompt")
+            text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
+            try:
+                return self.tokenizer.encode(text)
+            except ValueError as e:  # a character the vocabulary lacks
+                raise ValueError(f"{name}: {e}") from e
         if isinstance(prompt, (torch.Tensor, np.ndarray)):
             prompt = prompt.tolist()
         if isinstance(prompt, bytes) or not isinstance(
             prompt, Sequence
         ):  # a flat list of ids is one prompt: it goes in a list
             raise TypeError(
-                f"prompts[{i}]: expected a string or a list of token ids, got "
+                f"{name}: expected a string or a list of token ids, got "
                 f"{type(prompt).__name__}"
                 + (
                     " (one tokenised prompt is [ids], not ids)"
@@ -184,32 +190,36 @@ class LLM:
             )
         for j, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(f"prompts[{i}][{j}]: expected a token id (int), got {type(t).__name__}")
+                raise TypeError(f"{name}[{j}]: expected a token id (int), got {type(t).__name__}")
         ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompts[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
 
     def _until_eos(self, ids: List[int]) -> List[int]:
         eos = self.model.config.eos_id
         return ids[: ids.index(eos)] if eos in ids else ids
 
-    def _cut(self, ids: List[int], stops: List[str]):
-        """(token ids, text) of an answer cut before its first stop string: the text exactly there,
-        the token ids to the tokens wholly before it (a token that straddles the cut is dropped)."""
-        text = self.tokenizer.decode(ids)
-        hits = [text.find(s) for s in stops if s in text]
-        if not hits:
-            return ids, text
-        cut, n = min(hits), 0
-        while n < len(ids) and len(self.tokenizer.decode(ids[: n + 1])) <= cut:
-            n += 1
-        return ids[:n], text[:cut]
+
+def cut_at_stop(tokenizer: Tokenizer, ids: List[int], stops: Sequence[str]):
+    """(token ids, text) of an answer (ids up to its EOS) cut before its first stop string: the text
+    exactly there, the token ids to the tokens wholly before it (a token that straddles the cut is
+    dropped)."""
+    text = tokenizer.decode(ids)
+    hits = [text.find(s) for s in stops if s in text]
+    if not hits:
+        return ids, text
+    cut, n = min(hits), 0
+    while n < len(ids) and len(tokenizer.decode(ids[: n + 1])) <= cut:
+        n += 1
+    return ids[:n], text[:cut]
 
 
-def _stop_strings(stop) -> List[str]:
+def stop_strings(stop) -> List[str]:
+    """The stop strings of `stop` (None, a string or a list of strings), checked: TypeError or
+    ValueError naming `stop`."""
     if stop is None or isinstance(stop, str):
         stops = [] if stop is None else [stop]
     elif isinstance(stop, Sequence):

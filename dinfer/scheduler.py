@@ -2,9 +2,9 @@
 and when each is finished. Schedule, run and postprocess stay apart (as in nano-vllm):
 
     add() / cancel()  requests join the queue at any time; a cancelled one leaves it, or its slot at
-                      the next block boundary
-    schedule()        refill the free slots from the queue and name the round: the slots in flight
-                      and the block each decodes next
+                      the next block boundary (the next schedule(): it decodes no further block)
+    schedule()        retire the cancelled requests in flight, refill the free slots from the queue
+                      and name the round: the slots in flight and the block each decodes next
     (Generator)       runs the round: every sequence decodes its block, store() writes it back
     postprocess()     early stop, next blocks, done flags; each block's tokens handed over (on_block),
                       each finished answer too (on_finish), its slot and cache freed
@@ -86,7 +86,8 @@ class Scheduler:
 
     def cancel(self, request_id: int) -> bool:
         """Request `request_id` leaves: now if it is queued, at the next block boundary if it is in
-        flight (its slot goes to the next request). False when it is neither."""
+        flight (the next schedule() hands it to on_finish as it stands, [MASK] where nothing was
+        committed, and its slot to the next request). False when it is neither."""
         for r in self.queue:
             if r.id == request_id:
                 self.queue.remove(r)
@@ -102,6 +103,9 @@ class Scheduler:
 
     def schedule(self) -> Optional[Round]:
         """The next round, or None when nothing is queued or in flight."""
+        for slot in [s for s in self.flight if self.request[s].id in self.cancelled]:
+            self.cancelled.discard(self.request[slot].id)
+            self._finish(slot)  # before the refill: its slot takes a queued request in this round
         while self.free and self.queue:
             if self.admit is not None and not self.admit(self.queue[0]):
                 break  # the queue's head waits for a finished request's cache
@@ -145,21 +149,22 @@ class Scheduler:
         self.next_block[s] += 1
         self.done[s] |= self.next_block[s] >= self.num_blocks[s]
         for slot in s.tolist():
-            r = self.request[slot]
-            if r.id in self.cancelled:
-                self.cancelled.discard(r.id)
-                self.done[slot] = True
-            if not self.done[slot]:
-                continue
-            # final: read once, a copy (the row goes to the next request)
-            tokens = b.x[slot, len(r.prompt) : len(r.prompt) + r.gen_length].to("cpu", copy=True)
-            if self.release is not None:
-                self.release(r.id)
-            self.request[slot] = None
-            self.flight.remove(slot)
-            self.free.append(slot)
-            if self.on_finish is not None:
-                self.on_finish(r.id, tokens, int(self.forwards[slot]))
+            if self.done[slot]:
+                self.cancelled.discard(self.request[slot].id)  # finished before its cancel took effect
+                self._finish(slot)
+
+    def _finish(self, slot: int) -> None:
+        """The request in `slot` leaves: its tokens handed over, its cache and slot freed."""
+        r = self.request[slot]
+        # final: read once, a copy (the row goes to the next request)
+        tokens = self.batch.x[slot, len(r.prompt) : len(r.prompt) + r.gen_length].to("cpu", copy=True)
+        if self.release is not None:
+            self.release(r.id)
+        self.request[slot] = None
+        self.flight.remove(slot)
+        self.free.append(slot)
+        if self.on_finish is not None:
+            self.on_finish(r.id, tokens, int(self.forwards[slot]))
 
     def _early_stop(self, rnd: Round):
         """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS."""

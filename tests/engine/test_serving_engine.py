@@ -11,7 +11,7 @@ from test_block_diffusion import DECODERS, llada2_model
 from test_engine import MOE, model_of
 
 from dinfer.engine import Engine, QueueFull
-from dinfer.generate import GenerationConfig, generate
+from dinfer.generate import GenerationConfig, Generator, generate
 
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5], [3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7], [4] * 13, [6, 6]]
 
@@ -96,6 +96,33 @@ def test_cancel_frees_the_slot_for_the_next_request(engine_of):
     assert first.done.is_set() and len(first.blocks) < 16  # left at a block boundary, early
     assert not queued.done.is_set() and engine.counters["cancelled"] == 2
     assert engine.waiting == 0 and engine.in_flight() == 0
+
+
+def test_a_cancelled_request_decodes_no_further_block_and_its_slot_refills_at_once():
+    model = model_of(MOE, seed=3, scale=20)
+    cfg = GenerationConfig(gen_length=16, block_length=4, early_stop=False)
+    gen = Generator(model, cfg)
+    blocks, finished = {}, {}
+    gen.open(
+        1,
+        gen._span(3, cfg.gen_length),
+        3 + cfg.gen_length,
+        lambda i, tokens, forwards: finished.setdefault(i, (tokens.tolist(), forwards)),
+        lambda i, tokens: blocks.setdefault(i, []).append(tokens.tolist()),
+    )
+    first, second = gen.submit([1, 2, 3]), gen.submit([4, 5])
+    assert gen.step() and len(blocks[first]) == 1 and second not in blocks
+    forwards = int(gen.sched.forwards[0])
+    assert gen.sched.cancel(first)
+    assert gen.step()  # the cancelled request leaves before this round: the next one runs in its slot
+    assert len(blocks[first]) == 1 and len(blocks[second]) == 1
+    tokens, ran = finished[first]
+    assert ran == forwards and tokens[: len(blocks[first][0])] == blocks[first][0]
+    assert model.config.mask_id in tokens  # what was never committed is still [MASK]
+    while gen.step():
+        pass
+    assert finished[second][0] == generate(model, [[4, 5]], cfg)[0][0].tolist()
+    assert not gen.sched.cancel(first)  # gone
 
 
 def test_a_full_queue_is_refused_not_grown(engine_of):
