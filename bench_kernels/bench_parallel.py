@@ -45,7 +45,7 @@ def _median_time(fn, reps, device):
 
 
 def _rank(rank, world, port, args, out):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(1)  # the same per rank at every world size (and no OpenMP spinning on shared cores)
     import dinfer_kernels as dk
     from dinfer.generate import GenerationConfig, generate
     from dinfer.models import load_weights

@@ -54,11 +54,13 @@ EP_MODES = ("allreduce", "alltoall")
 # ----------------------------------------------------------------------------- spawning the ranks
 
 
-def _entry(rank, world, port, job, args, out, timeout_s):
+def _entry(rank, world, port, job, args, out, timeout_s, backend="gloo"):
     torch.set_num_threads(1)  # 2-4 ranks share this machine's cores
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
@@ -72,13 +74,14 @@ def _entry(rank, world, port, job, args, out, timeout_s):
         dist.destroy_process_group()
 
 
-def spawn(world, job, *args, deadline=420, timeout_s=60, may_die=()):
+def spawn(world, job, *args, deadline=420, timeout_s=60, may_die=(), backend="gloo"):
     """Every rank's job(comm, *args) result, in rank order (None for ranks in may_die that left none)."""
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.get_context("spawn")
         port = free_port()
         procs = [
-            ctx.Process(target=_entry, args=(r, world, port, job, args, out, timeout_s)) for r in range(world)
+            ctx.Process(target=_entry, args=(r, world, port, job, args, out, timeout_s, backend))
+            for r in range(world)
         ]
         for p in procs:
             p.start()
@@ -526,6 +529,45 @@ def test_mismatched_world_sizes_are_refused(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ParallelError, match="tensor_parallel_size is 2 but torchrun started 3 processes"):
         join(2, "cpu")
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+
+def graph_job(comm):
+    """A TP forward of the dense family (NCCL all-reduces only: no host sync) captured in a CUDA
+    graph and replayed on new inputs, against eager forwards."""
+    cfg, w = family_model("dense")
+    model = shard_model(cfg, {n: t.cuda() for n, t in w.items()}, comm)
+    B, S = 2, 16
+    tokens = torch.randint(0, cfg.vocab_size, (B, S), device="cuda", generator=None)
+    pos = torch.arange(S, device="cuda")[None].expand(B, S).contiguous()
+    seq_lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    cache = model.new_cache(B, S)
+    run = lambda: model.forward(model.embed(tokens), pos, cache, seq_lens)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # warm-up outside the capture (NCCL communicators, workspaces)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    results = []
+    for seed in range(3):
+        tokens.copy_(torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append((out.cpu().clone(), run().cpu()))
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_graph_captures_the_nccl_collectives():
+    for rank_results in spawn(2, graph_job, backend="nccl"):
+        for replayed, eager in rank_results:
+            assert torch.equal(replayed, eager)
 
 
 # ----------------------------------------------------------------------------- the command line

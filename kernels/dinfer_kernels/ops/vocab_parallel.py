@@ -199,6 +199,7 @@ def soft_embedding_vocab_parallel(
     _checks.shape("tokens", tokens, [M])
     mask_id = _checks.integer("mask_id", mask_id, 0, vocab_size)
     _checks.number("tau", tau, lo=0.0, lo_open=True)
+    w: Union[float, torch.Tensor]
     if isinstance(weight, torch.Tensor):
         _checks.tensor("weight", weight, device=dev)
         if weight.numel() not in (1, M):
@@ -216,7 +217,7 @@ def soft_embedding_vocab_parallel(
             _checks.shape(name, t, [M])
     if _checks.data_checks_possible(logits) if validate is None else validate:
         _checks.token_range("tokens", tokens, vocab_size)
-    if row_max is None:
+    if row_max is None or row_sum is None:
         stats = torch.stack(ref.softmax_stats_shard(logits, float(tau)), dim=1).contiguous()
         every = torch.empty(world * M, 2, dtype=torch.float32, device=dev)
         _gather(every, stats, group)
