@@ -34,6 +34,7 @@ from .generate import CACHE_MODES
 from .kv_paged import CLEAN_KV
 from .llm import LLM, _device, _dtype, checkpoint_defaults, generation_config
 from .models.embedded import DEFAULT, EMBEDDED, model_dir
+from .parallel.plan import EP_MODES
 from .tasks import TASKS
 
 
@@ -63,13 +64,28 @@ def _model_options(p: argparse.ArgumentParser, batch_default: Optional[str]) -> 
         help=f"bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on the host: "
         f"{str(_dtype(None, device)).replace('torch.', '')} here)",
     )
-    if batch_default is not None:
-        p.add_argument(
-            "--batch-size",
-            type=int,
-            help=f"most prompts decoded at once; a finished one's place goes to the next "
-            f"(default: {batch_default})",
-        )
+    if batch_default is None:  # dinfer serve: one process (its engine is not wired to tensor parallelism)
+        return
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="ranks of a tensor-parallel group: under torchrun --nproc-per-node N, or spawned on this "
+        "machine (default: 1)",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        choices=EP_MODES,
+        default="allreduce",
+        help="MoE layers under tensor parallelism: experts split across the ranks, combined by one "
+        "all-reduce or by all-to-all dispatch (default: allreduce)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"most prompts decoded at once; a finished one's place goes to the next "
+        f"(default: {batch_default})",
+    )
 
 
 def _generation_options(parser: argparse.ArgumentParser, d: Dict[str, object]) -> None:
@@ -324,16 +340,35 @@ class _Printer:
         self.bar.update(1, "generate")
 
 
+def _llm(args: argparse.Namespace) -> LLM:
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel,
+        expert_parallel=args.expert_parallel,
+    )
+
+
+def _main_rank() -> bool:
+    """Whether this process prints: rank 0 of torchrun's processes, or the only one."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _generate(args: argparse.Namespace, state: dict) -> None:
-    if args.output:
+    main = _main_rank()
+    if args.output and main:
         _writable(args.output, "output")
-    prompts = _read_prompts(args)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    # Under torchrun only rank 0 reads stdin; the others get its prompts from it.
+    stdin = args.prompts_file == "-" or (args.prompt is None and args.prompts_file is None)
+    prompts = _read_prompts(args) if main or not stdin else None
+    llm = _llm(args)
+    prompts = llm.broadcast(prompts)
     progress = len(prompts) > 1 and sys.stderr.isatty() if args.progress is None else args.progress
-    bar = Progress(len(prompts), progress)
-    output = open(args.output, "w", encoding="utf-8") if args.output else None
+    bar = Progress(len(prompts), progress and main)
+    output = open(args.output, "w", encoding="utf-8") if args.output and main else None
     try:
-        printer = state["printer"] = _Printer(prompts, not args.json, output, bar)
+        printer = state["printer"] = _Printer(prompts, not args.json and main, output, bar)
         result = llm.generate(
             prompts,
             chat=args.chat,
@@ -346,6 +381,9 @@ def _generate(args: argparse.Namespace, state: dict) -> None:
         bar.close()
         if output is not None:
             output.close()
+        llm.close()
+    if not main:
+        return
     if args.json:
         print(
             json.dumps(
@@ -374,34 +412,39 @@ def _generate(args: argparse.Namespace, state: dict) -> None:
 def _eval(args: argparse.Namespace, state: dict) -> None:
     from .evaluate import evaluate, markdown_table
 
-    if args.output:
+    main = _main_rank()
+    if args.output and main:
         for path in (args.output, args.output + ".md"):
             _writable(path, "output")
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = _llm(args)
     batch_size = 1 if args.batch_size is None else args.batch_size
     options = _options(args)
     title = f"{llm.path} {json.dumps({k: v for k, v in options.items() if v is not None})}"
 
     def save(result: dict) -> None:  # after every task: an interrupted run keeps the tasks done
         result["model"] = llm.path
-        if args.output:
+        if args.output and main:
             with open(args.output, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=2)
             with open(args.output + ".md", "w", encoding="utf-8") as f:
                 f.write(markdown_table(result, title=title) + "\n")
             state["saved"] = len(result["tasks"])
 
-    result = evaluate(
-        llm,
-        args.tasks,
-        num_problems=args.num_problems,
-        batch_size=batch_size,
-        problem_seed=args.problem_seed,
-        progress=args.progress,
-        on_task=save,
-        **options,
-    )
-    print(json.dumps(result, indent=2) if args.json else markdown_table(result, title=title))
+    try:
+        result = evaluate(
+            llm,
+            args.tasks,
+            num_problems=args.num_problems,
+            batch_size=batch_size,
+            problem_seed=args.problem_seed,
+            progress=args.progress and main,
+            on_task=save,
+            **options,
+        )
+    finally:
+        llm.close()
+    if main:
+        print(json.dumps(result, indent=2) if args.json else markdown_table(result, title=title))
 
 
 def _interrupted(args: argparse.Namespace, state: dict) -> str:
@@ -461,6 +504,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(_interrupted(args, state), file=sys.stderr)
         return 130
     except Exception as e:  # a user-facing command: the message, not a traceback
-        print(f"dinfer: error: {e}", file=sys.stderr)
+        rank = "" if _main_rank() else f"rank {os.environ['RANK']}: "
+        print(f"dinfer: {rank}error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -87,7 +87,8 @@ JOINT_SPEED = DecoderConfig(name="joint", threshold=0.5, edit_threshold=None, ma
 class Decoder:
     """Per-block decoder state for B sequences of block_length rows each. warmup: (start, decay) of
     the threshold warm-up, or None for the fixed tau; tau: [B] each sequence's threshold (default:
-    the config's).
+    the config's). parallel: the model's TensorParallel (the logits are its rank's vocabulary range:
+    the step is dinfer_kernels.decode_step_vocab_parallel, whose outputs add the rows' statistics).
 
     A sequence's block is *settled* when it holds no [MASK] and, for an editing decoder, its
     post-edit steps are over: the last changed nothing, or max_post_edit_steps of them ran. A
@@ -103,8 +104,10 @@ class Decoder:
         device,
         warmup: Optional[Tuple[float, float]] = None,
         tau: Optional[torch.Tensor] = None,
+        parallel=None,
     ):
         self.cfg = cfg
+        self.parallel = parallel  # a dinfer.parallel.TensorParallel: the logits are its vocabulary range
         self.tau = (
             torch.full((batch,), cfg.threshold, dtype=torch.float32, device=device) if tau is None else tau
         )
@@ -181,7 +184,11 @@ class Decoder:
             edit = dict(
                 editable=rows if editable is None else rows & editable, edit_threshold=c.edit_threshold
             )
-        out = dk.decode_step(
+        vocab = {}
+        if self.parallel is not None:
+            p = self.parallel
+            vocab = dict(vocab_start=p.vocab_start, vocab_size=p.vocab_size, group=p.comm.group)
+        out = (dk.decode_step if self.parallel is None else dk.decode_step_vocab_parallel)(
             logits,
             block_tokens,
             self.offsets,
@@ -198,6 +205,7 @@ class Decoder:
             credit_gamma=c.credit_gamma,
             row_keys=row_keys,
             **edit,
+            **vocab,
         )
         self.step += 1
         left = (block_tokens.view(B, -1) == self.mask_id).sum(1)

@@ -161,7 +161,9 @@ class BlockState:
         # in a valid row of this block; -1: none yet.
         self.nonfinite_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
         warmup = (cfg.smoothing_threshold_start, cfg.smoothing_threshold_decay) if cfg.smoothing else None
-        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev, warmup, sched.tau[self.rows])
+        self.decoder = Decoder(
+            cfg.decoder, B, bl, c.mask_id, dev, warmup, sched.tau[self.rows], parallel_of(model)
+        )
         self.decoder.start_block(self.block_tokens().view(B, bl))
         self.soft = model.embed(self.block_tokens())  # hard embeddings until the block has logits
         self.kv = None  # the KV-cache manager's state of the round (its start_round)
@@ -222,7 +224,13 @@ class Generator:
         self.model, self.cfg = model, cfg
         self.kv_manager = kv_manager(model)
         self.mask_id, self.eos_id = model.config.mask_id, model.config.eos_id
-        use_graphs = cfg.cuda_graphs and model.device.type == "cuda" and cfg.decoder.temperature == 0
+        # Not under tensor parallelism: the vocabulary-parallel decode step reads values on the host.
+        use_graphs = (
+            cfg.cuda_graphs
+            and model.device.type == "cuda"
+            and cfg.decoder.temperature == 0
+            and parallel_of(model) is None
+        )
         self.graphs = StepGraphs(enabled=use_graphs and not cfg.time_phases)
         self.stats = Stats(timed=cfg.time_phases or model.device.type == "cpu")
         self.sched = None
@@ -393,7 +401,23 @@ class Generator:
                 # The next forward's inputs of the rows still masked: w_n of each sequence.
                 w0, dw, wmax = cfg.smoothing_weight
                 weight = torch.clamp(w0 + dw * st.iters.float(), max=wmax).repeat_interleave(bl)
-                st.soft.copy_(dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, weight))
+                p = parallel_of(model)
+                if p is None:
+                    soft = dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, weight)
+                else:  # the rank's vocabulary range; the decode's row statistics save a collective
+                    soft = dk.soft_embedding_vocab_parallel(
+                        logits,
+                        model.embedding,
+                        tokens,
+                        self.mask_id,
+                        weight,
+                        vocab_start=p.vocab_start,
+                        vocab_size=p.vocab_size,
+                        group=p.comm.group,
+                        row_max=out.row_max,
+                        row_sum=out.row_sum,
+                    )
+                st.soft.copy_(soft)
         st.iters += active.to(st.iters.dtype)
 
 
@@ -409,6 +433,11 @@ def check_for_model(model, cfg: GenerationConfig) -> None:
     if model.config.block_causal:
         _check_block_causal(cfg)
     kv_manager(model).check(model, cfg)
+
+
+def parallel_of(model):
+    """The model's TensorParallel (dinfer.parallel), None for a one-process model."""
+    return getattr(model, "parallel", None)
 
 
 def _check_block_causal(cfg: GenerationConfig):

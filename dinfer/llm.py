@@ -84,13 +84,31 @@ class LLM:
 
     model_path: a checkpoint folder, or the name of an embedded model ("tiny-llada-moe", the default
     when None, or "tiny-llada").
+    tensor_parallel_size: ranks of a tensor-parallel group (dinfer.parallel): attention heads, MLP
+    channels, the vocabulary and (expert parallelism) the experts split across them. Under torchrun
+    every process creates the LLM and joins (--nproc-per-node must equal it); otherwise this process
+    is rank 0 and spawns the others on this machine (one GPU each, or host processes with gloo), which
+    follow its generate calls until close(). Every rank returns the same results.
+    expert_parallel: how the MoE layers combine their experts' outputs: "allreduce" (each rank's
+    experts on every token routed to them, one all-reduce) or "alltoall" (tokens dispatched to the
+    experts' ranks and back).
     """
 
-    def __init__(self, model_path=None, device=None, dtype=None, **defaults):
+    def __init__(
+        self,
+        model_path=None,
+        device=None,
+        dtype=None,
+        tensor_parallel_size: int = 1,
+        expert_parallel: str = "allreduce",
+        _join=None,
+        **defaults,
+    ):
         path = model_dir(model_path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model_path: checkpoint directory {path!r} does not exist")
         generation_config(**defaults)  # unknown names and bad values fail here, not at the first call
+        Int(1)("tensor_parallel_size", tensor_parallel_size)
         self.path = path
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
@@ -99,7 +117,45 @@ class LLM:
         check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
         self.tokenizer = Tokenizer(path, config=config)  # checked against the model config
-        self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
+        self.rank, self.comm, self._workers = 0, None, None
+        if tensor_parallel_size == 1:
+            self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
+            return
+        self._start_parallel(config, tensor_parallel_size, expert_parallel, _join, device, dtype, defaults)
+
+    def _start_parallel(self, config, world, ep_mode, join, device, dtype, defaults) -> None:
+        """Joins (or starts) the tensor-parallel group and loads this rank's shard."""
+        from . import parallel
+
+        parallel.ShardPlan(
+            config, world, 0, ep_mode
+        )  # sizes that do not divide fail before any process starts
+        if join is None and not parallel.under_torchrun():
+            args = dict(model_path=self.path, device=device, dtype=dtype, tensor_parallel_size=world)
+            self._workers = parallel.launch.Workers(
+                world, dict(args, expert_parallel=ep_mode, **defaults), None
+            )
+            join = (0, self._workers.init_method, None)
+        rank, init_method, timeout_s = join if join is not None else (None, None, None)
+        self.comm, self.device = parallel.join(
+            world, self.device, rank=rank, init_method=init_method, timeout_s=timeout_s
+        )
+        if self._workers is not None:
+            self._workers.comm = self.comm
+        self.rank = self.comm.rank
+        self.model = parallel.load_model(self.path, self.comm, ep_mode, dtype=self.dtype, device=self.device)
+
+    def broadcast(self, obj):
+        """Rank 0's obj on every rank of a tensor-parallel group started by torchrun (itself alone)."""
+        if self.comm is None or self._workers is not None:
+            return obj
+        return self.comm.broadcast_object(obj, group=self.comm.control)
+
+    def close(self) -> None:
+        """Stops the workers this LLM spawned (tensor_parallel_size > 1 outside torchrun)."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
 
     def generate(
         self,
@@ -126,6 +182,19 @@ class LLM:
             early: a diffusion model fills a whole block at once, so this only trims the answer.
         options: GenerationConfig / DecoderConfig fields (threshold=0.9, smoothing=True, ...).
         """
+        if self._workers is not None:  # the spawned ranks run the same call (on_finish is rank 0's)
+            self._workers.call(
+                "generate",
+                prompts,
+                gen_length=gen_length,
+                block_length=block_length,
+                decoder=decoder,
+                cache=cache,
+                chat=chat,
+                batch_size=batch_size,
+                stop=stop,
+                **options,
+            )
         given = dict(options, gen_length=gen_length, block_length=block_length, decoder=decoder, cache=cache)
         cfg = generation_config(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
         check_windows(cfg, self.model.config.max_positions)  # before any buffer is sized by them

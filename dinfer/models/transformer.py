@@ -13,6 +13,10 @@ The LM head runs only on the rows the caller asks for (`logits_rows`), and so do
 output projection and MLP.
 
 Weights use the canonical names of dinfer.models.checkpoint (embed, layers.{i}.q, ..., lm_head).
+With `parallel` (a dinfer.parallel.TensorParallel) the model is one rank of a tensor-parallel group:
+`config` and `weights` are the rank's (its heads, slices and experts: dinfer.parallel.plan), and the
+forward adds the group's collectives (dinfer/parallel/tp.py); its logits are the rank's vocabulary
+range. None is the one-process forward, unchanged.
 The ops (rms_norm, rope, attention, moe) come from `ops`: dinfer_kernels for inference, the
 differentiable stand-ins of dinfer.train.ops for training, so both run this one forward.
 """
@@ -41,8 +45,9 @@ class KVCache:
 
 
 class DiffusionLM:
-    def __init__(self, config: ModelConfig, weights: dict, ops=dk):
+    def __init__(self, config: ModelConfig, weights: dict, ops=dk, parallel=None):
         self.config = config
+        self.parallel = parallel
         self.w = weights
         self.ops = ops
         self.dtype = weights["embed"].dtype
@@ -68,10 +73,13 @@ class DiffusionLM:
 
     @property
     def embedding(self) -> torch.Tensor:
-        """The input embedding table [V, H] (iteration smoothing mixes its rows)."""
+        """The input embedding table [V, H] (iteration smoothing mixes its rows); under tensor
+        parallelism the rank's rows, those of its vocabulary range."""
         return self.w["embed"]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.parallel is not None:
+            return self.parallel.embed(tokens, self.w["embed"])
         return F.embedding(tokens, self.w["embed"])
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -108,7 +116,9 @@ class DiffusionLM:
                 i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask, block_table
             )
             if i == c.num_layers - 1 and logits_rows is not None and logits_rows.numel() == 0:
-                return h.new_empty((0, c.vocab_size))  # the last K/V are written; nothing is read
+                return h.new_empty(
+                    (0, self.w["lm_head"].shape[0])
+                )  # the last K/V are written; nothing is read
             if i == c.num_layers - 1 and logits_rows is not None:
                 # Past the last attention (whose K/V come from its input) only the logits rows are
                 # read: the other rows' output projection and MLP would be thrown away. A refresh's
@@ -116,7 +126,8 @@ class DiffusionLM:
                 h = h.reshape(B * W, H).index_select(0, logits_rows)[None]
                 o = o.reshape(B * W, -1).index_select(0, logits_rows)[None]
                 ffn_rows = None  # every logits row is a real one
-            h = h + o @ self.w[f"layers.{i}.o"].t()
+            o = o @ self.w[f"layers.{i}.o"].t()
+            h = h + (o if self.parallel is None else self.parallel.reduce(o))
             h = h + self._mlp(i, h, ffn_rows)
         return self.ops.rms_norm(h.reshape(-1, H), self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
 
@@ -161,6 +172,10 @@ class DiffusionLM:
             m = m.index_select(0, ffn_rows)
         if c.is_dense_layer(i):
             out = (F.silu(m @ w[p + "gate"].t()) * (m @ w[p + "up"].t())) @ w[p + "down"].t()
+            if self.parallel is not None:
+                out = self.parallel.reduce(out)
+        elif self.parallel is not None:
+            out = self.parallel.moe(m, w, p, c, self._routing)
         else:
             out = self.ops.moe(
                 m,
