@@ -232,7 +232,6 @@ def test_joint_editable_overlapping_a_written_array_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_joint_editable_on_another_device_is_refused():
     a = numpy_args()
     a["editable"] = torch.ones(5, dtype=torch.bool, device="cuda")

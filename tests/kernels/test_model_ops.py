@@ -264,6 +264,7 @@ def test_opcheck_model_ops():
             vc,
             pos,
             torch.tensor([12, 9], dtype=torch.int32),
+            None,
             True,
             None,
             None,
