@@ -117,7 +117,7 @@ class LLM:
         check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
         self.tokenizer = Tokenizer(path, config=config)  # checked against the model config
-        self.rank, self.comm, self._workers = 0, None, None
+        self.rank, self.comm, self._workers, self._torchrun = 0, None, None, False
         if tensor_parallel_size == 1:
             self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
             return
@@ -136,6 +136,7 @@ class LLM:
                 world, dict(args, expert_parallel=ep_mode, **defaults), None
             )
             join = (0, self._workers.init_method, None)
+        self._torchrun = join is None
         rank, init_method, timeout_s = join if join is not None else (None, None, None)
         self.comm, self.device = parallel.join(
             world, self.device, rank=rank, init_method=init_method, timeout_s=timeout_s
@@ -152,10 +153,18 @@ class LLM:
         return self.comm.broadcast_object(obj, group=self.comm.control)
 
     def close(self) -> None:
-        """Stops the workers this LLM spawned (tensor_parallel_size > 1 outside torchrun)."""
+        """Stops the workers this LLM spawned (tensor_parallel_size > 1 outside torchrun), or, under
+        torchrun, leaves the group once every rank is done: a rank that exits with its process group
+        alive can abort in gloo's teardown while another still talks to it."""
         if self._workers is not None:
             self._workers.close()
             self._workers = None
+        elif self._torchrun and self.comm is not None:
+            import torch.distributed as dist
+
+            self.comm.barrier(group=self.comm.control)
+            dist.destroy_process_group()
+            self.comm = None
 
     def generate(
         self,
