@@ -18,7 +18,6 @@ and overhead, not a speedup.
 
 import argparse
 import datetime
-import json
 import os
 import resource
 import sys
@@ -54,6 +53,7 @@ def _rank(rank, world, port, args, out):
     from dinfer.models.tokenizer import Tokenizer
     from dinfer.models.transformer import DiffusionLM
     from dinfer.parallel import Comm, backend_for, load_model, weight_bytes
+    from dinfer_kernels.reference.vocab_parallel import RECORD_FIELDS
 
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -128,7 +128,8 @@ def _rank(rank, world, port, args, out):
 
     for name, fn in (("vocab_parallel", vocab_parallel), ("gather_then_decode", gather_then_decode)):
         if name == "vocab_parallel":
-            sent = (world - 1) * (N + 1) * 10 * 4  # one all_gather of the records (K = 0)
+            # one all_gather of the [N + 1, RECORD_FIELDS] fp32 records (K = 0 credit slots)
+            sent = (world - 1) * (N + 1) * RECORD_FIELDS * 4
         else:
             before = comm.sent
             fn()
@@ -167,7 +168,7 @@ def main():
     args.ep = args.ep.split(",")
     if args.quick:
         args.reps, args.rows = 5, 32
-    worlds = [int(w) for w in args.world.split(",")]
+    requested = worlds = common.parse_ints(args.world)
     if args.device == "cuda":
         worlds = [w for w in worlds if w <= torch.cuda.device_count()]
     from dinfer.parallel.launch import free_port
@@ -182,26 +183,36 @@ def main():
             rows += torch.load(out, weights_only=False)
     model = [r for r in rows if r["case"] == "model"]
     decode = [r for r in rows if r["case"] == "decode"]
-    print(f"model {args.model} ({args.device}, {args.dtype}), forward over {args.batch}x{args.seq} tokens")
-    print(
-        common.markdown_table(
-            model,
-            [
-                ("TP", "world", None),
-                ("EP", "ep", None),
-                ("forward ms", "forward_ms", ".3g"),
-                ("bytes sent / forward", "forward_bytes_sent", None),
-                ("tokens/s", "tokens_per_second", ".3g"),
-                ("weight bytes / rank", "weight_bytes", None),
-                ("max RSS", "max_rss_bytes", None),
-            ],
-        )
+    model_table = common.markdown_table(
+        model,
+        [
+            ("TP", "world", None),
+            ("EP", "ep", None),
+            ("forward ms", "forward_ms", ".3g"),
+            ("bytes sent / forward", "forward_bytes_sent", None),
+            ("tokens/s", "tokens_per_second", ".3g"),
+            ("weight bytes / rank", "weight_bytes", None),
+            ("max RSS", "max_rss_bytes", None),
+        ],
     )
-    print(f"\ndecode step, {args.rows} rows, vocabulary {args.vocab}")
     columns = [("TP", "world", None), ("method", "method", None), ("ms", "ms", ".3g")]
-    print(common.markdown_table(decode, columns + [("bytes sent", "bytes_sent", None)]))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    decode_table = common.markdown_table(decode, columns + [("bytes sent", "bytes_sent", None)])
+    print(f"model {args.model} ({args.device}, {args.dtype}), forward over {args.batch}x{args.seq} tokens")
+    print(model_table)
+    print(f"\ndecode step, {args.rows} rows, vocabulary {args.vocab}")
+    print(decode_table)
+    by = {(r["world"], r["method"]): r["ms"] for r in decode}
+    notes = [
+        f"TP {w}: gather-then-decode ms / vocab-parallel ms "
+        f"{by[w, 'gather_then_decode'] / by[w, 'vocab_parallel']:.2f}"
+        for w in worlds
+        if w > 1
+    ]
+    if len(worlds) < len(requested):
+        notes.append(f"world sizes {requested} asked, {worlds} run ({torch.cuda.device_count()} GPUs)")
+    env = common.environment(args.device)
+    env["model"] = args.model
+    common.finish("parallel", env, args, None, rows, [model_table, decode_table], notes)
 
 
 if __name__ == "__main__":

@@ -212,6 +212,7 @@ bench_tiny() {
     bench_soft_embedding) echo "--dtype fp32 --rows 4 --vocab 1000 --dim 64 --reps 2" ;;
     bench_norm_rope) echo "--dtype fp32 --rows 1 --reps 2" ;;
     bench_host_isa) echo "--isas generic --dtypes fp32" ;;
+    bench_parallel) echo "--world 1,2 --batch 1 --seq 8 --rows 4 --vocab 1000 --reps 1" ;;
     bench_loop) echo "--hidden 64 --layers 1 --experts 4 --vocab 256 --gen-length 16 --block-length 8" ;;
     *) echo "--num-problems 1 --tasks add" ;;
   esac
