@@ -6,10 +6,12 @@ block being decoded sees itself and the blocks before it, whose tokens are final
 blocks after it. Training each block alone would take one forward per block. The two-copy layout
 takes one: each row of the batch is
 
-    [ noisy copy of the canvas blocks | clean copy of the whole sequence | padding ]
+    [ noisy copy of the canvas blocks | clean copy of the sequence | padding ]
 
 The noisy copy starts at the first canvas block (on the grid, so it may begin with the prompt's tail,
-which stays unmasked) and runs to the sequence's end; the clean copy is the sequence from position 0.
+which stays unmasked) and runs to the sequence's end; the clean copy is the sequence from position 0
+up to its last block, which no noisy block sees (a noisy block sees the clean blocks before its own),
+so its columns would change no loss (they were ~8% of a batch's columns).
 Every column keeps its absolute position (RoPE, the position scaffold). Under `attention_mask` a noisy
 token of block k sees the noisy tokens of block k and the clean tokens of blocks < k (what decoding
 block k sees: the block as it is being denoised, the committed blocks before it), and a clean token
@@ -58,13 +60,15 @@ def two_copy_layout(
     """The layout of a training batch: tokens [B, T] (prompt, then the canvas, then padding),
     canvas [B, T] bool (the canvas columns, which follow each prompt), lengths [B] (the sequence
     ends). The noisy copy of row b covers positions [floor(P_b / bl) * bl, lengths[b]), P_b its prompt
-    length; its last block may be partial, as a sequence's last block is when decoding."""
+    length; its last block may be partial, as a sequence's last block is when decoding. The clean
+    copy covers [0, floor((lengths[b] - 1) / bl) * bl)."""
     B, T = tokens.shape
     n_tokens = lengths.long()
     prompt = canvas.long().argmax(1)  # the first canvas column
     first = prompt // block_length * block_length
     n_noisy = n_tokens - first
-    widths = n_noisy + n_tokens
+    n_clean = (n_tokens - 1) // block_length * block_length  # up to the last block
+    widths = n_noisy + n_clean
     # At least the noisy copy's whole blocks wide, so its blocks can be viewed as [B, NB, bl].
     blocks = -(-int(n_noisy.max()) // block_length)
     W = max(int(widths.max()), blocks * block_length)

@@ -39,21 +39,22 @@ def attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back=True, a
     if k.shape[2] != Hq:
         kt, vt = (t.repeat_interleave(Hq // k.shape[2], dim=1) for t in (kt, vt))
     scores = (qt @ kt.transpose(-1, -2)).float() * D**-0.5
+    keep = None
     if seq_lens is not None:
         keep = torch.arange(T, device=q.device)[None, :] < seq_lens[:, None]
-        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
     if attn_mask is None:
+        if keep is not None:
+            scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
         o = torch.softmax(scores, dim=-1).to(vt.dtype) @ vt
         return o.transpose(1, 2)
-    allowed = attn_mask[:, None]
-    if seq_lens is not None:
-        allowed = allowed & keep[:, None, None, :]
-    # A row with no key left would be all -inf (NaN, in the forward and the backward): its scores
-    # are zeroed instead, and its output multiplied by 0.
+    allowed = attn_mask if keep is None else attn_mask & keep[:, None, :]
+    # A row with no key left would be all -inf (NaN, in the forward and the backward): it attends
+    # every key instead, and its output is multiplied by 0. (Masks are [B, T, T], the scores
+    # [B, H, T, T]: one pass over the scores.)
     empty = ~allowed.any(-1, keepdim=True)
-    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(empty, 0.0)
-    o = (torch.softmax(scores, dim=-1) * ~empty).to(vt.dtype) @ vt
-    return o.transpose(1, 2)
+    scores = scores.masked_fill(~(allowed | empty)[:, None], float("-inf"))
+    o = torch.softmax(scores, dim=-1).to(vt.dtype) @ vt
+    return (o * ~empty[:, None]).transpose(1, 2)
 
 
 def moe(hidden, router_weight, w13, w2, top_k, renormalize=False, expert_bias=None, **routing):

@@ -49,25 +49,29 @@ def ragged_batch(prompts, canvases, seed=0):
 
 def test_two_copy_layout_by_hand():
     """Row 0: prompt 5, canvas 6, blocks of 4: noisy copy = positions 4..10 (the first block holds the
-    prompt's last token), clean copy = positions 0..10. Row 1: prompt 8 (a block boundary), canvas 3."""
-    tokens, canvas, lengths, _ = ragged_batch([5, 8], [6, 3])
+    prompt's last token), clean copy = positions 0..7 (up to the last block, 8..10, which no noisy
+    block sees). Row 1: prompt 8 (a block boundary), canvas 3; row 2: prompt 2, canvas 9."""
+    tokens, canvas, lengths, _ = ragged_batch([5, 8, 2], [6, 3, 9])
     lay = two_copy_layout(tokens, canvas, lengths, 4, PAD)
-    assert lay.widths.tolist() == [7 + 11, 3 + 11]
+    assert lay.widths.tolist() == [7 + 8, 3 + 8, 11 + 8]
     W = lay.tokens.shape[1]
-    assert W == 18
-    assert lay.positions[0].tolist() == list(range(4, 11)) + list(range(11))
-    assert lay.positions[1, :14].tolist() == [8, 9, 10] + list(range(11))
-    assert lay.noisy[0].tolist() == [True] * 7 + [False] * 11
-    assert lay.noisy[1].tolist() == [True] * 3 + [False] * 15
-    assert lay.valid[1].tolist() == [True] * 14 + [False] * 4
-    assert torch.equal(lay.tokens[0], tokens[0].gather(0, lay.positions[0]))
-    assert lay.tokens[1, 14:].tolist() == [PAD] * 4
-    # the prompt's tail (position 4) is in the noisy copy but never a candidate for the noise
-    assert lay.candidates[0].tolist() == [False] + [True] * 6 + [False] * 11
-    assert lay.candidates[1].tolist() == [True] * 3 + [False] * 15
+    assert W == 19
+    assert lay.positions[0, :15].tolist() == list(range(4, 11)) + list(range(8))
+    assert lay.positions[1, :11].tolist() == [8, 9, 10] + list(range(8))
+    assert lay.positions[2].tolist() == list(range(11)) + list(range(8))
+    assert lay.noisy[0].tolist() == [True] * 7 + [False] * 12
+    assert lay.noisy[1].tolist() == [True] * 3 + [False] * 16
+    assert lay.valid[1].tolist() == [True] * 11 + [False] * 8
+    assert torch.equal(lay.tokens[2], tokens[2].gather(0, lay.positions[2]))
+    assert torch.equal(lay.tokens[0, :15], tokens[0].gather(0, lay.positions[0, :15]))
+    assert lay.tokens[1, 11:].tolist() == [PAD] * 8
+    # the prompt's tail (position 4; 0 and 1) is in the noisy copy but never a candidate for the noise
+    assert lay.candidates[0].tolist() == [False] + [True] * 6 + [False] * 12
+    assert lay.candidates[1].tolist() == [True] * 3 + [False] * 16
+    assert lay.candidates[2].tolist() == [False] * 2 + [True] * 9 + [False] * 8
     m = lay.mask[0]
     noisy_cols = {p: c for c, p in enumerate(range(4, 11))}
-    clean_cols = {p: 7 + p for p in range(11)}
+    clean_cols = {p: 7 + p for p in range(8)}
     sees = lambda col: set(m[col].nonzero().flatten().tolist())
     # noisy position 5 (block 1): noisy 4..7 and clean 0..3
     assert sees(noisy_cols[5]) == {noisy_cols[p] for p in range(4, 8)} | {clean_cols[p] for p in range(4)}
@@ -76,9 +80,8 @@ def test_two_copy_layout_by_hand():
     # clean position 5 (block 1): clean 0..7; clean position 2 (block 0): clean 0..3
     assert sees(clean_cols[5]) == {clean_cols[p] for p in range(8)}
     assert sees(clean_cols[2]) == {clean_cols[p] for p in range(4)}
-    # clean position 10 (the last block): clean 0..10; padding sees and is seen by nothing
-    assert sees(clean_cols[10]) == {clean_cols[p] for p in range(11)}
-    assert not lay.mask[1, 14:].any() and not lay.mask[1, :, 14:].any()
+    # padding sees and is seen by nothing
+    assert not lay.mask[1, 11:].any() and not lay.mask[1, :, 11:].any()
 
 
 @pytest.mark.parametrize("bl", [1, 3, 8])
@@ -93,7 +96,7 @@ def test_attention_mask_is_the_rule(bl):
     for b in range(B):
         P, N = prompts[b], prompts[b] + canvases[b]
         first = P // bl * bl
-        cols = [("noisy", p) for p in range(first, N)] + [("clean", p) for p in range(N)]
+        cols = [("noisy", p) for p in range(first, N)] + [("clean", p) for p in range((N - 1) // bl * bl)]
         assert [int(x) for x in lay.positions[b, : len(cols)]] == [p for _, p in cols]
         assert [bool(x) for x in lay.noisy[b, : len(cols)]] == [k == "noisy" for k, _ in cols]
         expected = torch.zeros(W, W, dtype=torch.bool)
