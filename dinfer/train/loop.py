@@ -140,10 +140,12 @@ def loss_fn(
     soft: bool = False,
     hits: dict = None,
     scaffold: torch.Tensor = None,
+    loads: list = None,
 ):
     """LLaDA's SFT loss of one batch; `hits`, if given, gets the flat indices of the masked rows
     ("rows") and whether each one's argmax is right ("hit"); `scaffold` ([B, T, H]), if given, is
-    added to the input embeddings (the curriculum's position table)."""
+    added to the input embeddings (the curriculum's position table); `loads`, if given, gets the
+    loss forward's expert load of each MoE layer (ops.expert_loads)."""
     B, T = tokens.shape
     c = model.config
     # The per-token form (mask each token with p ~ U(0, 1), weight 1/p) estimates the same bound, but
@@ -166,7 +168,7 @@ def loss_fn(
     if soft:
         emb = emb + _smoothing_inputs(model, emb, positions, lengths, rows, no_cache, gen, valid)
     # bf16 autocast: the host's bf16 GEMMs are ~4x its fp32 ones; master weights and the loss stay fp32.
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), ops.expert_loads(loads):
         logits = model.forward(emb, positions, no_cache, lengths, logits_rows=rows, ffn_rows=valid)
     ce = F.cross_entropy(logits.float(), tokens.flatten()[rows], reduction="none")
     if hits is not None:
@@ -213,12 +215,10 @@ def block_loss_fn(
         emb = emb + _smoothing_inputs(
             model, emb, layout.positions, layout.widths, rows, no_cache, gen, valid, **forward
         )
-    with torch.autocast("cpu", dtype=torch.bfloat16), ops.expert_loads() as layer_loads:
+    with torch.autocast("cpu", dtype=torch.bfloat16), ops.expert_loads(loads):
         logits = model.forward(
             emb, layout.positions, no_cache, layout.widths, logits_rows=rows, ffn_rows=valid, **forward
         )
-    if loads is not None:
-        loads.extend(layer_loads)
     target = layout.tokens.flatten()[rows]
     ce = F.cross_entropy(logits.float(), target, reduction="none")
     if hits is not None:
@@ -291,24 +291,24 @@ def train(
         hits = {}
         batch = batches(step)
         scaffold = None  # the position table's share of each row's inputs, while any row has one
+        loads = [] if biases else None  # the expert load of the step's forward, for the balancing
         if preset.block_length:
             if batches.scaffold.any():  # the layout's columns at their absolute positions
                 scaffold = functools.partial(_position_table, table, batches.scaffold)
-            loads: list = []
             loss = block_loss_fn(
                 model, *batch, gen, preset.block_length, soft=soft, hits=hits, scaffold=scaffold, loads=loads
             )
         else:
             if batches.scaffold.any():
                 scaffold = batches.scaffold[:, None, None] * table[None, : batch[0].shape[1]]
-            loss = loss_fn(model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold)
+            loss = loss_fn(model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold, loads=loads)
         _tally(tally, batches, hits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(weights.values()) + [table], 1.0)
         opt.step()
         lr_sched.step()
-        if biases:
+        if loads is not None:
             load = torch.stack(loads).float()  # [MoE layers, E], this step's main forward
             load_sum += load
             _balance(biases, load, preset.expert_bias_update)

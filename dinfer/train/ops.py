@@ -68,12 +68,12 @@ def moe(hidden, router_weight, w13, w2, top_k, renormalize=False, expert_bias=No
 
 
 @contextlib.contextmanager
-def expert_loads() -> Iterator[List[torch.Tensor]]:
-    """Collects, per moe call in the block (one per MoE layer of a forward, in layer order), [E]
-    int64: how many of the call's tokens chose each expert."""
+def expert_loads(into: Optional[list]) -> Iterator[None]:
+    """Appends to `into`, per moe call in the block (one per MoE layer of a forward, in layer order),
+    [E] int64: how many of the call's tokens chose each expert. None: records nothing."""
     global _loads
-    _loads = loads = []
+    _loads = into
     try:
-        yield loads
+        yield
     finally:
         _loads = None

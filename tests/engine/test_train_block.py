@@ -319,7 +319,8 @@ def test_expert_bias_balancing():
     kw = dict(
         routing, renormalize=True, expert_bias=w[layer + "expert_bias"], routed_scaling=c.routed_scaling
     )
-    with ops.expert_loads() as loads:
+    loads: list = []
+    with ops.expert_loads(loads):
         out = ops.moe(*args, **kw)
     ops.moe(*args, **kw)  # outside the block: not recorded
     _, experts = route(hidden, w[layer + "router"], c.top_k, **kw)
