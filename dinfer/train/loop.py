@@ -95,6 +95,10 @@ class Batches:
             p, a = self.prompt_ids(prompt), self.tok.encode(answer).ids
             if self.preset.block_length:
                 most = self.block_fill(len(p), len(a))
+                if recall and step < curriculum.fill_start():
+                    # short fills while recall's lookup forms, as under LLaDA's objective: with the
+                    # block fills from step 0 it had not formed by the scaffold's end (docs/training.md)
+                    most = min(most, 4)
             else:
                 fill_step = step - curriculum.fill_start() if recall else step
                 most = self.max_fill(len(a), fill_step / self.steps)
@@ -121,13 +125,13 @@ class Batches:
 
     def block_fill(self, prompt_len: int, answer_len: int) -> int:
         """EOS after the answer under the block-diffusion objective: up to the end of the block after
-        the one that holds the first EOS. A block sees only itself and the blocks before it, so a
+        the one that holds the first EOS, within max_canvas (no decoded canvas is longer). A block sees only itself and the blocks before it, so a
         longer fill changes no answer block (nor their [MASK] runs, which `max_fill` paces for
         bidirectional attention), and the first EOS ends the answer; the fills teach the EOS that
         ends an answer, a block of EOS after it, and last blocks cut short at any length."""
         bl = self.preset.block_length
         first_eos = prompt_len + answer_len
-        return (first_eos // bl + 2) * bl - first_eos
+        return min((first_eos // bl + 2) * bl - first_eos, max(self.preset.max_canvas - answer_len, 1))
 
 
 def loss_fn(

@@ -145,8 +145,8 @@ PRESETS = {
             block_length=LLADA2_BLOCK_LENGTH,
             architectures=(LLADA2_ARCH,),
         ),
-        steps=3000,
-        block_length=BLOCK_LENGTH,
+        steps=2400,
+        block_length=LLADA2_BLOCK_LENGTH,
         expert_bias_update=1e-3,
     ),
 }
