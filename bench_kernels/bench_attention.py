@@ -1,10 +1,11 @@
 """Microbenchmark of window attention with partial KV refresh: dInfer's formulation (SDPA after an
 out-of-place slice_scatter merge of the window into the cache), FlexAttention with the same block mask,
-and dinfer_kernels.attention backends.
+and dinfer_kernels.attention backends; and LLaDA2's block decoding over a paged KV cache.
 
     python bench_kernels/bench_attention.py [--device cpu|cuda] [--dtype bf16|fp16|fp32] [--quick]
         [--json out.json] [--windows 1024,2048,4096,8192] [--refresh 2048,8192] [--densities 1,0.5]
         [--heads 16] [--kv-heads 16] [--head-dim 128] [--backends triton,cuda] [--no-flex]
+        [--paged-prefixes 1024,2048,4096,8192] [--page-size 32] [--no-paged | --paged-only]
 
 LLaDA-MoE shapes by default (B = 1, 16 heads x 128, MHA): window steps W = 96 rows (a vicinity window
 in the middle of the sequence) over S in --windows, and full refreshes W = S in --refresh; key-block
@@ -21,6 +22,19 @@ Measured in the same run: the device copy bandwidth (read + write) and the dense
 dtype. Columns: median time, TFLOP/s over the attended (row, key) pairs (4 * Hq * D per pair),
 GB/s over the K/V bytes of the attended key blocks, % of the copy bandwidth, % of the matmul rate,
 speedup vs sdpa+merge, and max |out - sdpa| / max |sdpa|.
+
+Paged (first; --no-paged skips it, --paged-only runs nothing else): LLaDA2-mini shapes (16 query / 4 KV
+heads x 128, --paged-heads / --paged-kv-heads / --paged-head-dim), one sequence decoding a block of 32
+query rows (--paged-block) after a prefix of --paged-prefixes keys (default 1k, 2k, 4k, 8k; --quick:
+1k and 8k on the GPU, 1k on the CPU). Methods:
+  sdpa dense-mask  what a peer without paged kernels runs: the block's K/V written in place into a
+                   contiguous [B, Hkv, S, D] cache (S = prefix + block), then SDPA over it with the
+                   dense [W, S] bool block-causal mask (GQA through enable_gqa)
+  ours paged       dinfer_kernels.attention(write_back=True) over page pools of --page-size rows
+                   (shuffled page ids, 1/8 spare pages) through a block table, with
+                   BlockMask.block_causal(q_block = kv_block = block), per backend available
+  ours contiguous  the same call over the contiguous [B, S, Hkv, D] cache (the paging's own cost)
+Columns: median time, the ratio sdpa / ours (> 1: ours is faster), max |out - sdpa| / max |sdpa|.
 """
 
 import sys
@@ -206,6 +220,178 @@ def build_cases(W, S, density, args, device, notes, flex_state):
     return cases, meta
 
 
+def paged_cases(args, device, env, notes):
+    """The LLaDA2 paged block-decoding case (module docstring): (rows, tables)."""
+    import dinfer_kernels as dk
+
+    dtype = common.torch_dtype(args.dtype)
+    Hq, Hkv, D, W, ps = (
+        args.paged_heads,
+        args.paged_kv_heads,
+        args.paged_head_dim,
+        args.paged_block,
+        args.page_size,
+    )
+    if args.paged_prefixes:
+        prefixes = common.parse_ints(args.paged_prefixes)
+    elif args.quick:
+        prefixes = [1024] if device == "cpu" else [1024, 8192]
+    else:
+        prefixes = [1024, 2048, 4096, 8192]
+    backends = [
+        b
+        for b in dk.available_backends(device, "attention")
+        if (not args.backends or b in args.backends.split(","))
+    ]
+    if device == "cuda" and not args.backends and "torch" in backends:
+        backends.remove("torch")
+    if device == "cpu" and not args.backends:
+        backends = [b for b in backends if b != "triton"]
+    group = Hq // Hkv
+    rows, tables = [], []
+    for prefix in prefixes:
+        if prefix % W:
+            notes.append(f"paged prefix={prefix} skipped: not a multiple of the block ({W})")
+            continue
+        S = prefix + W  # keys: the prefix and the block
+        g = torch.Generator().manual_seed(prefix)
+        r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
+        q, k, v = r(1, W, Hq, D), r(1, W, Hkv, D), r(1, W, Hkv, D)
+        kc, vc = r(1, S, Hkv, D), r(1, S, Hkv, D)
+        pos = (prefix + torch.arange(W, device=device))[None]
+        lens = torch.tensor([S], dtype=torch.int32, device=device)
+        # the peer: a contiguous [B, Hkv, S, D] cache and a dense block-causal mask
+        mask = (torch.arange(S, device=device)[None, :] < (pos[0, :, None] // W + 1) * W)[None, None]
+        kct, vct = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+        # ours: page pools (shuffled, 1/8 spare pages) and a block table
+        MP = -(-S // ps)
+        P = MP + max(1, MP // 8)
+        table = torch.randperm(P, generator=g)[:MP].view(1, MP).to(torch.int32).to(device)
+        pool_k = torch.zeros(P, ps, Hkv, D, dtype=dtype, device=device)
+        pool_v = torch.zeros_like(pool_k)
+        for pool, c in ((pool_k, kc), (pool_v, vc)):
+            padded = torch.zeros(1, MP * ps, Hkv, D, dtype=dtype, device=device)
+            padded[:, :S] = c
+            pool[table[0].long()] = padded.view(MP, ps, Hkv, D)
+        bm = dk.BlockMask.block_causal(1, Hkv, W, MP * ps, W, W, W, start=prefix, device=device)
+        copies = common.num_copies(2 * pool_k.numel() * pool_k.element_size(), device)
+        pools = [(pool_k, pool_v)] + [(pool_k.clone(), pool_v.clone()) for _ in range(copies - 1)]
+        peer = [(kct, vct)] + [(kct.clone(), vct.clone()) for _ in range(copies - 1)]
+        flat = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
+        flat_bm = dk.BlockMask.block_causal(1, Hkv, W, S, W, W, W, start=prefix, device=device)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def sdpa(i):
+            kc_i, vc_i = peer[i]
+            kc_i[:, :, prefix:S] = kt
+            vc_i[:, :, prefix:S] = vt
+            return F.scaled_dot_product_attention(
+                qt, kc_i, vc_i, attn_mask=mask, enable_gqa=group > 1
+            ).transpose(1, 2)
+
+        cases = [
+            ("sdpa", "sdpa dense-mask", "torch", common.Case(f"paged sdpa prefix={prefix}", sdpa, copies))
+        ]
+        for be in backends:
+
+            def ours(i, be=be):
+                return dk.attention(
+                    q,
+                    k,
+                    v,
+                    *pools[i],
+                    pos,
+                    lens,
+                    block_table=table,
+                    block_mask=bm,
+                    write_back=True,
+                    backend=be,
+                )
+
+            def contiguous(i, be=be):
+                return dk.attention(
+                    q, k, v, *flat[i], pos, lens, block_mask=flat_bm, write_back=True, backend=be
+                )
+
+            cases.append(
+                (
+                    f"paged_{be}",
+                    "ours paged",
+                    be,
+                    common.Case(f"paged ours[{be}] prefix={prefix}", ours, copies),
+                )
+            )
+            cases.append(
+                (
+                    f"contiguous_{be}",
+                    "ours contiguous",
+                    be,
+                    common.Case(f"paged-case ours contiguous[{be}] prefix={prefix}", contiguous, copies),
+                )
+            )
+        ref, shape_rows = None, []
+        for key, label, be, case in cases:
+            try:
+                y = case.fn(0).float()
+                common.sync(device)
+                if key == "sdpa":
+                    ref = y
+                err = None if ref is None else float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                m = common.measure(case, device, quick=args.quick, reps=args.reps)
+            except Exception as e:
+                print(f"  paged {label}[{be}]: FAILED ({type(e).__name__}: {e})")
+                notes.append(
+                    f"paged prefix={prefix} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}"
+                )
+                continue
+            if m["note"]:
+                notes.append(f"paged prefix={prefix} {label}[{be}]: {m['note']}")
+            row = dict(
+                case="paged",
+                W=W,
+                prefix=prefix,
+                S=S,
+                page_size=ps,
+                heads=Hq,
+                kv_heads=Hkv,
+                head_dim=D,
+                dtype=args.dtype,
+                key=key,
+                method=label,
+                backend=be,
+                timer=m["timer"],
+                median_s=m["median_s"],
+                p20_s=m["p20_s"],
+                p80_s=m["p80_s"],
+                us=m["median_s"] * 1e6,
+                rel_err=err,
+            )
+            shape_rows.append(row)
+            print(f"  paged prefix={prefix:5d} {label:15s} {be:6s} {row['us']:10.1f} us  ({m['timer']})")
+        base = next((x for x in shape_rows if x["key"] == "sdpa"), None)
+        for x in shape_rows:
+            x["x_sdpa"] = base["median_s"] / x["median_s"] if base else None
+        rows += shape_rows
+    if rows:
+        title = (
+            f"LLaDA2 paged block decoding: block of {W} query rows after a prefix, {Hq}/{Hkv} heads x {D}, "
+            f"pages of {ps}, {args.dtype}, {device} ({env.get('gpu') or env['cpu']})"
+        )
+        cols = [
+            ("prefix", "prefix", None),
+            ("method", "method", None),
+            ("backend", "backend", None),
+            ("median µs", "us", ".1f"),
+            ("sdpa ÷ ours", "x_sdpa", ".2f"),
+            ("rel err vs sdpa", "rel_err", ".2g"),
+            ("timer", "timer", None),
+        ]
+        table = f"**{title}**\n\n" + common.markdown_table(rows, cols)
+        print("\n" + table + "\n")
+        tables.append(table)
+    return rows, tables
+
+
 def run(args):
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -247,6 +433,10 @@ def run(args):
 
     shapes = [(win_w, S) for S in windows] + [(S, S) for S in refresh]
     results, tables = [], []
+    if not args.no_paged:
+        results, tables = paged_cases(args, device, env, notes)
+    if args.paged_only:
+        shapes = []
     for W, S in shapes:
         for density in densities:
             try:
@@ -336,12 +526,15 @@ def run(args):
                 torch.cuda.empty_cache()
     # 50% density speedup over dense, per method and shape
     for r in results:
-        if r["density"] < 1.0:
+        if r.get("density", 1.0) < 1.0:
             dense = next(
                 (
                     o
                     for o in results
-                    if o["density"] == 1.0 and o["W"] == r["W"] and o["S"] == r["S"] and o["key"] == r["key"]
+                    if o.get("density") == 1.0
+                    and o["W"] == r["W"]
+                    and o["S"] == r["S"]
+                    and o["key"] == r["key"]
                 ),
                 None,
             )
@@ -382,6 +575,17 @@ def main(argv=None):
     p.add_argument("--backends", default=None, help="comma-separated subset of our backends")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--flex", action="store_true", help="time FlexAttention on the CPU too")
+    p.add_argument("--paged-prefixes", default=None, help="comma-separated prefix lengths of the paged case")
+    p.add_argument("--page-size", type=int, default=32, help="rows per page of the paged case")
+    p.add_argument(
+        "--paged-block", type=int, default=32, help="query rows (diffusion block) of the paged case"
+    )
+    p.add_argument("--paged-heads", type=int, default=16)
+    p.add_argument("--paged-kv-heads", type=int, default=4)
+    p.add_argument("--paged-head-dim", type=int, default=128)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--no-paged", action="store_true", help="skip the paged case")
+    mode.add_argument("--paged-only", action="store_true", help="run only the paged case")
     run(p.parse_args(argv))
 
 

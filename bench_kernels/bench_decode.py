@@ -10,11 +10,15 @@ except every 16th. Timed on the same logits (rotating copies of them on the GPU)
   dinfer-compiled    torch.compile(dynamic=True) of dInfer's threshold rule (skipped if it fails)
   ours-threshold     dinfer_kernels.decode_step(rule="threshold", backend=b) for each available b
   ours-credit        the same with a CreditState of K = --slots slots (steady iteration)
+  ours-joint         rule="joint" (LLaDA2.1's JointThreshold) on the same logits, with every other row
+                     committed and editable, edit_threshold --edit-threshold: the threshold rule on
+                     the masked half plus token-to-token edits of the committed half
   max(-1)            one logits.max(-1) pass: the bandwidth yardstick
 and the device copy bandwidth (dst.copy_(src), bytes read + written).
 Columns: median time, GB/s of logits read (N*V*itemsize / time), % of the measured copy bandwidth,
-speedup vs each dInfer baseline, time / max(-1) time, and whether the step committed the same
-tokens as dInfer (first step from the same state).
+speedup vs each dInfer baseline, time / max(-1) time, time / ours-threshold's on the same backend
+(the cost of the credit and of the edits), and whether the step committed the same tokens as dInfer
+(first step from the same state; ours-joint: as the torch reference, dInfer has no joint rule).
 """
 
 import sys
@@ -46,6 +50,16 @@ def make_inputs(N, V, dtype, device, seed=0):
     return z.to(dtype).to(device), tokens.to(device), mask_id
 
 
+def joint_tokens(N, V, mask_id, seed=1):
+    """The joint case's tokens: every other row committed (a random non-mask token), the rest
+    masked; and the committed rows as the editable ones."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    committed = torch.arange(N) % 2 == 1
+    tok = torch.randint(0, V - 1, (N,), generator=g)
+    tok = tok + (tok >= mask_id).to(torch.int64)
+    return torch.where(committed, tok, torch.full_like(tok, mask_id)), committed
+
+
 def build_cases(N, V, args, device, notes):
     import dinfer_baseline as db
 
@@ -60,12 +74,20 @@ def build_cases(N, V, args, device, notes):
     offsets = torch.tensor([0, N], dtype=torch.int32, device=device)
     tau = args.threshold
 
+    joint0, editable = joint_tokens(N, V, mask_id)
+    tokj_init = joint0.to(device).unsqueeze(0).expand(copies, N).contiguous()
+    tokj = tokj_init.clone()
+    editable = editable.to(device)
+
     def restore():
         tok.copy_(tok_init)
 
-    cases = []  # (key, label, backend, Case, kind) ; kind in threshold|credit|yardstick
+    def restore_joint():
+        tokj.copy_(tokj_init)
 
-    def add(key, label, backend, fn, kind, setup=None, graph=True):
+    cases = []  # (key, label, backend, Case, kind) ; kind in threshold|credit|joint|yardstick
+
+    def add(key, label, backend, fn, kind, setup=None, graph=True, restore=restore):
         cases.append(
             (
                 key,
@@ -151,30 +173,77 @@ def build_cases(N, V, args, device, notes):
             "credit",
             setup=cs.reset_,
         )
+        add(
+            f"ours_joint_{be}",
+            "ours-joint",
+            be,
+            lambda i, be=be, thr=thr: dinfer_kernels.decode_step(
+                logits[i],
+                tokj[i],
+                offsets,
+                mask_id,
+                rule="joint",
+                threshold=thr,
+                editable=editable,
+                edit_threshold=args.edit_threshold,
+                backend=be,
+            ),
+            "joint",
+            restore=restore_joint,
+        )
 
     add("max", "max(-1)", "torch", lambda i: logits[i].max(-1), "yardstick")
     return cases, dict(
-        logits=logits, tok=tok, tok_init=tok_init, offsets=offsets, mask_id=mask_id, restore=restore, dec=dec
+        logits=logits,
+        tok=tok,
+        tok_init=tok_init,
+        tokj=tokj,
+        tokj_init=tokj_init,
+        editable=editable,
+        offsets=offsets,
+        mask_id=mask_id,
+        tau=tau,
+        dec=dec,
     )
 
 
-def agreement(cases, state, N):
-    """Runs each case once from the restored state; compares the committed tokens to dInfer's."""
-    ref = {}
+def joint_reference(state, edit_threshold):
+    """The tokens after one joint step of the torch reference (on the host) from the joint state."""
+    from dinfer_kernels.reference import decode_step_reference
+
+    tokens = state["tokj_init"][0].cpu().clone()
+    decode_step_reference(
+        state["logits"][0].cpu(),
+        tokens,
+        state["offsets"].cpu(),
+        state["mask_id"],
+        rule="joint",
+        threshold=torch.full((1,), state["tau"]),
+        editable=state["editable"].cpu(),
+        edit_threshold=edit_threshold,
+    )
+    return tokens
+
+
+def agreement(cases, state, edit_threshold):
+    """Runs each case once from the restored state; compares the committed tokens to dInfer's (the
+    joint rule's to the torch reference's)."""
+    ref = {"joint": joint_reference(state, edit_threshold)}
     res = {}
     for key, _, _, case, kind in cases:
         if kind == "yardstick":
             continue
         if case.setup is not None:
             case.setup()
-        state["restore"]()
+        case.restore()
         case.fn(0)
-        got = state["tok"][0].clone()
+        tok, init = ("tokj", "tokj_init") if kind == "joint" else ("tok", "tok_init")
+        got = state[tok][0].clone()
         if key in ("dinfer_thr", "dinfer_credit"):
             ref[kind] = got
         base = ref.get(kind)
-        res[key] = None if base is None else ("yes" if torch.equal(got, base) else "NO")
-        n_commit = int((got != state["tok_init"][0]).sum())
+        res[key] = None if base is None else ("yes" if torch.equal(got.cpu(), base.cpu()) else "NO")
+        n_commit = int((got != state[init][0]).sum())
         res[key + "_commits"] = n_commit
     return res
 
@@ -202,7 +271,7 @@ def run(args):
     results, tables = [], []
     for N in rows:
         cases, state = build_cases(N, V, args, device, notes)
-        agree = agreement(cases, state, N)
+        agree = agreement(cases, state, args.edit_threshold)
         itemsize = state["logits"][0].element_size()
         nbytes = N * V * itemsize
         rows_out = []
@@ -247,6 +316,12 @@ def run(args):
             ):
                 r[col] = by[base]["median_s"] / r["median_s"] if base in by else None
             r["per_max"] = r["median_s"] / by["max"]["median_s"] if "max" in by else None
+            thr_key = f"ours_thr_{r['backend']}"
+            r["per_thr"] = (
+                r["median_s"] / by[thr_key]["median_s"]
+                if r["key"].startswith("ours_") and thr_key in by
+                else None
+            )
         results += rows_out
         title = (
             f"N = {N} rows, V = {V}, {args.dtype} logits ({nbytes / 1e6:.1f} MB), {device}"
@@ -262,6 +337,7 @@ def run(args):
             ("× dInfer credit", "x_credit", ".2f"),
             ("× compiled", "x_compiled", ".2f"),
             ("÷ max(-1)", "per_max", ".2f"),
+            ("÷ ours thr", "per_thr", ".2f"),
             ("same tokens", "agree", None),
             ("commits", "commits", None),
             ("timer", "timer", None),
@@ -282,6 +358,9 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=LLADA_MOE_VOCAB)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--slots", type=int, default=16, help="credit slots K of our CreditState")
+    p.add_argument(
+        "--edit-threshold", type=float, default=0.5, help="edit_threshold of ours-joint (JOINT_QUALITY's)"
+    )
     p.add_argument("--backends", default=None, help="comma-separated subset of our backends")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     run(p.parse_args(argv))

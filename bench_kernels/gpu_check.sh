@@ -205,7 +205,8 @@ bench_limit() {
 bench_tiny() {
   case $1 in
     bench_attention) echo "--dtype fp32 --windows 128 --refresh 64 --window-rows 16 --densities 1 --heads 2" \
-                          "--head-dim 64 --no-flex --reps 2" ;;
+                          "--head-dim 64 --no-flex --reps 2 --paged-prefixes 64 --paged-heads 2" \
+                          "--paged-kv-heads 1 --paged-head-dim 64" ;;
     bench_moe) echo "--tokens 4 --experts 8 --top-k 2 --hidden 64 --inter 32 --reps 2" ;;
     bench_decode) echo "--dtype fp32 --rows 4 --vocab 1000 --no-compile --reps 2" ;;
     bench_soft_embedding) echo "--dtype fp32 --rows 4 --vocab 1000 --dim 64 --reps 2" ;;

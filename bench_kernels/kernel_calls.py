@@ -73,6 +73,35 @@ def attention_calls(backend, dev, dtype):
                 backend=backend,
             ),
         )
+        # The paged layout: pages of 3 rows in shuffled order, spare pages, unchecked ids outside the
+        # pool (one under window rows of sequence 1, one past its length).
+        ps = 3
+        MP = -(-S // ps)
+        P = B * MP + 2
+        table = torch.randperm(P, device=dev)[: B * MP].view(B, MP).to(torch.int32)
+        table[1, 110 // ps], table[1, -1] = -1, P + 5
+        pk, pv = r(P, ps, Hkv, D), r(P, ps, Hkv, D)
+        pbm = dk.BlockMask.full(B, Hkv, W, MP * ps, q_block=16, kv_block=96, device=dev)
+        for wb in (True, False):
+            yield (
+                f"attention D={D} paged write_back={wb}",
+                lambda wb=wb: dk.attention(
+                    q,
+                    k,
+                    v,
+                    pk,
+                    pv,
+                    pos,
+                    lens,
+                    block_table=table,
+                    block_mask=pbm,
+                    return_lse=True,
+                    return_block_mass=True,
+                    write_back=wb,
+                    backend=backend,
+                    validate=False,
+                ),
+            )
 
 
 def moe_calls(backend, dev, dtype):

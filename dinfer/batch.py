@@ -1,4 +1,4 @@
-"""Token state of a ragged batch, its blocks, and the windows each cache mode recomputes.
+"""Token state of a ragged batch and its blocks.
 
 Sequence b holds its prompt (length Lp_b) and gen_length [MASK] tokens: total_b = Lp_b + gen_length
 positions. Nothing is padded into the sequence: positions >= total_b are padding, never attended
@@ -12,8 +12,6 @@ per sequence everywhere.
 from dataclasses import dataclass
 
 import torch
-
-CACHE_MODES = ("none", "prefix", "dual", "vicinity")
 
 
 @dataclass
@@ -68,68 +66,49 @@ class Batch:
         return part
 
 
-def make_batch(
-    prompts,
-    gen_length: int,
-    block_length: int,
-    mask_id: int,
-    pad_id: int,
-    device,
-    max_positions: int,
-    align_blocks: bool = True,
-    after_look: int = 0,
-) -> Batch:
-    """align_blocks: dInfer's start_block_align (block 0 starts at floor(Lp / bl) * bl); False
-    starts it right after the prompt, as LLaDA's original sampler does."""
-    if not prompts:
-        raise ValueError("prompts: expected at least one prompt")
-    if gen_length < 1 or block_length < 1:
-        raise ValueError(f"gen_length and block_length must be >= 1, got {gen_length}, {block_length}")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompts[{i}]: empty prompt")
-        if len(p) + gen_length > max_positions:
-            raise ValueError(
-                f"prompts[{i}]: {len(p)} prompt tokens + gen_length {gen_length} exceed the "
-                f"model's {max_positions} positions"
-            )
-    lp = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-    first = lp // block_length * block_length if align_blocks else lp.clone()
-    total = lp + gen_length
-    # Room for every block and its after-look window, plus one padding row: windows then depend on
-    # a sequence's own positions only, never on the batch.
-    batch = Batch(
-        torch.empty(len(prompts), 0, dtype=torch.int64),
-        total.to(torch.int32),
-        first,
-        lp,
-        block_length,
-        after_look + 1,
-    )
-    x = torch.full((len(prompts), batch.span()), pad_id, dtype=torch.int64)
-    for b, p in enumerate(prompts):
-        x[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        x[b, len(p) : int(total[b])] = mask_id
-    return Batch(
-        x.to(device), batch.total_len.to(device), first.to(device), lp.to(device), block_length, batch.room
-    )
+def check_prompt(i, prompt, gen_length: int, max_positions: int) -> None:
+    """ValueError naming prompts[i] when it is empty or does not fit the model's positions."""
+    if len(prompt) == 0:
+        raise ValueError(f"prompts[{i}]: empty prompt")
+    if len(prompt) + gen_length > max_positions:
+        raise ValueError(
+            f"prompts[{i}]: {len(prompt)} prompt tokens + gen_length {gen_length} exceed the "
+            f"model's {max_positions} positions"
+        )
 
 
-def window(batch: Batch, k: torch.Tensor, mode: str, prefix_look: int, after_look: int):
-    """(start [B], W) of the rows a window step recomputes for each sequence's block k[b] under `mode`.
+def first_block(prompt_len: int, block_length: int, align_blocks: bool) -> int:
+    """Where block 0 starts: dInfer's start_block_align (floor(Lp / bl) * bl), or right after the
+    prompt (LLaDA's original sampler)."""
+    return prompt_len // block_length * block_length if align_blocks else prompt_len
 
-    none: everything; dual: the block; vicinity: [block - P, block + A) (moved right at position 0);
-    prefix: from the block to the sequence's end. A window's start depends only on its own sequence,
-    and rows past a sequence's end are padding, so a sequence computes the same alone or in a batch.
-    """
-    bl, S = batch.block_length, batch.max_len
-    start = batch.block_start(k)
-    if mode == "none":
-        return torch.zeros_like(start), S
-    if mode == "dual":
-        return start, bl
-    if mode == "vicinity":
-        return (start - prefix_look).clamp(min=0), prefix_look + bl + after_look
-    if mode == "prefix":
-        return start, max(1, int((batch.total_len.to(torch.int64) - start).max()))
-    raise ValueError(f"cache: expected one of {CACHE_MODES}, got {mode!r}")
+
+def span(prompt_len: int, gen_length: int, block_length: int, align_blocks: bool, room: int) -> int:
+    """Columns a sequence uses (Batch.span for one sequence, on the host)."""
+    first = first_block(prompt_len, block_length, align_blocks)
+    blocks = -(-(prompt_len + gen_length - first) // block_length)
+    return first + blocks * block_length + room
+
+
+def slots(rows: int, width: int, block_length: int, room: int, pad_id: int, device) -> Batch:
+    """Empty storage for `rows` sequences of up to `width` columns each (Batch.fill writes one)."""
+    zeros = lambda dtype: torch.zeros(rows, dtype=dtype, device=device)
+    x = torch.full((rows, width), pad_id, dtype=torch.int64, device=device)
+    return Batch(x, zeros(torch.int32), zeros(torch.int64), zeros(torch.int64), block_length, room)
+
+
+def fill(batch: Batch, row: int, prompt, gen_length: int, mask_id: int, pad_id: int, align_blocks: bool):
+    """Row `row` of `batch` holds `prompt` and gen_length [MASK]s now (padding after them)."""
+    lp, total = len(prompt), len(prompt) + gen_length
+    if span(lp, gen_length, batch.block_length, align_blocks, batch.room) > batch.max_len:
+        raise ValueError(
+            f"internal error: a sequence of {total} positions does not fit a row of {batch.max_len}"
+        )
+    dev = batch.x.device
+    row_x = torch.full((batch.max_len,), pad_id, dtype=torch.int64)
+    row_x[:lp] = torch.tensor(prompt, dtype=torch.int64)
+    row_x[lp:total] = mask_id
+    batch.x[row] = row_x.to(dev)
+    batch.total_len[row] = total
+    batch.first_block[row] = first_block(lp, batch.block_length, align_blocks)
+    batch.prompt_len[row] = lp

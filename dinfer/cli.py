@@ -2,6 +2,7 @@
 
     dinfer generate [--model M] --prompt TEXT [options]     text for one or more prompts
     dinfer eval [--model M] [--tasks add,sort] [options]    accuracy / TPF / TPS on the task suite
+    dinfer serve [--model M] [--port 8000] [options]        an OpenAI-compatible server (dinfer.serve)
 
 --model is a checkpoint folder or an embedded model's name (default: tiny-llada-moe, shipped in the
 package). Options left out keep the GenerationConfig / DecoderConfig defaults, or the checkpoint's
@@ -27,11 +28,13 @@ import os
 import sys
 from typing import Dict, List, Optional
 
-from .batch import CACHE_MODES
 from .decoders import DECODERS
 from .evaluate import Progress
-from .llm import LLM, _device, _dtype, generation_config
-from .models.embedded import DEFAULT, EMBEDDED, generation_defaults, model_dir
+from .generate import CACHE_MODES
+from .kv_paged import CLEAN_KV
+from .llm import LLM, _device, _dtype, checkpoint_defaults, generation_config
+from .models.embedded import DEFAULT, EMBEDDED, model_dir
+from .parallel.plan import EP_MODES
 from .tasks import TASKS
 
 
@@ -40,7 +43,7 @@ def _defaults(model: Optional[str]) -> Dict[str, object]:
     under its generation_config.json (the configs' own when the checkpoint cannot be read: the
     command then fails on it with a proper message)."""
     try:
-        cfg = generation_config(**generation_defaults(model_dir(model)))
+        cfg = generation_config(**checkpoint_defaults(model_dir(model)))
     except (OSError, ValueError):
         cfg = generation_config()
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
@@ -49,7 +52,7 @@ def _defaults(model: Optional[str]) -> Dict[str, object]:
     return values
 
 
-def _model_options(p: argparse.ArgumentParser, batch_default: str) -> None:
+def _model_options(p: argparse.ArgumentParser, batch_default: Optional[str]) -> None:
     device = _device(None)
     p.add_argument(
         "--model",
@@ -60,6 +63,22 @@ def _model_options(p: argparse.ArgumentParser, batch_default: str) -> None:
         "--dtype",
         help=f"bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on the host: "
         f"{str(_dtype(None, device)).replace('torch.', '')} here)",
+    )
+    if batch_default is None:  # dinfer serve: one process (its engine is not wired to tensor parallelism)
+        return
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="ranks of a tensor-parallel group: under torchrun --nproc-per-node N, or spawned on this "
+        "machine (default: 1)",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        choices=EP_MODES,
+        default="allreduce",
+        help="MoE layers under tensor parallelism: experts split across the ranks, combined by one "
+        "all-reduce or by all-to-all dispatch (default: allreduce)",
     )
     p.add_argument(
         "--batch-size",
@@ -79,7 +98,8 @@ def _generation_options(parser: argparse.ArgumentParser, d: Dict[str, object]) -
 
     def opt(*flags, help, **kw):
         dest = flags[0].lstrip("-").replace("-", "_")
-        add(*flags, dest=dest, help=f"{help} (default: {d[dest]})", **kw)
+        shown = "off" if d[dest] is None else d[dest]  # edit_threshold: None turns editing off
+        add(*flags, dest=dest, help=f"{help} (default: {shown})", **kw)
 
     opt("--gen-length", "--max-new-tokens", type=int, help="tokens generated per prompt")
     opt("--block-length", type=int, help="tokens per block (capped to --gen-length)")
@@ -87,9 +107,32 @@ def _generation_options(parser: argparse.ArgumentParser, d: Dict[str, object]) -
     opt("--threshold", type=float, help="commit threshold in [0, 1] (tau_high for hierarchical)")
     opt("--low-threshold", type=float, help="tau_low in [0, 1] for hierarchical")
     opt("--steps-per-block", type=int, help="fixed decoder: steps per block (0: one token per step)")
+    opt(
+        "--edit-threshold",
+        type=float,
+        help="joint decoder: rewrite a generated token whose prediction differs with confidence above "
+        "this (None or <= 0: no editing)",
+    )
+    opt(
+        "--max-post-edit-steps",
+        type=int,
+        help="joint decoder: forwards that only edit, after a block's last [MASK]",
+    )
     opt("--temperature", type=float, help="sampling temperature (0: the most likely token)")
     opt("--seed", type=int, help="sampling seed, in [0, 2**32)")
     opt("--cache", choices=CACHE_MODES, help="KV cache mode")
+    opt(
+        "--clean-kv",
+        choices=CLEAN_KV,
+        help="paged cache: a finished block's clean K/V fused into the next block's first forward, or "
+        "from an extra forward",
+    )
+    opt("--prefill-chunk", type=int, help="paged cache: prompt positions per prefill forward (whole blocks)")
+    opt(
+        "--kv-pages",
+        type=int,
+        help="paged cache: pages in the pool (0: every sequence in flight at its longest)",
+    )
     opt("--warmup-steps", type=int, help="first N iterations are full refreshes")
     opt("--unroll", type=int, help="iterations per host check")
     opt(
@@ -197,6 +240,39 @@ def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _model_options(e, "1")
     _generation_options(e, d)
+    s = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (needs the serve extra)",
+        description="Serves /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and "
+        "/openapi.json; requests join the running batch at block boundaries. The generation options "
+        "are the defaults of every request (which may set max_tokens, temperature, seed, stop, "
+        "block_length, threshold, decoder and cache).",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded at once per lane (default: 8)")
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests waiting for a slot; past it a request gets 429 with Retry-After (default: 64)",
+    )
+    s.add_argument(
+        "--max-len",
+        type=int,
+        help="positions of the longest sequence, prompt + answer (default: the model's)",
+    )
+    s.add_argument(
+        "--max-lanes",
+        type=int,
+        default=4,
+        help="request configurations (block length, decoder, cache, sampling) decoded side by side, "
+        "each with its own slots and KV cache (default: 4)",
+    )
+    s.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
+    s.add_argument("--log-level", default="info", help="uvicorn's log level (default: info)")
+    _model_options(s, None)
+    _generation_options(s, d)
     return parser
 
 
@@ -264,16 +340,35 @@ class _Printer:
         self.bar.update(1, "generate")
 
 
+def _llm(args: argparse.Namespace) -> LLM:
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel,
+        expert_parallel=args.expert_parallel,
+    )
+
+
+def _main_rank() -> bool:
+    """Whether this process prints: rank 0 of torchrun's processes, or the only one."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _generate(args: argparse.Namespace, state: dict) -> None:
-    if args.output:
+    main = _main_rank()
+    if args.output and main:
         _writable(args.output, "output")
-    prompts = _read_prompts(args)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    # Under torchrun only rank 0 reads stdin; the others get its prompts from it.
+    stdin = args.prompts_file == "-" or (args.prompt is None and args.prompts_file is None)
+    prompts = _read_prompts(args) if main or not stdin else None
+    llm = _llm(args)
+    prompts = llm.broadcast(prompts)
     progress = len(prompts) > 1 and sys.stderr.isatty() if args.progress is None else args.progress
-    bar = Progress(len(prompts), progress)
-    output = open(args.output, "w", encoding="utf-8") if args.output else None
+    bar = Progress(len(prompts), progress and main)
+    output = open(args.output, "w", encoding="utf-8") if args.output and main else None
     try:
-        printer = state["printer"] = _Printer(prompts, not args.json, output, bar)
+        printer = state["printer"] = _Printer(prompts, not args.json and main, output, bar)
         result = llm.generate(
             prompts,
             chat=args.chat,
@@ -286,6 +381,9 @@ def _generate(args: argparse.Namespace, state: dict) -> None:
         bar.close()
         if output is not None:
             output.close()
+        llm.close()
+    if not main:
+        return
     if args.json:
         print(
             json.dumps(
@@ -314,37 +412,44 @@ def _generate(args: argparse.Namespace, state: dict) -> None:
 def _eval(args: argparse.Namespace, state: dict) -> None:
     from .evaluate import evaluate, markdown_table
 
-    if args.output:
+    main = _main_rank()
+    if args.output and main:
         for path in (args.output, args.output + ".md"):
             _writable(path, "output")
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = _llm(args)
     batch_size = 1 if args.batch_size is None else args.batch_size
     options = _options(args)
     title = f"{llm.path} {json.dumps({k: v for k, v in options.items() if v is not None})}"
 
     def save(result: dict) -> None:  # after every task: an interrupted run keeps the tasks done
         result["model"] = llm.path
-        if args.output:
+        if args.output and main:
             with open(args.output, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=2)
             with open(args.output + ".md", "w", encoding="utf-8") as f:
                 f.write(markdown_table(result, title=title) + "\n")
             state["saved"] = len(result["tasks"])
 
-    result = evaluate(
-        llm,
-        args.tasks,
-        num_problems=args.num_problems,
-        batch_size=batch_size,
-        problem_seed=args.problem_seed,
-        progress=args.progress,
-        on_task=save,
-        **options,
-    )
-    print(json.dumps(result, indent=2) if args.json else markdown_table(result, title=title))
+    try:
+        result = evaluate(
+            llm,
+            args.tasks,
+            num_problems=args.num_problems,
+            batch_size=batch_size,
+            problem_seed=args.problem_seed,
+            progress=args.progress and main,
+            on_task=save,
+            **options,
+        )
+    finally:
+        llm.close()
+    if main:
+        print(json.dumps(result, indent=2) if args.json else markdown_table(result, title=title))
 
 
 def _interrupted(args: argparse.Namespace, state: dict) -> str:
+    if args.command == "serve":
+        return "dinfer: server stopped"
     if args.command == "eval":
         kept = (
             f"{state['saved']} finished task(s) are in {args.output}"
@@ -369,15 +474,37 @@ def _interrupted(args: argparse.Namespace, state: dict) -> str:
     return f"dinfer: interrupted; {kept}"
 
 
+def _serve(args: argparse.Namespace, state: dict) -> None:
+    from .serve import serve  # ImportError naming the extra when the web stack is missing
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"port: must be in [0, 65535], got {args.port}")
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_len=args.max_len,
+        max_lanes=args.max_lanes,
+        device=args.device,
+        dtype=args.dtype,
+        name=args.served_model_name,
+        log_level=args.log_level,
+        **{k: v for k, v in _options(args).items() if v is not None},
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser(argv).parse_args(argv)  # argparse itself exits 2 on a bad command line
     state: dict = {}
     try:
-        _generate(args, state) if args.command == "generate" else _eval(args, state)
+        {"generate": _generate, "eval": _eval, "serve": _serve}[args.command](args, state)
     except KeyboardInterrupt:
         print(_interrupted(args, state), file=sys.stderr)
         return 130
     except Exception as e:  # a user-facing command: the message, not a traceback
-        print(f"dinfer: error: {e}", file=sys.stderr)
+        rank = "" if _main_rank() else f"rank {os.environ['RANK']}: "
+        print(f"dinfer: {rank}error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,14 +1,22 @@
-"""The diffusion generation loop: blocks, cache refreshes, window steps, decoding, smoothing.
+"""The diffusion iteration manager: blocks, forwards, decoding, smoothing.
 
     until every prompt is finished (dinfer.scheduler: the queue, refills, early stop, the answers):
         schedule: up to `batch_size` sequences in flight; a finished one's slot goes to the next prompt
-        run the round: every sequence in flight decodes its own next block
-            repeat until the block holds no [MASK] (one host check per chunk of <= `unroll` iterations):
-                compact: sequences whose block is done leave the block's remaining iterations
-                iteration: forward (a full refresh at the block's start, else the cache mode's window)
+        start the round (the KV-cache manager): every sequence in flight decodes its own next block
+        run the round:
+            repeat until every block is settled (one host check per chunk of <= `unroll` iterations):
+                compact: sequences whose block is settled leave the block's remaining iterations
+                iteration: forward over the window the KV-cache manager names for the iteration's kind
                            + decode_step on the block's rows (+ soft embeddings for the next forward)
         postprocess: a sequence whose block holds EOS is finished (early stop), the rest of it EOS;
         so is one whose last block is done
+
+The KV-cache manager is the model's: a bidirectional model (LLaDA, LLaDA-MoE) sees the whole sequence,
+so its cache goes stale and is refreshed (dinfer.kv_refresh: full refreshes at block starts, window
+steps per cache mode); a block-causal one (LLaDA2) never sees later blocks, so the committed blocks'
+K/V are exact and appended once to a paged cache (dinfer.kv_paged: chunked prompt prefill, the
+previous block's clean K/V fused into the block's first forward). A block is settled when it holds no
+[MASK] and, for an editing decoder (joint), its post-edit steps are over (dinfer.decoders).
 
 Every iteration is one model forward and one decode_step. Commits, thresholds, schedules and the
 stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU).
@@ -37,12 +45,16 @@ import torch
 import dinfer_kernels as dk
 from dinfer_kernels.reference import rng
 
-from .batch import CACHE_MODES, Batch, make_batch, window
+from . import kv_paged, kv_refresh
+from .batch import check_prompt, span
+from .batch import slots as slots_storage
 from .decoders import Decoder, DecoderConfig
 from .graphs import StepGraphs
-from .params import Bool, Instance, Int, OneOf, Real, Tuple, check, check_memory
-from .scheduler import Round, Scheduler
+from .params import Bool, Instance, Int, OneOf, Real, Tuple, check
+from .scheduler import Request, Round, Scheduler
 from .stats import Stats
+
+CACHE_MODES = kv_refresh.MODES + kv_paged.MODES
 
 SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)  # dInfer's w_n = min(w0 + dw * n, w_max)
 
@@ -57,7 +69,7 @@ class GenerationConfig:
     gen_length: int = 1024
     block_length: int = 64  # capped to gen_length
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
-    cache: str = "vicinity"  # none | prefix | dual | vicinity
+    cache: str = "vicinity"  # none | prefix | dual | vicinity (bidirectional) | paged (block-causal)
     prefix_look: int = 16  # vicinity window: [block - prefix_look, block + after_look)
     after_look: int = 16
     warmup_steps: int = 0  # the request's first N iterations are full refreshes (dInfer: 4)
@@ -77,6 +89,12 @@ class GenerationConfig:
     align_blocks: bool = True  # dInfer's start_block_align; False: block 0 starts after the prompt
     cuda_graphs: bool = True
     time_phases: bool = False  # synchronise around phases to time them (always on the host)
+    # Block-causal (paged) only: where the previous block's clean K/V come from (kv_paged): "fused"
+    # into the block's first forward, or an extra "forward"; the prompt prefill's positions per
+    # forward (whole blocks); the page pool's size (0: every sequence in flight at its longest).
+    clean_kv: str = "fused"
+    prefill_chunk: int = 512
+    kv_pages: int = 0
 
     def __post_init__(self):  # the rules of every field (dinfer.params)
         n, count, unit, flag = Int(1), Int(0), Real(0.0, 1.0), Bool()
@@ -104,6 +122,9 @@ class GenerationConfig:
                 align_blocks=flag,
                 cuda_graphs=flag,
                 time_phases=flag,
+                clean_kv=OneOf(kv_paged.CLEAN_KV),
+                prefill_chunk=n,
+                kv_pages=count,
             ),
         )
         # A block longer than the answer would only decode padding rows (8x slower at 1000 for 32
@@ -114,36 +135,38 @@ class GenerationConfig:
 class BlockState:
     """What the iterations of one block read and write. Tensors keep their addresses all block long."""
 
-    def __init__(self, sched: Scheduler, rnd: Round, cfg: GenerationConfig, model, cache, request_keys):
+    def __init__(self, sched: Scheduler, rnd: Round, cfg: GenerationConfig, model):
         """The round `rnd` of `sched`: its sequences' tokens and counters, taken from the run's."""
         c = model.config
         dev = sched.batch.x.device
-        self.prompts, self.rows = rnd.prompts, rnd.prompts.to(dev)  # host and device indices
+        # slots and their requests and blocks (host), the slots on the device
+        self.slots, self.requests, self.blocks, self.rows = (
+            rnd.slots,
+            rnd.requests,
+            rnd.blocks,
+            rnd.slots.to(dev),
+        )
         self.batch = batch = sched.batch.select(self.rows, trim=True)
         B, bl, S = batch.size, batch.block_length, batch.max_len
-        k = rnd.blocks.to(dev)
-        # The round's cache: the head of each slot buffer seen as [B, S, Hkv, D], contiguous. What a
-        # block leaves there is never read again (every block starts with a refresh).
-        self.cache = type(cache)([_head(t, B, S) for t in cache.keys], [_head(t, B, S) for t in cache.values])
-        pos = batch.block_positions(k)
+        pos = batch.block_positions(rnd.blocks.to(dev))
         # Rows past a sequence's end are padding: they read a non-mask token and are never written.
         self.valid = pos < batch.total_len[:, None].to(torch.int64)
         self.block_pos = pos.clamp(max=S - 1)
-        # A block-causal model's rows see keys up to the end of the block being decoded, never the
-        # masked blocks after it; a bidirectional model's see the whole sequence.
-        ends = (pos[:, -1] + 1).clamp(max=batch.total_len.to(torch.int64)).to(torch.int32)
-        self.seq_lens = ends if c.block_causal else batch.total_len
+        # The rows an editing decoder may rewrite: generated ones (a block may hold the prompt's tail)
+        self.editable = (self.valid & (pos >= batch.prompt_len[:, None])).flatten()
         self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
-        self.window_lo, self.window_len = window(batch, k, cfg.cache, cfg.prefix_look, cfg.after_look)
         self.iters = sched.iters[self.rows]  # [B] iterations each sequence was active (schedules)
-        self.request_keys = request_keys[self.rows]  # [B] sampling keys (rng.sequence_key)
+        self.request_keys = sched.keys[self.rows]  # [B] sampling keys (rng.sequence_key)
         # [B] the request's forward (its own count, from 1) whose logits first held a NaN or +-inf
         # in a valid row of this block; -1: none yet.
         self.nonfinite_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
         warmup = (cfg.smoothing_threshold_start, cfg.smoothing_threshold_decay) if cfg.smoothing else None
-        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev, warmup)
+        self.decoder = Decoder(
+            cfg.decoder, B, bl, c.mask_id, dev, warmup, sched.tau[self.rows], parallel_of(model)
+        )
         self.decoder.start_block(self.block_tokens().view(B, bl))
         self.soft = model.embed(self.block_tokens())  # hard embeddings until the block has logits
+        self.kv = None  # the KV-cache manager's state of the round (its start_round)
 
     def block_tokens(self) -> torch.Tensor:
         return torch.where(self.valid, self.batch.x.gather(1, self.block_pos), self.pad_token).flatten()
@@ -152,27 +175,31 @@ class BlockState:
         cur = self.batch.x.gather(1, self.block_pos)
         self.batch.x.scatter_(1, self.block_pos, torch.where(self.valid, tokens.view(cur.shape), cur))
 
-    def poll(self, mask_id):
-        """([B] [MASK] tokens left in each sequence's block, [B] nonfinite_at) on the host: one
-        sync, once per chunk."""
-        left = (self.block_tokens().view(self.batch.size, -1) == mask_id).sum(1)
+    def poll(self):
+        """([B] work left in each sequence's block (Decoder.remaining), [B] nonfinite_at) on the
+        host: one sync, once per chunk."""
+        left = self.decoder.remaining(self.block_tokens().view(self.batch.size, -1))
         both = torch.stack([left, self.nonfinite_at]).cpu()
         return both[0], both[1]
 
-    def select(self, keep: torch.Tensor) -> "BlockState":
-        """The state of sequences `keep` (host indices) only. Their cache rows are copied: nothing a
-        block's iterations write into the cache is read after the block, whose successor starts with
-        a refresh."""
+    def select(self, keep: torch.Tensor, kv) -> "BlockState":
+        """The state of sequences `keep` (host indices) only; `kv`: the KV-cache manager, which
+        selects its own round state."""
         new = copy.copy(self)
         bl = self.batch.block_length
-        new.prompts, keep = self.prompts[keep], keep.to(self.rows.device)
+        new.slots, new.requests, new.blocks = self.slots[keep], self.requests[keep], self.blocks[keep]
+        keep = keep.to(self.rows.device)
         new.rows, new.batch = self.rows[keep], self.batch.select(keep)
-        new.cache = type(self.cache)([t[keep] for t in self.cache.keys], [t[keep] for t in self.cache.values])
         new.valid, new.block_pos, new.pad_token = self.valid[keep], self.block_pos[keep], self.pad_token[keep]
-        new.window_lo, new.iters, new.seq_lens = self.window_lo[keep], self.iters[keep], self.seq_lens[keep]
-        new.request_keys, new.nonfinite_at = self.request_keys[keep], self.nonfinite_at[keep]
+        new.editable = self.editable.view(-1, bl)[keep].flatten()
+        new.iters, new.request_keys, new.nonfinite_at = (
+            self.iters[keep],
+            self.request_keys[keep],
+            self.nonfinite_at[keep],
+        )
         new.decoder = self.decoder.select(keep)
         new.soft = self.soft.view(self.batch.size, bl, -1)[keep].flatten(0, 1)
+        new.kv = kv.select(self.kv, keep)
         return new
 
 
@@ -188,21 +215,26 @@ def request_keys_of(prompts: List[List[int]]) -> List[int]:
     return keys
 
 
-def _head(buffer: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    return buffer.view(-1)[: B * S * buffer[0, 0].numel()].view(B, S, *buffer.shape[2:])
-
-
 class Generator:
-    """Runs a GenerationConfig on a model (dinfer.models.DiffusionLM) for a batch of prompts."""
+    """Runs a GenerationConfig on a model (dinfer.models.DiffusionLM): `run` for a list of prompts, or
+    `open`, then `submit` requests at any time and `step` rounds (a server's engine)."""
 
     def __init__(self, model, cfg: GenerationConfig):
-        if model.config.block_causal:
-            _check_block_causal(cfg)
+        check_for_model(model, cfg)
         self.model, self.cfg = model, cfg
+        self.kv_manager = kv_manager(model)
         self.mask_id, self.eos_id = model.config.mask_id, model.config.eos_id
-        use_graphs = cfg.cuda_graphs and model.device.type == "cuda" and cfg.decoder.temperature == 0
+        # Not under tensor parallelism: the vocabulary-parallel decode step reads values on the host.
+        use_graphs = (
+            cfg.cuda_graphs
+            and model.device.type == "cuda"
+            and cfg.decoder.temperature == 0
+            and parallel_of(model) is None
+        )
         self.graphs = StepGraphs(enabled=use_graphs and not cfg.time_phases)
         self.stats = Stats(timed=cfg.time_phases or model.device.type == "cpu")
+        self.sched = None
+        self._next_id = 0
 
     def run(
         self,
@@ -210,113 +242,157 @@ class Generator:
         batch_size: Optional[int] = None,
         on_finish: Optional[Callable[[int, torch.Tensor], None]] = None,
     ) -> List[torch.Tensor]:
-        """batch_size: the most sequences in flight (default: all); on_finish(i, tokens) is called
-        for prompt i as soon as it is finished (at a block boundary), with its generated tokens.
-        Raises NonFiniteLogitsError when the model's logits hold a NaN or +-inf."""
+        """Each prompt's generated tokens. batch_size: the most sequences in flight (default: all);
+        on_finish(i, tokens) is called for prompt i as soon as it is finished (at a block boundary),
+        with its generated tokens. Raises NonFiniteLogitsError when the model's logits hold a NaN or
+        +-inf."""
         t0 = time.perf_counter()
-        sched = Scheduler(self._batch(prompts), batch_size, self.eos_id, self.cfg.early_stop, on_finish)
-        max_len = sched.batch.max_len
-        check_memory(self.model, sched.slots, max_len, self.cfg.block_length)  # a refusal, not an OOM
-        cache = self.model.new_cache(sched.slots, max_len)
-        request_keys = self._request_keys(prompts)
-        while (rnd := sched.schedule()) is not None:
-            self.run_round(BlockState(sched, rnd, self.cfg, self.model, cache, request_keys), sched)
-            sched.postprocess(rnd)
-        self.stats.seconds = time.perf_counter() - t0
-        self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in sched.outputs)
-        return sched.outputs
+        cfg = self.cfg
+        if not prompts:
+            raise ValueError("prompts: expected at least one prompt")
+        for i, p in enumerate(prompts):
+            check_prompt(i, p, cfg.gen_length, self.model.config.max_positions)
+        slots = len(prompts) if batch_size is None else min(batch_size, len(prompts))
+        if slots < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        outputs: List[torch.Tensor] = [None] * len(prompts)
 
-    def _batch(self, prompts: List[List[int]]) -> Batch:
-        cfg, model = self.cfg, self.model
-        return make_batch(
-            prompts,
-            cfg.gen_length,
-            cfg.block_length,
-            self.mask_id,
+        def finished(i: int, tokens: torch.Tensor, forwards: int) -> None:
+            outputs[i] = tokens
+            if on_finish is not None:
+                on_finish(i, tokens)
+
+        width = max(self._span(len(p), cfg.gen_length) for p in prompts)
+        self.open(slots, width, max(len(p) for p in prompts) + cfg.gen_length, finished)
+        sampling = cfg.decoder.temperature > 0
+        keys = request_keys_of(prompts) if sampling else [0] * len(prompts)  # no hashing to pay
+        for p, key in zip(prompts, keys):
+            self.submit(p, key=key)
+        while self.step():
+            pass
+        self.stats.seconds = time.perf_counter() - t0
+        self.stats.tokens = sum(int((o != self.eos_id).sum()) for o in outputs)
+        return outputs
+
+    def _span(self, prompt_len: int, gen_length: int) -> int:
+        c = self.cfg
+        return span(prompt_len, gen_length, c.block_length, c.align_blocks, c.after_look + 1)
+
+    def open(
+        self,
+        slots: int,
+        width: int,
+        max_total: int,
+        on_finish: Optional[Callable[[int, torch.Tensor, int], None]] = None,
+        on_block: Optional[Callable[[int, torch.Tensor], None]] = None,
+    ) -> None:
+        """Storage and a KV cache for `slots` sequences in flight, of up to `max_total` positions
+        and `width` columns (Generator._span) each: a run that cannot fit is refused here, before
+        anything large is allocated. on_finish(id, tokens, forwards) / on_block(id, tokens) as the
+        Scheduler calls them."""
+        cfg = self.cfg
+        storage = slots_storage(
+            slots, width, cfg.block_length, cfg.after_look + 1, self.eos_id, self.model.device
+        )
+        self.kv = self.kv_manager(self.model, cfg, storage, max_total)
+        self.max_total = max_total
+        self.sched = Scheduler(
+            storage,
             self.eos_id,
-            model.device,
-            model.config.max_positions,
+            self.mask_id,
+            cfg.early_stop,
             cfg.align_blocks,
-            cfg.after_look,
+            on_finish,
+            on_block,
+            self.kv.admit,
+            self.kv.release,
         )
 
-    def _request_keys(self, prompts: List[List[int]]) -> torch.Tensor:
-        """[P] sampling keys of the prompts (zeros when nothing is sampled: no hashing to pay)."""
-        sampling = self.cfg.decoder.temperature > 0
-        keys = request_keys_of(prompts) if sampling else [0] * len(prompts)
-        return torch.tensor(keys, dtype=torch.int64, device=self.model.device)
+    def submit(
+        self,
+        prompt: List[int],
+        gen_length: Optional[int] = None,
+        key: int = 0,
+        threshold: Optional[float] = None,
+    ) -> int:
+        """Queues a request (after open): prompt token ids, its gen_length (default: the config's),
+        sampling key and threshold (default: the decoder's). Returns its id (0, 1, ... in order)."""
+        gen_length = self.cfg.gen_length if gen_length is None else gen_length
+        rid = self._next_id
+        check_prompt(rid, prompt, gen_length, min(self.model.config.max_positions, self.max_total))
+        if self._span(len(prompt), gen_length) > self.sched.batch.max_len:
+            raise ValueError(
+                f"prompts[{rid}]: {len(prompt)} + {gen_length} positions do not fit the engine's rows"
+            )
+        tau = self.cfg.decoder.threshold if threshold is None else threshold
+        self.sched.add(Request(rid, list(prompt), gen_length, key, tau))
+        self._next_id += 1
+        return rid
+
+    def step(self) -> bool:
+        """One round: every request in flight decodes its next block (newcomers admitted first).
+        False when nothing was queued or in flight."""
+        rnd = self.sched.schedule()
+        if rnd is None:
+            return False
+        st = BlockState(self.sched, rnd, self.cfg, self.model)
+        st.kv = self.kv.start_round(st, self.sched, self.stats)
+        self.run_round(st, self.sched)
+        self.sched.postprocess(rnd)
+        return True
 
     def run_round(self, st: BlockState, sched: Scheduler):
         """Every sequence of the round decodes its block, in chunks of iterations with one host
         check each; the tokens and counters go back to `sched`."""
         cfg = self.cfg
-        left, step = st.poll(self.mask_id)[0], 0
+        left, step = st.poll()[0], 0
         while left.any():
-            if cfg.compact and not left.all():  # sequences whose block is done leave it
+            if cfg.compact and not left.all():  # sequences whose block is settled leave it
                 sched.store(st.rows, st.batch.x, st.iters)
                 keep = left.nonzero().flatten()
-                st, left = st.select(keep), left[keep]
+                st, left = st.select(keep, self.kv), left[keep]
             # The slowest sequence sets the chunk: a chunk never outruns the last block to finish.
             chunk = max(1, min(int(left.max()) // cfg.expected_tpf, cfg.unroll))
-            first = int(sched.forwards[st.prompts].min())
-            kinds = tuple(self._is_refresh(step + j, first + j) for j in range(chunk))
+            first = int(sched.forwards[st.slots].min())
+            kinds = self.kv.kinds(step, first, chunk)
             self.graphs.run(self.iteration, st, kinds)
             self.stats.count_chunk(kinds, st.batch.size)
-            sched.forwards[st.prompts] += chunk
+            sched.forwards[st.slots] += chunk
             step += chunk
-            left, nonfinite_at = st.poll(self.mask_id)
-            _check_chunk(left, nonfinite_at, st.prompts, sched.next_block, step, st.batch.block_length)
+            left, nonfinite_at = st.poll()
+            limit = st.batch.block_length + (cfg.decoder.max_post_edit_steps if cfg.decoder.edits else 0)
+            _check_chunk(left, nonfinite_at, st.requests, st.blocks, step, limit)
         sched.store(st.rows, st.batch.x, st.iters)
 
-    def _is_refresh(self, step: int, ran: int) -> bool:
-        """Whether the block's iteration `step` is a full refresh; `ran`: the fewest forwards any
-        sequence in it has run before (the warm-up is per sequence: a newcomer gets its own)."""
-        c = self.cfg
-        return (
-            step == 0
-            or c.cache == "none"
-            or ran < c.warmup_steps
-            or (c.refresh_every > 0 and step % c.refresh_every == 0)
-        )
-
-    def iteration(self, st: BlockState, refresh: bool):
+    def iteration(self, st: BlockState, kind: str):
         """One forward and one decode of the block; every state update is in place."""
         cfg, model, dev = self.cfg, self.model, self.model.device
         B, bl = st.batch.size, st.batch.block_length
-        lo = torch.zeros_like(st.window_lo) if refresh else st.window_lo
-        W = st.batch.max_len if refresh else st.window_len
-        pos = (lo[:, None] + torch.arange(W, device=dev)).clamp(max=st.batch.max_len - 1)  # [B, W]
-        # The block's rows inside the window (flat over B * W). Padding rows may fall outside the
-        # window: they read any row's logits, and their soft inputs go to a spare row B * W.
-        rows = (
-            (st.block_pos - lo[:, None]).clamp(0, W - 1) + W * torch.arange(B, device=dev)[:, None]
-        ).flatten()
+        w = self.kv.window(st, kind)
+        W = w.pos.shape[1]
         with self.stats.phase("forward", dev):
-            emb = model.embed(st.batch.x.gather(1, pos))
-            if cfg.smoothing:
+            emb = model.embed(st.batch.x.gather(1, w.pos.clamp(max=st.batch.max_len - 1)))
+            if cfg.smoothing:  # padding rows' soft inputs go to a spare row B * W
                 spare = torch.cat([emb.view(B * W, -1), emb.new_zeros(1, emb.shape[-1])])
-                spare[torch.where(st.valid.flatten(), rows, B * W)] = st.soft
+                spare[torch.where(st.valid.flatten(), w.rows, B * W)] = st.soft
                 emb = spare[:-1].view(B, W, -1)
-            block_mask = None
-            if model.config.block_causal:  # windows start on a block boundary (_check_block_causal)
-                c, S = model.config, st.batch.max_len
-                block_mask = dk.BlockMask.block_causal(B, c.num_kv_heads, W, S, bl, bl, bl, lo, device=dev)
             logits = model.forward(
                 emb,
-                pos,
-                st.cache,
-                st.seq_lens,
-                write_back=refresh or cfg.write_back,
-                logits_rows=rows,
-                block_mask=block_mask,
+                w.pos,
+                w.cache,
+                w.seq_lens,
+                write_back=w.write_back,
+                logits_rows=w.rows,
+                block_mask=w.block_mask,
+                block_table=w.block_table,
             )
         with self.stats.phase("decode", dev):
             tokens = st.block_tokens()
-            active = (tokens.view(B, bl) == self.mask_id).any(1)
+            active = ~st.decoder.settled
             keys = None
             if cfg.decoder.temperature > 0:
                 keys = rng.request_row_keys(st.request_keys, st.block_pos, st.iters).flatten()
-            out = st.decoder(logits, tokens, st.iters, keys)
+            out = st.decoder(logits, tokens, st.iters, keys, st.editable)
             bad = (out.nonfinite.view(B, bl) & st.valid).any(1)
             st.nonfinite_at.copy_(torch.where(bad & (st.nonfinite_at < 0), st.iters + 1, st.nonfinite_at))
             st.store_block_tokens(tokens)
@@ -324,43 +400,70 @@ class Generator:
             with self.stats.phase("smoothing", dev):
                 # The next forward's inputs of the rows still masked: w_n of each sequence.
                 w0, dw, wmax = cfg.smoothing_weight
-                w = torch.clamp(w0 + dw * st.iters.float(), max=wmax).repeat_interleave(bl)
-                st.soft.copy_(dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, w))
+                weight = torch.clamp(w0 + dw * st.iters.float(), max=wmax).repeat_interleave(bl)
+                p = parallel_of(model)
+                if p is None:
+                    soft = dk.soft_embedding(logits, model.embedding, tokens, self.mask_id, weight)
+                else:  # the rank's vocabulary range; the decode's row statistics save a collective
+                    soft = dk.soft_embedding_vocab_parallel(
+                        logits,
+                        model.embedding,
+                        tokens,
+                        self.mask_id,
+                        weight,
+                        vocab_start=p.vocab_start,
+                        vocab_size=p.vocab_size,
+                        group=p.comm.group,
+                        row_max=out.row_max,
+                        row_sum=out.row_sum,
+                    )
+                st.soft.copy_(soft)
         st.iters += active.to(st.iters.dtype)
 
 
+def kv_manager(model):
+    """The KV-cache manager of `model`: paged for a block-causal one, refreshed for a bidirectional one."""
+    return kv_paged.PagedKV if model.config.block_causal else kv_refresh.RefreshKV
+
+
+def check_for_model(model, cfg: GenerationConfig) -> None:
+    """What `cfg` must agree with in `model`, checked before anything is allocated (a server checks a
+    request's configuration with it): a block-causal model's aligned blocks, the cache mode of the
+    model's KV-cache manager. ValueError naming the option."""
+    if model.config.block_causal:
+        _check_block_causal(cfg)
+    kv_manager(model).check(model, cfg)
+
+
+def parallel_of(model):
+    """The model's TensorParallel (dinfer.parallel), None for a one-process model."""
+    return getattr(model, "parallel", None)
+
+
 def _check_block_causal(cfg: GenerationConfig):
-    """The settings a block-causal model (LLaDA2) decodes under: blocks on the grid from position 0,
-    as it was trained, and windows that start on a block boundary (where its block mask is exact).
-    A block's first forward is a full refresh, whose rows before the block recompute the committed
-    blocks' K/V from their final tokens while being unable to see the block: the clean K/V of the
-    block before comes with that forward, not with an extra one."""
+    """A block-causal model decodes blocks on the grid from position 0, as it was trained."""
     if not cfg.align_blocks:
         raise ValueError("align_blocks: a block-causal model decodes blocks aligned at position 0 (True)")
-    if cfg.cache == "vicinity" and cfg.prefix_look % cfg.block_length:
-        raise ValueError(
-            f"prefix_look: a block-causal model's vicinity window must start on a block boundary: "
-            f"a multiple of block_length ({cfg.block_length}), got {cfg.prefix_look}"
-        )
 
 
-def _check_chunk(left, nonfinite_at, prompts, blocks, step: int, block_length: int):
-    """After a chunk (host values): no logits held a NaN or +-inf, and no block outlived its length
-    in forwards. prompts [B]: the prompt index of each sequence; blocks: each prompt's block."""
+def _check_chunk(left, nonfinite_at, requests, blocks, step: int, limit: int):
+    """After a chunk (host values): no logits held a NaN or +-inf, and no block outlived its bound
+    in forwards (`limit`: its length, plus the post-edit steps of an editing decoder). requests [B],
+    blocks [B]: each sequence's request (its prompt's index in a run) and block."""
     bad = (nonfinite_at >= 0).nonzero().flatten().tolist()
     if bad:
-        i, f = int(prompts[bad[0]]), int(nonfinite_at[bad[0]])
+        i, f = int(requests[bad[0]]), int(nonfinite_at[bad[0]])
         more = f" (and {len(bad) - 1} more prompts)" if len(bad) > 1 else ""
         raise NonFiniteLogitsError(
             f"non-finite logits (NaN or inf) from the model at forward {f} of prompt {i}, block "
-            f"{int(blocks[i])}{more}: its weights are broken or its activations overflow their dtype"
+            f"{int(blocks[bad[0]])}{more}: its weights are broken or its activations overflow their dtype"
         )
-    if step >= block_length and left.any():
+    if step >= limit and left.any():
         b = int(left.nonzero()[0])
         raise RuntimeError(
-            f"internal error: block {int(blocks[int(prompts[b])])} of prompt {int(prompts[b])} still holds "
-            f"{int(left[b])} [MASK] tokens after {step} forwards, more than its length {block_length} "
-            "(decode_step commits at least one per forward)"
+            f"internal error: block {int(blocks[b])} of prompt {int(requests[b])} is not "
+            f"settled ({int(left[b])} left) after {step} forwards, more than its bound {limit} (its length "
+            "and post-edit steps: decode_step commits at least one [MASK] per forward)"
         )
 
 

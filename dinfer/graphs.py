@@ -17,10 +17,10 @@ class StepGraphs:
         self._graphs = {}
 
     def run(self, iteration, state, kinds: tuple):
-        """Runs iteration(state, refresh) for each refresh flag in `kinds`."""
+        """Runs iteration(state, kind) for each kind in `kinds` (the KV-cache manager's)."""
         if not self.enabled:
-            for refresh in kinds:
-                iteration(state, refresh)
+            for kind in kinds:
+                iteration(state, kind)
             return
         if self._owner is not state:  # a new block: its tensors live elsewhere
             self._owner, self._seen, self._graphs = state, set(), {}
@@ -28,12 +28,12 @@ class StepGraphs:
         if graph is None and kinds in self._seen:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                for refresh in kinds:
-                    iteration(state, refresh)
+                for kind in kinds:
+                    iteration(state, kind)
             self._graphs[kinds] = graph
         if graph is None:
             self._seen.add(kinds)
-            for refresh in kinds:
-                iteration(state, refresh)
+            for kind in kinds:
+                iteration(state, kind)
         else:
             graph.replay()

@@ -70,30 +70,92 @@ def generation_config(**options) -> GenerationConfig:
     return dataclasses.replace(base, decoder=decoder, **options)
 
 
+def checkpoint_defaults(path, config: Optional[ModelConfig] = None) -> dict:
+    """The generation defaults a checkpoint folder sets: a block-causal model's (it decodes in the
+    blocks it was trained with, on the append-only paged cache: its committed blocks are final),
+    then its generation_config.json's."""
+    config = ModelConfig.from_dir(path) if config is None else config
+    model = dict(block_length=config.block_length, cache="paged") if config.block_causal else {}
+    return {**model, **generation_defaults(path)}
+
+
 class LLM:
     """A diffusion LLM ready to generate: LLM("path/to/LLaDA-MoE-7B-A1B-Instruct").generate("Hi").
 
     model_path: a checkpoint folder, or the name of an embedded model ("tiny-llada-moe", the default
     when None, or "tiny-llada").
+    tensor_parallel_size: ranks of a tensor-parallel group (dinfer.parallel): attention heads, MLP
+    channels, the vocabulary and (expert parallelism) the experts split across them. Under torchrun
+    every process creates the LLM and joins (--nproc-per-node must equal it); otherwise this process
+    is rank 0 and spawns the others on this machine (one GPU each, or host processes with gloo), which
+    follow its generate calls until close(). Every rank returns the same results.
+    expert_parallel: how the MoE layers combine their experts' outputs: "allreduce" (each rank's
+    experts on every token routed to them, one all-reduce) or "alltoall" (tokens dispatched to the
+    experts' ranks and back).
     """
 
-    def __init__(self, model_path=None, device=None, dtype=None, **defaults):
+    def __init__(
+        self,
+        model_path=None,
+        device=None,
+        dtype=None,
+        tensor_parallel_size: int = 1,
+        expert_parallel: str = "allreduce",
+        _join=None,
+        **defaults,
+    ):
         path = model_dir(model_path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model_path: checkpoint directory {path!r} does not exist")
         generation_config(**defaults)  # unknown names and bad values fail here, not at the first call
+        Int(1)("tensor_parallel_size", tensor_parallel_size)
         self.path = path
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         config = ModelConfig.from_dir(path)
-        # A block-causal model decodes in the blocks it was trained with, each block's window the
-        # block itself (its committed prefix is final: nothing before it needs recomputing).
-        model_defaults = dict(block_length=config.block_length, cache="dual") if config.block_causal else {}
-        self.defaults = {**model_defaults, **generation_defaults(path), **defaults}
+        self.defaults = {**checkpoint_defaults(path, config), **defaults}
         check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
         self.tokenizer = Tokenizer(path, config=config)  # checked against the model config
-        self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
+        self.rank, self.comm, self._workers = 0, None, None
+        if tensor_parallel_size == 1:
+            self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
+            return
+        self._start_parallel(config, tensor_parallel_size, expert_parallel, _join, device, dtype, defaults)
+
+    def _start_parallel(self, config, world, ep_mode, join, device, dtype, defaults) -> None:
+        """Joins (or starts) the tensor-parallel group and loads this rank's shard."""
+        from . import parallel
+
+        parallel.ShardPlan(
+            config, world, 0, ep_mode
+        )  # sizes that do not divide fail before any process starts
+        if join is None and not parallel.under_torchrun():
+            args = dict(model_path=self.path, device=device, dtype=dtype, tensor_parallel_size=world)
+            self._workers = parallel.launch.Workers(
+                world, dict(args, expert_parallel=ep_mode, **defaults), None
+            )
+            join = (0, self._workers.init_method, None)
+        rank, init_method, timeout_s = join if join is not None else (None, None, None)
+        self.comm, self.device = parallel.join(
+            world, self.device, rank=rank, init_method=init_method, timeout_s=timeout_s
+        )
+        if self._workers is not None:
+            self._workers.comm = self.comm
+        self.rank = self.comm.rank
+        self.model = parallel.load_model(self.path, self.comm, ep_mode, dtype=self.dtype, device=self.device)
+
+    def broadcast(self, obj):
+        """Rank 0's obj on every rank of a tensor-parallel group started by torchrun (itself alone)."""
+        if self.comm is None or self._workers is not None:
+            return obj
+        return self.comm.broadcast_object(obj, group=self.comm.control)
+
+    def close(self) -> None:
+        """Stops the workers this LLM spawned (tensor_parallel_size > 1 outside torchrun)."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
 
     def generate(
         self,
@@ -120,19 +182,32 @@ class LLM:
             early: a diffusion model fills a whole block at once, so this only trims the answer.
         options: GenerationConfig / DecoderConfig fields (threshold=0.9, smoothing=True, ...).
         """
+        if self._workers is not None:  # the spawned ranks run the same call (on_finish is rank 0's)
+            self._workers.call(
+                "generate",
+                prompts,
+                gen_length=gen_length,
+                block_length=block_length,
+                decoder=decoder,
+                cache=cache,
+                chat=chat,
+                batch_size=batch_size,
+                stop=stop,
+                **options,
+            )
         given = dict(options, gen_length=gen_length, block_length=block_length, decoder=decoder, cache=cache)
         cfg = generation_config(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
         check_windows(cfg, self.model.config.max_positions)  # before any buffer is sized by them
         Bool()("chat", chat)
         if batch_size is not None:
             Int(1)("batch_size", batch_size)
-        stops = _stop_strings(stop)
+        stops = stop_strings(stop)
         ids = self._prompt_ids(prompts, chat)
         token_ids: List[List[int]] = [None] * len(ids)
         texts: List[str] = [None] * len(ids)
 
         def decode(i: int, tokens: torch.Tensor) -> None:
-            token_ids[i], texts[i] = self._cut(self._until_eos(tokens.tolist()), stops)
+            token_ids[i], texts[i] = cut_at_stop(self.tokenizer, self._until_eos(tokens.tolist()), stops)
 
         def finished(i: int, tokens: torch.Tensor) -> None:  # decoded once, handed over at once
             decode(i, tokens)
@@ -155,20 +230,26 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts: expected at least one prompt")
-        return [self._encode(i, p, chat) for i, p in enumerate(prompts)]
+        return [self.encode(p, chat, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
-    def _encode(self, i: int, prompt, chat: bool) -> List[int]:
+    def encode(self, prompt, chat: bool = True, name: str = "prompt") -> List[int]:
+        """The token ids of one prompt: a string (in the chat template when `chat`) or token ids,
+        checked (TypeError / ValueError naming `name`: empty, not in the vocabulary)."""
         if isinstance(prompt, str):
             if not prompt:  # a chat template would hide it: the model would answer an empty turn
-                raise ValueError(f"prompts[{i}]: empty prompt")
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
+                raise ValueError(f"{name}: empty prompt")
+            text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
+            try:
+                return self.tokenizer.encode(text)
+            except ValueError as e:  # a character the vocabulary lacks
+                raise ValueError(f"{name}: {e}") from e
         if isinstance(prompt, (torch.Tensor, np.ndarray)):
             prompt = prompt.tolist()
         if isinstance(prompt, bytes) or not isinstance(
             prompt, Sequence
         ):  # a flat list of ids is one prompt: it goes in a list
             raise TypeError(
-                f"prompts[{i}]: expected a string or a list of token ids, got "
+                f"{name}: expected a string or a list of token ids, got "
                 f"{type(prompt).__name__}"
                 + (
                     " (one tokenised prompt is [ids], not ids)"
@@ -178,32 +259,36 @@ class LLM:
             )
         for j, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(f"prompts[{i}][{j}]: expected a token id (int), got {type(t).__name__}")
+                raise TypeError(f"{name}[{j}]: expected a token id (int), got {type(t).__name__}")
         ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompts[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
 
     def _until_eos(self, ids: List[int]) -> List[int]:
         eos = self.model.config.eos_id
         return ids[: ids.index(eos)] if eos in ids else ids
 
-    def _cut(self, ids: List[int], stops: List[str]):
-        """(token ids, text) of an answer cut before its first stop string: the text exactly there,
-        the token ids to the tokens wholly before it (a token that straddles the cut is dropped)."""
-        text = self.tokenizer.decode(ids)
-        hits = [text.find(s) for s in stops if s in text]
-        if not hits:
-            return ids, text
-        cut, n = min(hits), 0
-        while n < len(ids) and len(self.tokenizer.decode(ids[: n + 1])) <= cut:
-            n += 1
-        return ids[:n], text[:cut]
+
+def cut_at_stop(tokenizer: Tokenizer, ids: List[int], stops: Sequence[str]):
+    """(token ids, text) of an answer (ids up to its EOS) cut before its first stop string: the text
+    exactly there, the token ids to the tokens wholly before it (a token that straddles the cut is
+    dropped)."""
+    text = tokenizer.decode(ids)
+    hits = [text.find(s) for s in stops if s in text]
+    if not hits:
+        return ids, text
+    cut, n = min(hits), 0
+    while n < len(ids) and len(tokenizer.decode(ids[: n + 1])) <= cut:
+        n += 1
+    return ids[:n], text[:cut]
 
 
-def _stop_strings(stop) -> List[str]:
+def stop_strings(stop) -> List[str]:
+    """The stop strings of `stop` (None, a string or a list of strings), checked: TypeError or
+    ValueError naming `stop`."""
     if stop is None or isinstance(stop, str):
         stops = [] if stop is None else [stop]
     elif isinstance(stop, Sequence):

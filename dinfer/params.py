@@ -99,6 +99,16 @@ class Tuple:
 
 
 @dataclasses.dataclass(frozen=True)
+class OrNone:
+    """None, or a value its rule accepts."""
+
+    rule: object
+
+    def __call__(self, name: str, v):
+        return None if v is None else self.rule(name, v)
+
+
+@dataclasses.dataclass(frozen=True)
 class Instance:
     cls: type
     label: str
@@ -133,19 +143,17 @@ def check_windows(cfg, max_positions: int) -> None:
             raise ValueError(f"{name}: must be <= the model's {max_positions} positions, got {v}")
 
 
-def run_bytes(config, dtype: torch.dtype, batch: int, max_len: int, block_length: int) -> int:
+def run_bytes(config, dtype: torch.dtype, kv_rows: int, forward_rows: int, logit_rows: int) -> int:
     """Bytes a generate run holds at its peak, estimated from the model's config: the KV cache
-    (batch x max_len rows per layer, K and V), and the largest forward, a refresh over every row:
-    the residual stream and norms, q/k/v and the attention output, the MLP's (or the routed
-    experts') intermediate, and the block's logits in fp32 (with the decoder's softmax copy)."""
+    (`kv_rows` rows per layer, K and V), the largest forward (`forward_rows` rows: the residual stream
+    and norms, q/k/v and the attention output, the MLP's or the routed experts' intermediate) and
+    the logits of `logit_rows` rows in fp32 (with the decoder's softmax copy)."""
     c = config
     elem = torch.empty((), dtype=dtype).element_size()
-    rows = batch * max_len
-    kv = 2 * c.num_layers * rows * c.num_kv_heads * c.head_dim * elem
+    kv = 2 * c.num_layers * kv_rows * c.num_kv_heads * c.head_dim * elem
     mlp = (c.top_k * c.expert_intermediate_size if c.num_experts else c.intermediate_size) or 0
-    forward = rows * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * mlp) * elem
-    logits = 2 * batch * block_length * c.vocab_size * 4
-    return kv + forward + logits
+    width = 4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * mlp
+    return kv + forward_rows * width * elem + 2 * logit_rows * c.vocab_size * 4
 
 
 def free_bytes(device: torch.device) -> Optional[int]:
@@ -170,17 +178,17 @@ def free_bytes(device: torch.device) -> Optional[int]:
         return None
 
 
-def check_memory(model, batch: int, max_len: int, block_length: int) -> None:
-    """MemoryError, before the caches are allocated, when the run would need more than the device
-    has free: a clear refusal instead of an out-of-memory kill (host) or a CUDA OOM mid-run."""
+def check_memory(model, kv_rows: int, forward_rows: int, logit_rows: int, what: str) -> None:
+    """MemoryError, before the caches are allocated, when the run (run_bytes; `what` says what it
+    is) would need more than the device has free: a clear refusal instead of an out-of-memory kill
+    (host) or a CUDA OOM mid-run."""
     # The weights' dtype is the cache's and the activations' (model.embedding: what Generator reads)
-    need = run_bytes(model.config, model.embedding.dtype, batch, max_len, block_length)
+    need = run_bytes(model.config, model.embedding.dtype, kv_rows, forward_rows, logit_rows)
     free = free_bytes(model.device)
     if free is not None and need > free:
         raise MemoryError(
-            f"a run of {batch} sequence(s) x {max_len} positions needs about {_size(need)} (KV cache and "
-            f"forwards), more than the {_size(free)} free on {model.device}; lower batch_size, gen_length "
-            f"or after_look"
+            f"{what} needs about {_size(need)} (KV cache and forwards), more than the {_size(free)} free "
+            f"on {model.device}; lower batch_size, gen_length or after_look"
         )
 
 

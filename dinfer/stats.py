@@ -21,6 +21,7 @@ def nvtx_range(name: str):
 class Stats:
     forwards: int = 0  # model forwards, refreshes and no-op unrolled steps included (dInfer's TPF)
     refreshes: int = 0  # full-sequence forwards that rebuilt the KV cache
+    prefills: int = 0  # forwards that only wrote a prompt's K/V (block-causal models; not in forwards)
     sequence_forwards: int = 0  # forwards times the sequences they ran for: per-sequence TPF at any batch
     tokens: int = 0  # generated tokens that are not EOS
     seconds: float = 0.0
@@ -28,10 +29,11 @@ class Stats:
     timed: bool = False  # phases are timed only when the device is synchronous (CPU) or asked
 
     def count_chunk(self, kinds: tuple, sequences: int):
-        """A chunk of iterations (`kinds`: each one's refresh flag) over `sequences` sequences."""
+        """A chunk of iterations (`kinds`: each one's kind, "refresh" for a full refresh) over
+        `sequences` sequences."""
         self.forwards += len(kinds)
         self.sequence_forwards += len(kinds) * sequences
-        self.refreshes += sum(kinds)
+        self.refreshes += kinds.count("refresh")
 
     @contextlib.contextmanager
     def phase(self, name: str, device: torch.device):
@@ -51,6 +53,7 @@ class Stats:
         d = {
             "forwards": self.forwards,
             "refreshes": self.refreshes,
+            "prefills": self.prefills,
             "tokens": self.tokens,
             "seconds": round(self.seconds, 6),
             "tokens_per_forward": round(self.tokens / max(self.forwards, 1), 4),

@@ -398,6 +398,19 @@ def load_weights(
     memory-mapped file; any other is converted with one copy, and per-expert tensors are copied straight
     into a preallocated stacked tensor. Values are not inspected (NaN weights load).
     """
+    ckpt, plan = open_checked(path, config)
+    shapes = expected_shapes(config)
+    return {
+        name: _assemble(
+            ckpt, sources, shapes[name], torch.float32 if kept_fp32(config, name) else dtype, device
+        )
+        for name, sources in plan.items()
+    }
+
+
+def open_checked(path, config: ModelConfig):
+    """(the checkpoint in directory `path`, its plan: canonical name -> sources), checked against
+    `config` from the headers alone (load_weights' checks; no tensor data is read)."""
     ckpt = _Checkpoint(os.fspath(path))
     # dInfer's fused layout is recognised by its tensor names, whatever config.json says.
     first_moe = f"model.layers.{config.first_k_dense}.mlp.w1"
@@ -410,16 +423,10 @@ def load_weights(
         shape, dim_sizes = tuple(sizes[d][0] for d in dims), tuple(sizes[d] for d in dims)
         for src, _ in sources:
             ckpt.file(src).check(src, shape, dim_sizes)
-    shapes = expected_shapes(config)
-    return {
-        name: _assemble(
-            ckpt, sources, shapes[name], torch.float32 if _kept_fp32(config, name) else dtype, device
-        )
-        for name, sources in plan.items()
-    }
+    return ckpt, plan
 
 
-def _kept_fp32(config: ModelConfig, name: str) -> bool:
+def kept_fp32(config: ModelConfig, name: str) -> bool:
     """The routers stay fp32 (as dInfer keeps its gate), and so does LLaDA2's expert bias (an fp32
     buffer in the release: its selection-only bias would otherwise reorder near-tied experts)."""
     return name.endswith("router") or (config.family == LLADA2 and name.endswith("expert_bias"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence, Union
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -27,6 +27,7 @@ from .config import CheckpointError, ModelConfig
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"  # newer checkpoints keep the template out of the config
+ROLES = ("system", "user", "assistant")
 
 
 class Tokenizer:
@@ -97,12 +98,19 @@ class Tokenizer:
             ids = ids[: ids.index(self.eos_id)]
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, user_text: str) -> str:
-        """One user turn followed by the assistant's generation prompt; the text itself if the
-        checkpoint has no template. A template that fails to parse or render is a CheckpointError
-        naming the file it came from."""
+    def apply_chat_template(self, conversation: Union[str, Sequence[dict]]) -> str:
+        """The conversation followed by the assistant's generation prompt: one user turn (a string)
+        or OpenAI-style messages [{"role": "system" | "user" | "assistant", "content": str}, ...]
+        (check_messages). Without a template: the text itself, or the messages' contents joined by
+        newlines. A template that fails to parse or render is a CheckpointError naming the file it
+        came from; one that refuses the messages (its raise_exception, say for roles that do not
+        alternate) a ValueError naming `messages`."""
+        if isinstance(conversation, str):
+            messages = [{"role": "user", "content": conversation}]
+        else:
+            messages = check_messages(conversation)
         if self.chat_template is None:
-            return user_text
+            return "\n".join(m["content"] for m in messages)
         try:
             if self._template is None:
                 env = ImmutableSandboxedEnvironment(
@@ -111,10 +119,16 @@ class Tokenizer:
                 env.globals["raise_exception"] = _raise
                 self._template = env.from_string(self.chat_template)
             return self._template.render(
-                messages=[{"role": "user", "content": user_text}],
+                messages=messages,
                 add_generation_prompt=True,
                 **self.special_tokens,
             )
+        except TemplateRefusal as e:
+            if not isinstance(conversation, str):  # the conversation's fault, not the checkpoint's
+                raise ValueError(f"messages: the checkpoint's chat template refuses them: {e}") from e
+            raise CheckpointError(
+                f"{self._template_file}: the chat template refuses one user turn: {e}"
+            ) from e
         except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
             line = f" (template line {e.lineno})" if getattr(e, "lineno", None) else ""
             raise CheckpointError(
@@ -137,6 +151,38 @@ class Tokenizer:
                     f"{MODEL_CONFIG_FILE}: {key} is {value} but {self.file} has no token with "
                     f"that id (its ids reach {top})"
                 )
+
+
+def check_messages(messages) -> List[dict]:
+    """A copy of chat messages {"role", "content"} checked: a non-empty list of objects, each with a
+    role of ROLES and a non-empty string content (no other keys but an optional string "name"). A
+    TypeError or ValueError naming the message and key (messages[1].role)."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages: expected a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages: empty (expected at least one message)")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TypeError(
+                f"messages[{i}]: expected an object with role and content, got {type(m).__name__}"
+            )
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise ValueError(f"messages[{i}].{extra[0]}: unknown key (expected role, content, name)")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"messages[{i}].{key}: missing")
+            if not isinstance(m[key], str):
+                raise TypeError(f"messages[{i}].{key}: expected a string, got {type(m[key]).__name__}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"messages[{i}].role: expected one of {ROLES}, got {m['role']!r}")
+        if not m["content"]:
+            raise ValueError(f"messages[{i}].content: empty")
+        if "name" in m and not isinstance(m["name"], str):
+            raise TypeError(f"messages[{i}].name: expected a string, got {type(m['name']).__name__}")
+        out.append(dict(m))
+    return out
 
 
 def read_json(file: str) -> dict:
@@ -187,5 +233,9 @@ def _token_text(value) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
+class TemplateRefusal(TemplateError):
+    """The template's own raise_exception(message): it refuses what it was given."""
+
+
 def _raise(message: str):
-    raise TemplateError(message)
+    raise TemplateRefusal(message)

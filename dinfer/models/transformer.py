@@ -6,11 +6,17 @@ of its sequence: cached keys outside the window, the fresh keys of the window in
 write_back=True the window's fresh K/V replace the cache rows in place (a full-sequence forward with
 W = S therefore *fills* the cache); with False the cache is left as it was (dInfer's vicinity step).
 `attn_mask` [B, W, S] (dense, torch backend) or `block_mask` (a dinfer_kernels.BlockMask, every backend)
-narrow what each row sees: LLaDA2's block-causal attention.
+narrow what each row sees: LLaDA2's block-causal attention. With `block_table` the cache is paged
+(dinfer.paged_cache: per-layer page pools shared by the sequences, each sequence's pages in its row
+of the table), as dinfer_kernels.attention takes it.
 The LM head runs only on the rows the caller asks for (`logits_rows`), and so do the last layer's
 output projection and MLP.
 
 Weights use the canonical names of dinfer.models.checkpoint (embed, layers.{i}.q, ..., lm_head).
+With `parallel` (a dinfer.parallel.TensorParallel) the model is one rank of a tensor-parallel group:
+`config` and `weights` are the rank's (its heads, slices and experts: dinfer.parallel.plan), and the
+forward adds the group's collectives (dinfer/parallel/tp.py); its logits are the rank's vocabulary
+range. None is the one-process forward, unchanged.
 The ops (rms_norm, rope, attention, moe) come from `ops`: dinfer_kernels for inference, the
 differentiable stand-ins of dinfer.train.ops for training, so both run this one forward.
 """
@@ -39,8 +45,9 @@ class KVCache:
 
 
 class DiffusionLM:
-    def __init__(self, config: ModelConfig, weights: dict, ops=dk):
+    def __init__(self, config: ModelConfig, weights: dict, ops=dk, parallel=None):
         self.config = config
+        self.parallel = parallel
         self.w = weights
         self.ops = ops
         self.dtype = weights["embed"].dtype
@@ -66,10 +73,13 @@ class DiffusionLM:
 
     @property
     def embedding(self) -> torch.Tensor:
-        """The input embedding table [V, H] (iteration smoothing mixes its rows)."""
+        """The input embedding table [V, H] (iteration smoothing mixes its rows); under tensor
+        parallelism the rank's rows, those of its vocabulary range."""
         return self.w["embed"]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.parallel is not None:
+            return self.parallel.embed(tokens, self.w["embed"])
         return F.embedding(tokens, self.w["embed"])
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -90,17 +100,25 @@ class DiffusionLM:
         attn_mask: Optional[torch.Tensor] = None,
         ffn_rows: Optional[torch.Tensor] = None,
         block_mask: Optional[dk.BlockMask] = None,
+        block_table: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """inputs_embeds [B, W, H], positions [B, W] int64, seq_lens [B] int32 →
         logits [R, V] for the flat rows `logits_rows` (indices into B * W; all rows if None).
         ffn_rows: the flat rows whose MLP / MoE runs (all if None); the others get none. Training
         passes the rows before each seq_lens: its padded batches are about half padding, which no
-        row attends to, so skipping their MLP changes no other row."""
+        row attends to, so skipping their MLP changes no other row. An empty `logits_rows` runs the
+        layers up to the last attention only: a forward that just writes the cache (a prefill)."""
         c = self.config
         B, W, H = inputs_embeds.shape
         h = inputs_embeds
         for i in range(c.num_layers):
-            o = self._attention(i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask)
+            o = self._attention(
+                i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask, block_table
+            )
+            if i == c.num_layers - 1 and logits_rows is not None and logits_rows.numel() == 0:
+                return h.new_empty(
+                    (0, self.w["lm_head"].shape[0])
+                )  # the last K/V are written; nothing is read
             if i == c.num_layers - 1 and logits_rows is not None:
                 # Past the last attention (whose K/V come from its input) only the logits rows are
                 # read: the other rows' output projection and MLP would be thrown away. A refresh's
@@ -108,11 +126,12 @@ class DiffusionLM:
                 h = h.reshape(B * W, H).index_select(0, logits_rows)[None]
                 o = o.reshape(B * W, -1).index_select(0, logits_rows)[None]
                 ffn_rows = None  # every logits row is a real one
-            h = h + o @ self.w[f"layers.{i}.o"].t()
+            o = o @ self.w[f"layers.{i}.o"].t()
+            h = h + (o if self.parallel is None else self.parallel.reduce(o))
             h = h + self._mlp(i, h, ffn_rows)
         return self.ops.rms_norm(h.reshape(-1, H), self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
 
-    def _attention(self, i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask):
+    def _attention(self, i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask, block_table):
         c, w = self.config, self.w
         p = f"layers.{i}."
         B, W, _ = h.shape
@@ -140,6 +159,7 @@ class DiffusionLM:
             write_back=write_back,
             attn_mask=attn_mask,
             **({} if block_mask is None else {"block_mask": block_mask}),
+            **({} if block_table is None else {"block_table": block_table}),
         )
         return o.reshape(B, W, c.num_heads * c.head_dim)  # the output projection is the caller's
 
@@ -152,6 +172,10 @@ class DiffusionLM:
             m = m.index_select(0, ffn_rows)
         if c.is_dense_layer(i):
             out = (F.silu(m @ w[p + "gate"].t()) * (m @ w[p + "up"].t())) @ w[p + "down"].t()
+            if self.parallel is not None:
+                out = self.parallel.reduce(out)
+        elif self.parallel is not None:
+            out = self.parallel.moe(m, w, p, c, self._routing)
         else:
             out = self.ops.moe(
                 m,

@@ -7,6 +7,8 @@ Ops (each a torch.library custom op with backend="auto"|"cuda"|"triton"|"cpu"|"t
   attention       window attention over a per-layer KV cache with in-place partial refresh,
                   block sparsity (BlockMask), log-sum-exp and per-key-block attention mass
   moe             routed mixture of experts (router, top-k, SwiGLU experts, weighted combine)
+  decode_step_vocab_parallel, soft_embedding_vocab_parallel
+                  the two over a vocabulary split across a torch.distributed group (plain functions)
 Contracts: kernels/dinfer_kernels/reference/.
 """
 
@@ -18,6 +20,7 @@ from .ops.moe import moe
 from .ops.rms_norm import rms_norm
 from .ops.rope import rope
 from .ops.soft_embedding import soft_embedding
+from .ops.vocab_parallel import decode_step_vocab_parallel, soft_embedding_vocab_parallel
 from .reference.decode import DecodeOutput
 
 __version__ = "0.1.0"
@@ -29,10 +32,12 @@ __all__ = [
     "attention",
     "available_backends",
     "decode_step",
+    "decode_step_vocab_parallel",
     "moe",
     "prefer_backend",
     "rms_norm",
     "rope",
     "soft_embedding",
+    "soft_embedding_vocab_parallel",
     "__version__",
 ]

@@ -2,10 +2,13 @@
 
 Run it after installing. Each op runs through its public entry (the `backend=` switch) at a real shape
 (vocabulary 157184, head dim 128, 64 experts top-8; the hidden sizes of the models on a GPU, smaller
-on the host so the float64 truth stays cheap there), once per dtype the backend serves. The result is
+on the host so the float64 truth stays cheap there), once per dtype the backend serves; attention
+runs over contiguous caches and over the paged layout (outputs 2 and 3 of its row). The result is
 held to the precision-tied bound of dinfer_kernels.precision (the error against a float64 truth at
 most twice that of the torch reference run in the same dtype); outputs that are integers or masks
-must equal the reference's. One table; the exit status is 1 if any row fails.
+must equal the reference's (decode_step's row holds two calls: rule="threshold", and rule="joint" on
+half-committed rows, with token-to-token edits of the editable ones). One table; the exit status is 1
+if any row fails.
 
 Without a GPU the Triton kernels can only run in the interpreter, which is far too slow at real shapes:
 with --quick every shape is small and the interpreter rows run (in fp32: its bf16 arithmetic is not
@@ -47,7 +50,7 @@ def _shapes(device, quick):
             "soft_embedding": dict(M=5, V=1000, d=48),
             "rms_norm": dict(T=7, D=96),
             "rope": dict(B=1, T=9, H=2, D=64),
-            "attention": dict(B=1, W=8, S=70, Hq=4, Hkv=2, D=64),
+            "attention": dict(B=1, W=8, S=70, Hq=4, Hkv=2, D=64, page_size=16),
             "moe": dict(T=5, E=8, k=2, H=64, I=48),
         }
     gpu = torch.device(device).type == "cuda"
@@ -56,7 +59,7 @@ def _shapes(device, quick):
         "soft_embedding": dict(M=32, V=VOCAB, d=2048 if gpu else 128),
         "rms_norm": dict(T=512, D=2048),
         "rope": dict(B=2, T=256, H=16, D=128),
-        "attention": dict(B=2, W=32, S=4096 if gpu else 1024, Hq=16, Hkv=4, D=128),
+        "attention": dict(B=2, W=32, S=4096 if gpu else 1024, Hq=16, Hkv=4, D=128, page_size=32),
         "moe": dict(T=64 if gpu else 16, E=64, k=8, H=2048 if gpu else 256, I=1024 if gpu else 128),
     }
 
@@ -74,25 +77,48 @@ def _dtypes(backend, device):
 
 
 def _decode(backend, device, dtype, N, V):
-    logits = (torch.randn(N, V, device=device) * 3).to(dtype)
+    z = torch.randn(N, V, device=device) * 3
+    peaks = torch.arange(N, device=device) % 3 == 0  # a third of the rows confident in one token
+    z[peaks, torch.randint(0, V, (int(peaks.sum()),), device=device)] += 20.0
+    logits = z.to(dtype)
     mask_id = V // 2
-    tokens = torch.randint(0, V, (N,), device=device)
-    tokens[torch.rand(N, device=device) < 0.7] = mask_id
     offsets = torch.tensor([0, N // 3, N], dtype=torch.int32, device=device)
     thr = torch.full((2,), 0.3, device=device)
     k = torch.zeros(2, dtype=torch.int32, device=device)
-    tok_b, tok_s, tok_t = tokens.clone(), tokens.clone(), tokens.clone()
-    out = decode_step(logits, tok_b, offsets, mask_id, threshold=0.3, backend=backend)
-    same = decode_step_reference(logits, tok_s, offsets, mask_id, threshold=thr, num_commit=k)
-    truth = decode_step_reference(
-        logits, tok_t, offsets, mask_id, threshold=thr, num_commit=k, compute_dtype=F64
-    )
-    exact = {
-        "candidate": (out.candidate, same.candidate),
-        "commit": (out.commit, same.commit),
-        "tokens": (tok_b, tok_s),
-    }
-    return [out.confidence], [same.confidence], [truth.confidence], exact
+    outs, sames, truths, exact = [], [], [], {}
+    for rule, masked_share in (("threshold", 0.7), ("joint", 0.5)):
+        tokens = torch.randint(0, V, (N,), device=device)
+        tokens[torch.rand(N, device=device) < masked_share] = mask_id
+        edits = {}
+        if rule == "joint":
+            edits = dict(editable=torch.rand(N, device=device) < 0.7, edit_threshold=0.5)
+        tok_b, tok_s, tok_t = tokens.clone(), tokens.clone(), tokens.clone()
+        out = decode_step(logits, tok_b, offsets, mask_id, rule=rule, threshold=0.3, backend=backend, **edits)
+        same = decode_step_reference(
+            logits, tok_s, offsets, mask_id, rule=rule, threshold=thr, num_commit=k, **edits
+        )
+        truth = decode_step_reference(
+            logits,
+            tok_t,
+            offsets,
+            mask_id,
+            rule=rule,
+            threshold=thr,
+            num_commit=k,
+            compute_dtype=F64,
+            **edits,
+        )
+        outs.append(out.confidence)
+        sames.append(same.confidence)
+        truths.append(truth.confidence)
+        exact.update(
+            {
+                f"{rule} candidate": (out.candidate, same.candidate),
+                f"{rule} commit": (out.commit, same.commit),
+                f"{rule} tokens": (tok_b, tok_s),
+            }
+        )
+    return outs, sames, truths, exact
 
 
 def _soft_embedding(backend, device, dtype, M, V, d):
@@ -126,19 +152,44 @@ def _rope(backend, device, dtype, B, T, H, D):
     )
 
 
-def _attention(backend, device, dtype, B, W, S, Hq, Hkv, D):
+def _pool(cache, table, num_pages):
+    """The cache [B, S, Hkv, D] laid out in a pool of num_pages pages through block_table [B, MP]."""
+    B, S = cache.shape[:2]
+    MP = table.shape[1]
+    page_size = -(-S // MP)
+    padded = cache.new_zeros(B, MP * page_size, *cache.shape[2:])
+    padded[:, :S] = cache
+    pool = cache.new_zeros(num_pages, page_size, *cache.shape[2:])
+    pool[table.flatten().long()] = padded.view(B * MP, page_size, *cache.shape[2:])
+    return pool
+
+
+def _attention(backend, device, dtype, B, W, S, Hq, Hkv, D, page_size):
+    """A window refreshed in place over contiguous caches, then the same call over a paged layout
+    (pages of page_size rows in shuffled order in a pool with spare pages)."""
     r = lambda *s: torch.randn(*s, device=device).to(dtype)
     q, k, v, kc, vc = r(B, W, Hq, D), r(B, W, Hkv, D), r(B, W, Hkv, D), r(B, S, Hkv, D), r(B, S, Hkv, D)
     start = torch.randint(0, S - W + 1, (B,))
     pos = (start[:, None] + torch.arange(W)).to(device)  # a window refreshed in place
     extra = (torch.rand(B) * (S - W - start + 1)).long()  # keys past the window too
     lens = (start + W + extra).to(torch.int32).to(device)
-    out, lse = attention(q, k, v, kc.clone(), vc.clone(), pos, lens, return_lse=True, backend=backend)
-    same = attention_reference(q, k, v, kc.clone(), vc.clone(), pos, lens, return_lse=True)
-    truth = attention_reference(
-        q, k, v, kc.clone(), vc.clone(), pos, lens, return_lse=True, compute_dtype=F64
-    )
-    return [out, lse], list(same), list(truth), {}
+    outs, sames, truths = [], [], []
+    MP = -(-S // page_size)
+    table = torch.randperm(B * MP + 3)[: B * MP].view(B, MP).to(torch.int32).to(device)
+    pools = _pool(kc, table, B * MP + 3), _pool(vc, table, B * MP + 3)
+    for caches, kw in (((kc, vc), {}), (pools, {"block_table": table})):
+        kca, vca = caches
+        out, lse = attention(
+            q, k, v, kca.clone(), vca.clone(), pos, lens, return_lse=True, backend=backend, **kw
+        )
+        same = attention_reference(q, k, v, kca.clone(), vca.clone(), pos, lens, return_lse=True, **kw)
+        truth = attention_reference(
+            q, k, v, kca.clone(), vca.clone(), pos, lens, return_lse=True, compute_dtype=F64, **kw
+        )
+        outs += [out, lse]
+        sames += list(same)
+        truths += list(truth)
+    return outs, sames, truths, {}
 
 
 def _moe(backend, device, dtype, T, E, k, H, I):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_precision
 
-from dinfer.batch import make_batch
+from dinfer.batch import fill, slots, span
 from dinfer.decoders import DecoderConfig
 from dinfer.generate import GenerationConfig, generate
 from dinfer.models.checkpoint import random_weights
@@ -302,8 +302,10 @@ class ScriptedModel:
     def new_cache(self, batch, max_len):
         return DiffusionLM(MOE, random_weights(MOE)).new_cache(batch, max_len)
 
-    def forward(self, emb, pos, cache, seq_lens, write_back=True, logits_rows=None, block_mask=None):
-        assert block_mask is None, "the scripted model is bidirectional"
+    def forward(
+        self, emb, pos, cache, seq_lens, write_back=True, logits_rows=None, block_mask=None, block_table=None
+    ):
+        assert block_mask is None and block_table is None, "the scripted model is bidirectional"
         self.batch_sizes.append(emb.shape[0])
         self.widths.append(emb.shape[1])
         flat = pos.flatten() if logits_rows is None else pos.flatten()[logits_rows]
@@ -391,7 +393,8 @@ def test_unknown_decoder_and_partial_last_block():
     model = model_of(MOE, scale=20)
     out, _ = run(model, [[1, 2, 3]], gen_length=13, block_length=8)  # 13 = 8 + a partial block of 5
     assert len(out[0]) == 13 and MOE.mask_id not in out[0]
-    batch = make_batch([[1, 2, 3]], 13, 8, MOE.mask_id, MOE.eos_id, "cpu", 256)
+    batch = slots(1, span(3, 13, 8, True, 1), 8, 1, MOE.eos_id, "cpu")
+    fill(batch, 0, [1, 2, 3], 13, MOE.mask_id, MOE.eos_id, True)
     assert batch.num_blocks().tolist() == [2] and int(batch.first_block[0]) == 0
 
 

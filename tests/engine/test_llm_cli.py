@@ -19,7 +19,7 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from dinfer import LLM, GenerationConfig
 from dinfer.cli import main
-from dinfer.models import ModelConfig, random_weights, save_checkpoint
+from dinfer.models import CheckpointError, ModelConfig, random_weights, save_checkpoint
 from dinfer.models.tokenizer import Tokenizer
 
 VOCAB, EOS, MASK = 60, 58, 59
@@ -153,6 +153,73 @@ def test_tokenizer_template_encode_decode(ckpt):
     assert tok.decode(tok.encode("hello world") + [EOS] + tok.encode("what")) == "hello world"
     assert tok.decode([MASK] + tok.encode("two")) == "two"
     assert tok.decode([MASK] + tok.encode("two"), skip_special=False) == "<|mask|> two"
+
+
+def test_chat_template_of_messages(ckpt):
+    tok = Tokenizer(ckpt)
+    chat = [
+        {"role": "system", "content": "two"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "world", "name": "bot"},
+        {"role": "user", "content": "what"},
+    ]
+    assert tok.apply_chat_template(chat) == (
+        "<|startoftext|><role>SYSTEM</role>two<|role_end|><role>USER</role>hello<|role_end|>"
+        "<role>ASSISTANT</role>world<|role_end|><role>USER</role>what<|role_end|><role>ASSISTANT</role>"
+    )
+    # one user message is the one-turn prompt
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == tok.apply_chat_template("hi")
+
+
+@pytest.mark.parametrize(
+    "messages, error, match",
+    [
+        ([], ValueError, "messages: empty"),
+        ("hello", None, None),  # a string is one user turn, not messages
+        ({"role": "user", "content": "x"}, TypeError, "messages: expected a list of messages, got dict"),
+        (["hello"], TypeError, r"messages\[0\]: expected an object with role and content, got str"),
+        ([{"content": "x"}], ValueError, r"messages\[0\].role: missing"),
+        ([{"role": "user"}], ValueError, r"messages\[0\].content: missing"),
+        ([{"role": "bot", "content": "x"}], ValueError, r"messages\[0\].role: expected one of"),
+        ([{"role": "user", "content": 3}], TypeError, r"messages\[0\].content: expected a string, got int"),
+        ([{"role": 1, "content": "x"}], TypeError, r"messages\[0\].role: expected a string, got int"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "user", "content": ""}],
+            ValueError,
+            r"messages\[1\].content: empty",
+        ),
+        ([{"role": "user", "content": "x", "tool": 1}], ValueError, r"messages\[0\].tool: unknown key"),
+        ([{"role": "user", "content": "x", "name": 2}], TypeError, r"messages\[0\].name: expected a string"),
+    ],
+)
+def test_bad_chat_messages(ckpt, messages, error, match):
+    tok = Tokenizer(ckpt)
+    if error is None:
+        assert tok.apply_chat_template(messages).endswith("hello<|role_end|><role>ASSISTANT</role>")
+        return
+    with pytest.raises(error, match=match):
+        tok.apply_chat_template(messages)
+
+
+def test_a_template_that_refuses_messages_is_the_requests_fault(ckpt, tmp_path):
+    for name in os.listdir(ckpt):
+        (tmp_path / name).write_bytes(open(os.path.join(ckpt, name), "rb").read())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first role must be user') }}"
+        "{% endif %}" + TEMPLATE
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(tmp_path)
+    with pytest.raises(
+        ValueError, match="messages: the checkpoint's chat template refuses them: the first role"
+    ):
+        tok.apply_chat_template([{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
+    assert tok.apply_chat_template("hello").endswith("hello<|role_end|><role>ASSISTANT</role>")
+    config["chat_template"] = "{{ raise_exception('no') }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="the chat template refuses one user turn: no"):
+        Tokenizer(tmp_path).apply_chat_template("hello")
 
 
 def test_tokenizer_without_template_or_config(ckpt, tmp_path):
@@ -342,6 +409,23 @@ def test_cli_errors(ckpt, args, match):
 def test_cli_eval_rejects_a_zero_batch_size(ckpt):
     r = run_cli("eval", "--model", ckpt, "--tasks", "add", "--num-problems", "1", "--batch-size", "0")
     assert r.returncode == 2 and "batch_size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_serve_without_the_extra_says_how_to_install_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed: importing it fails
+    for name in [m for m in sys.modules if m == "dinfer.serve" or m.startswith("dinfer.serve.")]:
+        monkeypatch.delitem(sys.modules, name)
+    rc, _, err = cli(capsys, monkeypatch, "serve")
+    assert rc == 2 and 'dinfer serve needs fastapi: pip install "dinfer[serve]"' in err
+
+
+@pytest.mark.parametrize(
+    "args, match", [(["--max-batch", "0"], "max_batch: must be"), (["--port", "70000"], "port: must be in")]
+)
+def test_cli_serve_errors(ckpt, capsys, monkeypatch, args, match):
+    pytest.importorskip("fastapi")
+    rc, _, err = cli(capsys, monkeypatch, "serve", "--model", ckpt, *args)
+    assert rc == 2 and match in err
 
 
 def test_cli_missing_checkpoint(tmp_path):

@@ -124,16 +124,16 @@ def test_memory_estimate_covers_the_cache(llm):
     model, B, S, bl = llm.model, 3, 40, 8
     cache = model.new_cache(B, S)
     kv = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
-    need = params.run_bytes(model.config, model.dtype, B, S, bl)
+    need = params.run_bytes(model.config, model.dtype, B * S, B * S, B * bl)
     assert kv < need
-    assert params.run_bytes(model.config, model.dtype, 2 * B, S, bl) > need
-    assert params.run_bytes(model.config, torch.float16, B, S, bl) < need
+    assert params.run_bytes(model.config, model.dtype, 2 * B * S, 2 * B * S, 2 * B * bl) > need
+    assert params.run_bytes(model.config, torch.float16, B * S, B * S, B * bl) < need
     assert params.free_bytes(torch.device("cpu")) > 0
 
 
 def test_memory_refused_before_allocating(llm, monkeypatch):
     _no_cache(llm.model, monkeypatch)
-    need = params.run_bytes(llm.model.config, llm.model.dtype, 1, 8, 8)
+    need = params.run_bytes(llm.model.config, llm.model.dtype, 8, 8, 8)
     monkeypatch.setattr(params, "free_bytes", lambda device: need // 2)
     with pytest.raises(MemoryError, match=r"more than the .* free on cpu; lower batch_size, gen_length"):
         llm.generate("add:1+2")

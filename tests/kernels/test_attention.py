@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_precision, device_backends
+from conftest import assert_precision, device_backends, paged_caches
 
 import dinfer_kernels as dk
 from dinfer_kernels import _backend
@@ -258,13 +258,18 @@ def _impl(backend):
 
 @pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("with_lse,with_mass", [(True, True), (False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.usefixtures("host_isa")
-def test_internal_signature_poisoned_outputs(backend, device, with_lse, with_mass):
-    """Every element of out / lse / block_mass is written, whatever was in the buffers."""
+def test_internal_signature_poisoned_outputs(backend, device, with_lse, with_mass, paged):
+    """Every element of out / lse / block_mass is written, whatever was in the buffers (contiguous
+    caches, or page pools of 7-row pages with absent pages past seq_lens)."""
     B, W, S, Hq, Hkv, D = 2, 9, 70, 4, 2, 64
     q, k, v, kc, vc, pos, lens = make_case(B, W, S, Hq, Hkv, D, F16, seed=3)
+    table = None
+    if paged:
+        (kc, vc), table = paged_caches((kc, vc), 7, lens, seed=3, absent=True)
     bm, _ = random_block_mask(B, Hkv, W, S, q_block=4, kv_block=16, seed=3)
-    dev = lambda t: t.to(device)
+    dev = lambda t: None if t is None else t.to(device)
     nkb = -(-S // 16)
     out = torch.full((B, W, Hq, D), float("nan"), dtype=F16, device=device)
     lse = torch.full((B, W, Hq), float("nan"), device=device) if with_lse else None
@@ -277,6 +282,7 @@ def test_internal_signature_poisoned_outputs(backend, device, with_lse, with_mas
         vc.clone().to(device),
         dev(pos),
         dev(lens),
+        dev(table),
         dev(bm.kv_num_blocks),
         dev(bm.kv_indices),
         out,
@@ -287,36 +293,25 @@ def test_internal_signature_poisoned_outputs(backend, device, with_lse, with_mas
         kv_block=16,
         scale=0.125,
     )
-    truth = attention_reference(
-        q,
-        k,
-        v,
-        kc.clone(),
-        vc.clone(),
-        pos,
-        lens,
-        True,
-        None,
-        0.125,
-        compute_dtype=torch.float64,
-        block_mask=bm,
-        return_lse=True,
-        return_block_mass=True,
-    )
-    same = attention_reference(
-        q,
-        k,
-        v,
-        kc.clone(),
-        vc.clone(),
-        pos,
-        lens,
-        True,
-        None,
-        0.125,
-        block_mask=bm,
-        return_lse=True,
-        return_block_mass=True,
+    same, truth = (
+        attention_reference(
+            q,
+            k,
+            v,
+            kc.clone(),
+            vc.clone(),
+            pos,
+            lens,
+            True,
+            None,
+            0.125,
+            compute_dtype=cd,
+            block_mask=bm,
+            return_lse=True,
+            return_block_mass=True,
+            block_table=table,
+        )
+        for cd in (torch.float32, torch.float64)
     )
     assert_precision(out.cpu(), same[0], truth[0], "out")
     if with_lse:
@@ -535,6 +530,381 @@ def test_block_causal_equals_dense_mask(backend, device):
     assert_precision(got.cpu(), want, truth, "block-causal against the dense mask")
 
 
+# ---- the paged layout (block_table over page pools) ---------------------------------------------
+
+
+def llada2_case(B, blocks, Hq, Hkv, D, dtype, seed=0, block_len=32):
+    """LLaDA2's block diffusion: sequence b has committed n_b blocks of block_len positions and
+    refreshes the window [previous block | current block] (W = 2 block_len rows at positions
+    (n_b - 1) block_len + w) over keys [0, (n_b + 1) block_len); S = blocks * block_len. The cache rows
+    past seq_lens are poisoned (NaN, 1e3), as in make_case."""
+    g = torch.Generator().manual_seed(seed)
+    W, S = 2 * block_len, blocks * block_len
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    q, k, v = r(B, W, Hq, D), r(B, W, Hkv, D), r(B, W, Hkv, D)
+    kc, vc = r(B, S, Hkv, D), r(B, S, Hkv, D)
+    n = torch.randint(1, blocks, (B,), generator=g)
+    pos = (n[:, None] - 1) * block_len + torch.arange(W)
+    lens = ((n + 1) * block_len).to(torch.int32)
+    past = torch.arange(S)[None, :] >= lens[:, None].long()
+    for t in (kc, vc):
+        t[past & (torch.arange(S) % 2 == 0)] = float("nan")
+        t[past & (torch.arange(S) % 2 == 1)] = 1e3
+    return q, k, v, kc, vc, pos, lens
+
+
+def share_prefix(table, pos, lens, page_size):
+    """Sequences after the first share its leading pages where no window row of the call sits and
+    both attend every row (prefix sharing); returns how many pages each shares."""
+    table = table.clone()
+    shared = []
+    for b in range(1, table.shape[0]):
+        # pages wholly before both sequences' first window rows and inside both lengths
+        first = int(torch.minimum(pos[0].min(), pos[b].min()))
+        limit = min(first, int(lens[0]), int(lens[b]))
+        m = limit // page_size
+        table[b, :m] = table[0, :m]
+        shared.append(m)
+    return table, shared
+
+
+# (id, B, W, S, page_size, Hq, Hkv, D, dtype, mask kind, write_back, where); kind "llada2": W and S
+# come from llada2_case (W = 64, S = the block count given as S times 32)
+PAGED_CASES = [
+    ("p1_gqa2_random", 2, 7, 53, 1, 4, 2, 64, F16, "random", True, "all"),
+    ("p3_causal_ro", 2, 17, 63, 3, 2, 2, 64, F32, "causal", False, "all"),
+    ("p16_full_fp32", 1, 9, 100, 16, 2, 1, 128, F32, "full", True, "all"),
+    ("p32_random96_ro_gqa4", 2, 12, 300, 32, 4, 1, 64, F16, "random96", False, "all"),
+    ("p32_dense_gqa4", 1, 5, 200, 32, 8, 2, 64, F16, None, True, "all"),
+    ("llada2_p32", 2, 64, 6, 32, 4, 1, 64, F16, "llada2", True, "all"),
+    ("llada2_p3_ro", 2, 64, 5, 3, 4, 2, 64, F32, "llada2", False, "all"),
+    ("llada2_p1_gqa4", 1, 64, 4, 1, 4, 1, 64, F16, "llada2", True, "all"),
+    ("llada2_p16_mini", 3, 64, 64, 16, 16, 4, 128, BF16, "llada2", True, "gpu"),
+    ("llada2_p32_mini_ro", 2, 64, 128, 32, 16, 4, 128, BF16, "llada2", False, "gpu"),
+    ("p32_s4096_random64_ro", 2, 96, 4096, 32, 16, 4, 128, BF16, "random64", False, "gpu"),
+]
+
+
+def _paged_params():
+    out = []
+    for backend, device in attention_backends():
+        for c in PAGED_CASES:
+            skip = backend == "triton" and device == "cpu" and (c[-1] == "gpu" or c[8] == BF16)
+            marks = [pytest.mark.skip(reason="too big or bf16 for the interpreter")] if skip else []
+            out.append(pytest.param(backend, device, c, id=f"{backend}-{device}-{c[0]}", marks=marks))
+    return out
+
+
+def make_paged_case(case, dtype, seed=0):
+    """(q, k, v, pools (k, v), block_table, positions, seq_lens, block mask) of a PAGED_CASES row:
+    shuffled page ids over a pool with spare pages, absent ids past seq_lens, and for LLaDA2 the
+    sequences sharing the first one's prefix pages."""
+    name, B, W, S, ps, Hq, Hkv, D, _, kind, _, _ = case
+    if kind == "llada2":
+        q, k, v, kc, vc, pos, lens = llada2_case(B, S, Hq, Hkv, D, dtype, seed=seed)
+    else:
+        q, k, v, kc, vc, pos, lens = make_case(
+            B, W, S, Hq, Hkv, D, dtype, seed=seed, aligned=32 if kind == "causal" else None
+        )
+    pools, table = paged_caches((kc, vc), ps, lens, seed=seed, extra_pages=3, absent=True)
+    if kind == "llada2" and B > 1:
+        table, shared = share_prefix(table, pos, lens, ps)
+        assert max(shared) > 0
+    S_paged = table.shape[1] * ps
+    if kind == "llada2":
+        bm = dk.BlockMask.block_causal(
+            B, Hkv, q.shape[1], S_paged, 32, q_block=16, kv_block=32, start=pos[:, 0]
+        )
+    else:
+        bm = block_mask_for(kind, B, Hkv, W, S_paged, seed=seed, pos=pos)
+    return q, k, v, pools, table, pos, lens, bm
+
+
+def _check_paged_call(backend, device, case, validate=None):
+    name, B, W, S, ps, Hq, Hkv, D, dtype, kind, write_back, _ = case
+    dtype = dtype_for(backend, dtype)
+    q, k, v, (pk, pv), table, pos, lens, bm = make_paged_case(case, dtype)
+    dev = lambda t: t.to(device)
+    pk_d, pv_d = pk.clone().to(device), pv.clone().to(device)
+    want_mass = bm is not None
+    res = dk.attention(
+        dev(q),
+        dev(k),
+        dev(v),
+        pk_d,
+        pv_d,
+        dev(pos),
+        dev(lens),
+        block_table=dev(table),
+        write_back=write_back,
+        block_mask=_to(bm, device),
+        return_lse=True,
+        return_block_mass=want_mass,
+        backend=backend,
+        validate=validate,
+    )
+    res = [t.cpu() for t in res]
+    kw = dict(block_table=table, block_mask=bm, return_lse=True, return_block_mass=want_mass)
+    same_k, same_v = pk.clone(), pv.clone()
+    same = attention_reference(q, k, v, same_k, same_v, pos, lens, write_back, **kw)
+    truth = attention_reference(
+        q, k, v, pk.clone(), pv.clone(), pos, lens, write_back, compute_dtype=torch.float64, **kw
+    )
+    for nm, got, s, t in zip(("out", "lse", "block_mass"), res, same, truth):
+        assert got.shape == t.shape, nm
+        assert_precision(got, s, t, f"{name}: {nm}")
+    pad = pos >= lens[:, None].long()
+    assert torch.equal(res[0][pad], torch.zeros_like(res[0][pad]))
+    assert torch.isneginf(res[1][pad]).all()
+    # the pools: exactly the reference's (window rows written with write_back, nothing else changed)
+    assert torch.equal(_bits(pk_d.cpu()), _bits(same_k)), "k pool differs from the reference's"
+    assert torch.equal(_bits(pv_d.cpu()), _bits(same_v)), "v pool differs from the reference's"
+    if not write_back:
+        assert torch.equal(_bits(same_k), _bits(pk)) and torch.equal(_bits(same_v), _bits(pv))
+
+
+@pytest.mark.parametrize("backend,device,case", _paged_params())
+@pytest.mark.usefixtures("host_isa")
+def test_paged_matches_reference(backend, device, case):
+    """Every backend on page pools with shuffled ids, spare pages, absent ids past seq_lens, page
+    sizes 1, 3 (dividing nothing), 16 and 32, GQA, random / full / block-causal masks and LLaDA2's
+    [previous block | current block] windows over shared prefix pages: outputs against the
+    reference, the pools after the call exactly the reference's."""
+    _check_paged_call(backend, device, case)
+
+
+@pytest.mark.parametrize("backend,device", attention_backends())
+@pytest.mark.parametrize("page_size", [1, 3, 32])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("write_back", [True, False])
+@pytest.mark.usefixtures("host_isa")
+def test_paged_equals_contiguous(backend, device, page_size, shuffle, write_back):
+    """A page table that lays the contiguous cache out page by page (in order: the pool is the
+    cache's own memory; or shuffled over a larger pool) gives the contiguous call's bits: out, lse,
+    block_mass and the cache after the call."""
+    B, W, S, Hq, Hkv, D = 2, 9, 96, 4, 2, 64
+    dtype = dtype_for(backend, F32)
+    q, k, v, kc, vc, pos, lens = make_case(B, W, S, Hq, Hkv, D, dtype, seed=21)
+    bm = random_block_mask(B, Hkv, W, S, q_block=4, kv_block=16, seed=21)[0]
+    dev = lambda t: t.to(device)
+    kw = dict(write_back=write_back, block_mask=_to(bm, device), return_lse=True, return_block_mass=True)
+    kc_d, vc_d = dev(kc.clone()), dev(vc.clone())
+    want = dk.attention(dev(q), dev(k), dev(v), kc_d, vc_d, dev(pos), dev(lens), backend=backend, **kw)
+    (pk, pv), table = paged_caches(
+        (kc.clone(), vc.clone()), page_size, seed=21, shuffle=shuffle, extra_pages=2 * shuffle
+    )
+    pk_d, pv_d = dev(pk), dev(pv)
+    got = dk.attention(
+        dev(q), dev(k), dev(v), pk_d, pv_d, dev(pos), dev(lens), block_table=dev(table), backend=backend, **kw
+    )
+    for nm, a, b in zip(("out", "lse", "block_mass"), got, want):
+        assert torch.equal(_bits(a), _bits(b)), nm
+    rows = table.flatten().long()
+    for pool, cache in ((pk_d, kc_d), (pv_d, vc_d)):
+        assert torch.equal(_bits(pool.cpu()[rows].reshape(B, S, Hkv, D)), _bits(cache.cpu()))
+
+
+@pytest.mark.parametrize("backend,device", attention_backends())
+@pytest.mark.parametrize("write_back", [True, False])
+@pytest.mark.usefixtures("host_isa")
+def test_paged_absent_pages_are_never_read_or_written(backend, device, write_back):
+    """Unchecked page ids outside the pool (-1, P, INT32_MIN / MAX: as under capture, validate=False)
+    inside seq_lens, window rows among them: those positions are never attended and never written,
+    even where a valid window row sits (its NaN k / v are ignored), and nothing outside the pool
+    is touched. Pages 0 and P - 1, where a kernel clamping ids would read, hold NaN / inf."""
+    B, W, S, ps, Hq, Hkv, D = 2, 6, 40, 4, 4, 2, 64
+    dtype = dtype_for(backend, F32)
+    q, k, v, kc, vc, pos, lens = make_case(B, W, S, Hq, Hkv, D, dtype, seed=13)
+    lens = torch.tensor([S, S - 5], dtype=torch.int32)
+    pos = torch.stack(
+        [torch.randperm(int(L), generator=torch.Generator().manual_seed(b))[:W] for b, L in enumerate(lens)]
+    )
+    MP = S // ps
+    P = B * MP + 2
+    table = (
+        (1 + torch.randperm(B * MP, generator=torch.Generator().manual_seed(5))).view(B, MP).to(torch.int32)
+    )
+    pools = []
+    for c in (kc, vc):
+        pool = torch.empty(P, ps, Hkv, D, dtype=dtype)
+        pool[table.flatten().long()] = c.reshape(B * MP, ps, Hkv, D)
+        pool[0], pool[P - 1] = float("nan"), float("inf")
+        pools.append(pool)
+    pk, pv = pools
+    i32 = torch.iinfo(torch.int32)
+    table[0, pos[0, 0] // ps] = -1  # a page holding a valid window row
+    table[0, 7] = P
+    table[1, int(pos[1, 2]) // ps] = i32.max
+    table[1, 0] = i32.min
+    for b in range(B):  # valid window rows at absent positions: their k / v must not be read
+        hit = (table[b].long()[pos[b] // ps] < 0) | (table[b].long()[pos[b] // ps] >= P)
+        k[b, hit], v[b, hit] = float("nan"), float("inf")
+    dev = lambda t: t.to(device)
+    pk_d, pv_d = dev(pk.clone()), dev(pv.clone())
+    res = dk.attention(
+        dev(q),
+        dev(k),
+        dev(v),
+        pk_d,
+        pv_d,
+        dev(pos),
+        dev(lens),
+        block_table=dev(table),
+        write_back=write_back,
+        return_lse=True,
+        backend=backend,
+        validate=False,
+    )
+    kw = dict(block_table=table, return_lse=True)
+    same_k, same_v = pk.clone(), pv.clone()
+    same = attention_reference(q, k, v, same_k, same_v, pos, lens, write_back, **kw)
+    truth = attention_reference(
+        q, k, v, pk.clone(), pv.clone(), pos, lens, write_back, compute_dtype=torch.float64, **kw
+    )
+    assert torch.isfinite(same[0]).all() and torch.isfinite(same[1]).all()  # nothing absent was read
+    for nm, got, s, t in zip(("out", "lse"), res, same, truth):
+        assert_precision(got.cpu(), s, t, nm)
+    assert torch.equal(_bits(pk_d.cpu()), _bits(same_k)) and torch.equal(_bits(pv_d.cpu()), _bits(same_v))
+    with pytest.raises(ValueError, match="block_table"):  # checked on host tensors
+        dk.attention(q, k, v, pk.clone(), pv.clone(), pos, lens, block_table=table, backend=backend)
+
+
+@pytest.mark.parametrize("backend,device", attention_backends())
+@pytest.mark.usefixtures("host_isa")
+def test_paged_strided_pool(backend, device):
+    """A pool that is a strided view (one layer of a [P, layers, page_size, Hkv, D] allocation) is
+    read and written through its strides; the other layer is untouched."""
+    B, W, S, ps, Hq, Hkv, D = 2, 5, 48, 8, 2, 1, 64
+    dtype = dtype_for(backend, F32)
+    q, k, v, kc, vc, pos, lens = make_case(B, W, S, Hq, Hkv, D, dtype, seed=17)
+    (pk, pv), table = paged_caches((kc, vc), ps, seed=17, extra_pages=1)
+    big_k = torch.randn(pk.shape[0], 2, *pk.shape[1:]).to(dtype)
+    big_v = torch.randn(pv.shape[0], 2, *pv.shape[1:]).to(dtype)
+    big_k[:, 1], big_v[:, 1] = pk, pv
+    other_k, other_v = big_k[:, 0].clone(), big_v[:, 0].clone()
+    big_k, big_v = big_k.to(device), big_v.to(device)
+    out = dk.attention(
+        q.to(device),
+        k.to(device),
+        v.to(device),
+        big_k[:, 1],
+        big_v[:, 1],
+        pos.to(device),
+        lens.to(device),
+        block_table=table.to(device),
+        backend=backend,
+    ).cpu()
+    same_k, same_v = pk.clone(), pv.clone()
+    same = attention_reference(q, k, v, same_k, same_v, pos, lens, block_table=table)
+    truth = attention_reference(
+        q, k, v, pk.clone(), pv.clone(), pos, lens, block_table=table, compute_dtype=torch.float64
+    )
+    assert_precision(out, same, truth, "out")
+    big_k, big_v = big_k.cpu(), big_v.cpu()
+    assert torch.equal(_bits(big_k[:, 1]), _bits(same_k)) and torch.equal(_bits(big_v[:, 1]), _bits(same_v))
+    assert torch.equal(_bits(big_k[:, 0]), _bits(other_k)) and torch.equal(_bits(big_v[:, 0]), _bits(other_v))
+    # the reference on the strided view, written in place, is the reference on a contiguous pool
+    strided_k = torch.stack([other_k, pk], 1)[:, 1]
+    strided_v = torch.stack([other_v, pv], 1)[:, 1]
+    assert torch.equal(
+        _bits(attention_reference(q, k, v, strided_k, strided_v, pos, lens, block_table=table)), _bits(same)
+    )
+    assert torch.equal(_bits(strided_k), _bits(same_k)) and torch.equal(_bits(strided_v), _bits(same_v))
+
+
+@pytest.mark.skipif(
+    "cpu" not in _backend.available_backends("cpu", "attention"),
+    reason="dinfer_kernels._C was built without the host attention kernel",
+)
+def test_auto_picks_the_same_backend_for_paged_calls(monkeypatch):
+    picked = []
+    real = _backend.impl
+    monkeypatch.setattr(_backend, "impl", lambda op, b: picked.append(b) or real(op, b))
+    q, k, v, kc, vc, pos, lens = make_case(2, 4, 24, 2, 2, 32, F32, seed=3)
+    dk.attention(q, k, v, kc.clone(), vc.clone(), pos, lens)
+    contiguous = list(picked)
+    (pk, pv), table = paged_caches((kc, vc), 8, seed=3)
+    dk.attention(q, k, v, pk, pv, pos, lens, block_table=table)
+    assert picked == contiguous * 2
+    dk.attention(q, k, v, pk, pv, pos, lens, block_table=table, backend="cpu")
+    assert picked[-1] == "cpu"
+
+
+def _paged_err_case():
+    q, k, v, kc, vc, pos, lens = make_case(2, 5, 40, 4, 2, 64, F32, seed=2)
+    lens = torch.tensor([40, 30], dtype=torch.int32)
+    pos = torch.tensor([[0, 9, 17, 25, 39], [3, 8, 12, 20, 29]])
+    (pk, pv), table = paged_caches((kc, vc), 8, seed=2, extra_pages=2)
+    return q, k, v, pk, pv, pos, lens, table
+
+
+def _paged(**changes):
+    """A call on _paged_err_case's arguments with `changes` (name: function of the arguments)."""
+
+    def call(write_back):
+        q, k, v, pk, pv, pos, lens, table = _paged_err_case()
+        a = dict(q=q, k=k, v=v, k_cache=pk, v_cache=pv, positions=pos, seq_lens=lens, block_table=table)
+        for key, fn in changes.items():
+            a[key] = fn(a)
+        return dk.attention(**a, write_back=write_back)
+
+    return call
+
+
+def _set(t, index, value):
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+PAGED_ERRORS = [
+    (_paged(block_table=lambda a: a["block_table"].long()), "block_table", TypeError),
+    (_paged(block_table=lambda a: a["block_table"][0]), "block_table", ValueError),
+    (_paged(block_table=lambda a: a["block_table"][None]), "block_table", ValueError),
+    (_paged(block_table=lambda a: torch.cat([a["block_table"]] * 2)), "block_table", ValueError),
+    (_paged(block_table=lambda a: a["block_table"].to("meta")), "block_table", ValueError),
+    (_paged(v_cache=lambda a: a["v_cache"][:-1]), "v_cache", ValueError),
+    (_paged(v_cache=lambda a: a["v_cache"][:, :-1]), "v_cache", ValueError),
+    (_paged(k_cache=lambda a: a["k_cache"][..., :32]), "k_cache", ValueError),
+    (_paged(k_cache=lambda a: a["k_cache"][:0], v_cache=lambda a: a["v_cache"][:0]), "k_cache", ValueError),
+    (_paged(k_cache=lambda a: a["k_cache"].double()), "k_cache", TypeError),
+    # a page before seq_lens outside the pool
+    (_paged(block_table=lambda a: _set(a["block_table"], (1, 3), -1)), "block_table", ValueError),
+    (_paged(block_table=lambda a: _set(a["block_table"], (0, 4), 12)), "block_table", ValueError),
+    # positions are checked against S = MP * page_size
+    (_paged(positions=lambda a: _set(a["positions"], (0, 0), 40)), "positions", ValueError),
+    (_paged(seq_lens=lambda a: _set(a["seq_lens"], 0, 41)), "seq_lens", ValueError),
+    # sequence 1's page 1 is sequence 0's page 1: window rows sit in it (positions 9 and 8, 12)
+    (
+        _paged(block_table=lambda a: _set(a["block_table"], (1, 1), int(a["block_table"][0, 1]))),
+        "block_table",
+        ValueError,
+    ),
+    # the same pool row written twice (write_back) and substituted twice (without)
+    (
+        _paged(
+            positions=lambda a: _set(a["positions"], (1, 0), 1),
+            block_table=lambda a: _set(a["block_table"], (1, 0), int(a["block_table"][0, 2])),
+        ),
+        "block_table",
+        ValueError,
+    ),
+    (_paged(attn_mask=lambda a: torch.ones(2, 5, 41, dtype=torch.bool)), "attn_mask", ValueError),
+]
+
+
+@pytest.mark.parametrize(
+    "call,name,exc", PAGED_ERRORS, ids=[f"{e[1]}-{i}" for i, e in enumerate(PAGED_ERRORS)]
+)
+@pytest.mark.parametrize("write_back", [True, False])
+def test_paged_errors_name_the_argument(call, name, exc, write_back):
+    """Bad block tables and pools raise naming the argument; pool rows of window rows are checked
+    without write_back too (the GPU kernels write them for the call)."""
+    _paged()(write_back)  # the unchanged call is valid
+    with pytest.raises(exc, match=name):
+        call(write_back)
+
+
 # ---- BlockMask helpers -------------------------------------------------------------------------------
 
 
@@ -599,6 +969,7 @@ def test_opcheck(backend):
                 vc,
                 pos,
                 lens,
+                None,
                 True,
                 None,
                 bm.kv_num_blocks,
@@ -613,7 +984,15 @@ def test_opcheck(backend):
         )
     torch.library.opcheck(
         torch.ops.dinfer.attention.default,
-        (q, k, v, kc, vc, pos, lens, False, None, None, None, 5, 64, 0.125, False, False, backend),
+        (q, k, v, kc, vc, pos, lens, None, False, None, None, None, 5, 64, 0.125, False, False, backend),
+    )
+    # the paged layout: the same cache as a pool of 8-row pages in shuffled order
+    (pool_k, pool_v), table = paged_caches((kc, vc), 8, seed=2)
+    torch.library.opcheck(
+        torch.ops.dinfer.attention.default,
+        (q, k, v, pool_k, pool_v, pos, lens, table, True, None, bm.kv_num_blocks, bm.kv_indices)
+        + (bm.q_block, bm.kv_block, 0.125, True, True, backend),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 
 
@@ -747,13 +1126,19 @@ def test_kernel_backend_rejects_unsupported_head_dim_but_auto_falls_back():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_cuda_graph_capture(backend):
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_capture(backend, paged):
     if backend not in dk.available_backends("cuda", "attention"):
         pytest.skip(f"{backend} not available")
     B, W, S, Hq, Hkv, D = 1, 96, 2048, 16, 16, 128
-    q, k, v, kc, vc, pos, lens = [t.cuda() for t in make_case(B, W, S, Hq, Hkv, D, BF16, seed=4)]
+    q, k, v, kc, vc, pos, lens = make_case(B, W, S, Hq, Hkv, D, BF16, seed=4)
+    extra = {}
+    if paged:  # pages of 32 in shuffled order, absent ids past seq_lens
+        (kc, vc), table = paged_caches((kc, vc), 32, lens, seed=4, absent=True)
+        extra = dict(block_table=table.cuda())
+    q, k, v, kc, vc, pos, lens = [t.cuda() for t in (q, k, v, kc, vc, pos, lens)]
     bm = _to(random_block_mask(B, Hkv, W, S, 32, 64, seed=4)[0], "cuda")
-    kw = dict(block_mask=bm, return_lse=True, return_block_mass=True, backend=backend)
+    kw = dict(block_mask=bm, return_lse=True, return_block_mass=True, backend=backend, **extra)
     want = dk.attention(q, k, v, kc.clone(), vc.clone(), pos, lens, write_back=False, **kw)
     kc2, vc2 = kc.clone(), vc.clone()
     g = torch.cuda.CUDAGraph()

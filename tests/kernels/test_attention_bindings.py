@@ -5,7 +5,7 @@ CUDA arrays, the CUDA-only layout rules are enforced and a small call matches th
 
 import pytest
 import torch
-from conftest import EXT, assert_precision
+from conftest import EXT, assert_precision, paged_caches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +33,7 @@ ORDER = [
     "block_mass",
     "kv_num_blocks",
     "kv_indices",
+    "block_table",
 ]
 SCALARS = ["write_back", "q_block", "kv_block", "scale", "workspace", "stream"]
 
@@ -50,7 +51,12 @@ def make_args(
     device="cpu",
     blocks=True,
     seed=0,
+    page_size=None,
 ):
+    """Valid arguments of one call; page_size: the caches as shuffled page pools with a block table
+    (S = MP * page_size positions, MP = ceil(S / page_size))."""
+    if page_size is not None:
+        S = -(-S // page_size) * page_size
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
     nqb, nkb = -(-W // q_block), -(-S // kv_block)
@@ -72,7 +78,12 @@ def make_args(
             if blocks
             else None
         ),
+        block_table=None,
     )
+    if page_size is not None:
+        kc, vc = a["k_cache"].cpu(), a["v_cache"].cpu()
+        (pk, pv), table = paged_caches((kc, vc), page_size, seed=seed, extra_pages=2)
+        a.update(k_cache=pk.to(device), v_cache=pv.to(device), block_table=table.to(device))
     params = dict(write_back=True, q_block=q_block, kv_block=kv_block, scale=D**-0.5)
     return a, params
 
@@ -80,6 +91,8 @@ def make_args(
 def workspace_for(a, p):
     B, W, Hq, D = a["q"].shape
     S, Hkv = a["k_cache"].shape[1:3]
+    if isinstance(a.get("block_table"), torch.Tensor):
+        S *= a["block_table"].shape[1]
     maxb = -1 if a["kv_indices"] is None else a["kv_indices"].shape[-1]
     n = EXT.attention_workspace_bytes(
         B, W, Hq, Hkv, D, S, p["q_block"], p["kv_block"], maxb, p["write_back"], a["block_mass"] is not None
@@ -97,8 +110,8 @@ def call(a, **params):
     EXT.attention(*[a[k] for k in ORDER], **p)
 
 
-def small_call_matches_reference(device, dtype, write_back):
-    a, p = make_args(device=device, dtype=dtype)
+def small_call_matches_reference(device, dtype, write_back, page_size=None):
+    a, p = make_args(device=device, dtype=dtype, page_size=page_size)
     p["write_back"] = write_back
     kc0, vc0 = a["k_cache"].clone(), a["v_cache"].clone()
     call(a, **p)
@@ -122,13 +135,18 @@ def small_call_matches_reference(device, dtype, write_back):
             block_mask=bm,
             return_lse=True,
             return_block_mass=True,
+            block_table=c["block_table"],
         )
         for dtype in (torch.float32, torch.float64)
     )
     for nm, s, t in zip(("out", "lse", "block_mass"), same, truth):
         assert_precision(c[nm], s, t, nm)
     if not write_back:
-        assert torch.equal(a["k_cache"], kc0) and torch.equal(a["v_cache"], vc0)
+        assert torch.equal(a["k_cache"].isnan(), kc0.isnan()) and torch.equal(
+            a["v_cache"].isnan(), vc0.isnan()
+        )
+        assert torch.equal(a["k_cache"].nan_to_num(), kc0.nan_to_num())
+        assert torch.equal(a["v_cache"].nan_to_num(), vc0.nan_to_num())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -136,6 +154,14 @@ def small_call_matches_reference(device, dtype, write_back):
 @pytest.mark.usefixtures("host_isa")
 def test_host_call_matches_reference(dtype, write_back):
     small_call_matches_reference("cpu", dtype, write_back)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("write_back", [True, False])
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.usefixtures("host_isa")
+def test_host_paged_call_matches_reference(dtype, write_back, page_size):
+    small_call_matches_reference("cpu", dtype, write_back, page_size)
 
 
 @pytest.mark.usefixtures("host_isa")
@@ -201,6 +227,43 @@ BAD = [
 def test_binding_errors_name_the_argument(name, make, exc):
     a, p = make_args()
     a[name] = make(a)
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        call(a, **p)
+
+
+def _pool(a, **sizes):
+    """A page pool like a's k_cache with some sizes changed (pages, page_size)."""
+    P, ps, Hkv, D = a["k_cache"].shape
+    P, ps = sizes.get("pages", P), sizes.get("page_size", ps)
+    return torch.zeros(P, ps, Hkv, D, dtype=a["k_cache"].dtype, device=a["k_cache"].device)
+
+
+def _huge_pages(a):
+    """Pages of 2^16 rows and a table of 2^14 of them per sequence: 2^30 positions, one too many."""
+    a["k_cache"], a["v_cache"] = _pool(a, pages=1, page_size=1 << 16), _pool(a, pages=1, page_size=1 << 16)
+    a["block_table"] = torch.zeros(a["q"].shape[0], 1 << 14, dtype=torch.int32, device=a["q"].device)
+
+
+# (name, change of the paged arguments in place, exception)
+BAD_PAGED = [
+    ("block_table", lambda a: a.update(block_table=a["block_table"].long()), TypeError),
+    ("block_table", lambda a: a.update(block_table=a["block_table"][0]), ValueError),
+    ("block_table", lambda a: a.update(block_table=a["block_table"][:1]), ValueError),
+    ("block_table", lambda a: a.update(block_table=a["block_table"].t().contiguous().t()), ValueError),
+    ("block_table", lambda a: a.update(block_table="x"), TypeError),
+    ("block_table", _huge_pages, ValueError),
+    ("k_cache", lambda a: a.update(k_cache=_pool(a, pages=0), v_cache=_pool(a, pages=0)), ValueError),
+    ("k_cache", lambda a: a.update(k_cache=a["k_cache"][0]), ValueError),
+    ("v_cache", lambda a: a.update(v_cache=_pool(a, pages=a["k_cache"].shape[0] + 1)), ValueError),
+    ("v_cache", lambda a: a.update(v_cache=_pool(a, page_size=a["k_cache"].shape[1] + 1)), ValueError),
+]
+
+
+@pytest.mark.parametrize("name,change,exc", BAD_PAGED, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_PAGED)])
+def test_binding_paged_errors_name_the_argument(name, change, exc):
+    a, p = make_args(page_size=8)
+    call(dict(a), **p)  # the unchanged call is valid
+    change(a)
     with pytest.raises(exc, match=rf"^{name}\b"):
         call(a, **p)
 
@@ -307,6 +370,7 @@ def fuzz_call(draw):
     Hq = Hkv * draw(st.integers(1, 3))
     D = draw(st.sampled_from([64, 128]))
     q_block, kv_block = draw(st.integers(1, 4)), draw(st.integers(1, 20))
+    page_size = draw(st.sampled_from([None, 1, 3, 8]))
     W = min(W, S)
     a, p = make_args(
         B,
@@ -320,6 +384,7 @@ def fuzz_call(draw):
         kv_block,
         blocks=draw(st.booleans()),
         seed=draw(st.integers(0, 100)),
+        page_size=page_size,
     )
     if draw(st.booleans()):
         a["lse"] = None
@@ -378,6 +443,24 @@ def test_gpu_binding_errors_name_the_argument(name, make, exc):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,change,exc", BAD_PAGED, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_PAGED)])
+def test_gpu_binding_paged_errors_name_the_argument(name, change, exc):
+    a, p = make_args(device="cuda", page_size=8)
+    p["workspace"] = workspace_for(a, p)  # sized from the valid arguments
+    change(a)
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        call(a, **p)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_block_table_on_another_device():
+    a, p = make_args(device="cuda", page_size=8)
+    a["block_table"] = a["block_table"].cpu()
+    with pytest.raises(ValueError, match=r"^block_table\b.*same device"):
+        call(a, **p)
+
+
+@pytest.mark.gpu
 def test_gpu_layout_rules_dtype_and_head_dim():
     """The CUDA kernels copy rows in 16-byte vectors and are tiled for D in {64, 128}, fp16/bf16:
     strides that are multiples of 8 pass, others, fp32 and other head dims are refused naming q."""
@@ -414,3 +497,11 @@ def test_gpu_mixed_devices_and_workspace_errors():
 @pytest.mark.parametrize("write_back", [True, False])
 def test_gpu_small_call_matches_reference(dtype, write_back):
     small_call_matches_reference("cuda", dtype, write_back)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("write_back", [True, False])
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_gpu_small_paged_call_matches_reference(dtype, write_back, page_size):
+    small_call_matches_reference("cuda", dtype, write_back, page_size)

@@ -56,8 +56,13 @@ ORDER = [
 ]
 
 
+# Optional arrays, passed by keyword when a case has them.
+OPTIONAL = ["editable"]
+
+
 def call(args, **params):
     p = dict(PARAMS, **params)
+    p.update({k: args[k] for k in OPTIONAL if k in args})
     EXT.decode_step(*[args[k] for k in ORDER], **p)
 
 
@@ -135,7 +140,9 @@ def test_binding_errors_name_the_argument(name, make, exc):
     [
         ("mask_id", 40),
         ("mask_id", -1),
-        ("rule", 3),
+        ("rule", 4),
+        ("rule", -1),
+        ("edit_threshold", float("nan")),
         ("temperature", -1.0),
         ("temperature", float("nan")),
         ("seed", -1),
@@ -147,6 +154,90 @@ def test_binding_errors_name_the_argument(name, make, exc):
 def test_binding_parameter_errors(param, value):
     with pytest.raises(ValueError, match=rf"^{param.replace('credit_', 'credit_')}\b"):
         call(numpy_args(), **{param: value})
+
+
+@pytest.mark.usefixtures("host_isa")
+@pytest.mark.parametrize("editable_dtype", [np.bool_, np.uint8, None])
+def test_joint_rule_through_dlpack_matches_reference(editable_dtype):
+    """Rule 3 (joint) over NumPy arrays: the edits of the rows `editable` marks (bool, or uint8 where
+    any nonzero byte is editable; None: every row), as the reference makes them."""
+    a = numpy_args(N=9, V=40, K=0, B=3)
+    a["tokens"] = np.array([3, 7, 9, 3, 3, 11, 12, 3, 5], dtype=np.int64)
+    a["logits"][:, 20] += 12.0  # every row confident in token 20: an edit where the row is committed
+    a["logits"][8, 5] += 30.0  # row 8: confident in its own token
+    rows = np.array([1, 1, 0, 1, 1, 1, 1, 1, 1], dtype=bool)  # row 2 is not editable
+    if editable_dtype is not None:
+        a["editable"] = rows.astype(np.uint8) * 7 if editable_dtype is np.uint8 else rows
+    tokens_before = a["tokens"].copy()
+    call(a, rule=3, edit_threshold=0.5)
+    ref_tokens = torch.from_numpy(tokens_before.copy())
+    ref = decode_step_reference(
+        torch.from_numpy(a["logits"]),
+        ref_tokens,
+        torch.from_numpy(a["seq_offsets"]),
+        3,
+        rule="joint",
+        threshold=torch.from_numpy(a["threshold"]),
+        editable=None if editable_dtype is None else torch.from_numpy(rows),
+        edit_threshold=0.5,
+    )
+    assert np.array_equal(a["commit"], ref.commit.numpy()) and np.array_equal(a["tokens"], ref_tokens.numpy())
+    edited = [1, 5, 6] if editable_dtype is not None else [1, 2, 5, 6]
+    assert [i for i in range(9) if a["commit"][i] and tokens_before[i] != 3] == edited
+
+
+JOINT_BAD = [
+    ("editable", lambda a: a.update(editable=np.ones(5, dtype=np.int32)), {}, TypeError),
+    ("editable", lambda a: a.update(editable=np.ones(5, dtype=np.float32)), {}, TypeError),
+    ("editable", lambda a: a.update(editable=np.ones(4, dtype=np.bool_)), {}, ValueError),
+    ("editable", lambda a: a.update(editable=np.ones((5, 1), dtype=np.bool_)), {}, ValueError),
+    ("editable", lambda a: a.update(editable=np.ones(10, dtype=np.bool_)[::2]), {}, ValueError),
+    ("editable", lambda a: a.update(editable=[True] * 5), {}, TypeError),
+    ("editable", lambda a: a.update(editable=np.ones(5, dtype=np.bool_)), dict(rule=0), ValueError),
+    ("edit_threshold", lambda a: None, dict(edit_threshold=float("nan")), ValueError),
+    ("edit_threshold", lambda a: None, dict(edit_threshold="0.5"), TypeError),
+    ("edit_threshold", lambda a: None, dict(edit_threshold=True), TypeError),
+    ("edit_threshold", lambda a: None, dict(rule=2, edit_threshold=0.5), ValueError),
+]
+
+
+@pytest.mark.parametrize(
+    "name,make,params,exc", JOINT_BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(JOINT_BAD)]
+)
+def test_joint_binding_errors_name_the_argument(name, make, params, exc):
+    a = numpy_args()
+    make(a)
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        call(a, **dict(dict(rule=3, edit_threshold=0.5), **params))
+
+
+def test_joint_edit_threshold_may_be_infinite():
+    """+inf (the default) is editing off, and -inf edits every qualifying row: neither is refused."""
+    for edit_at in (float("inf"), float("-inf")):
+        a = numpy_args()
+        a["tokens"][:] = 1
+        call(a, rule=3, edit_threshold=edit_at)
+        edited = (a["candidate"] != 1) & (a["candidate"] != 3)
+        assert np.array_equal(a["commit"], edited if edit_at < 0 else np.zeros(5, dtype=bool))
+
+
+def test_joint_editable_overlapping_a_written_array_is_refused():
+    a = numpy_args()
+    a["editable"] = a["commit"]  # the same bytes, read while commit is written
+    with pytest.raises(ValueError, match=r"^commit: overlaps editable"):
+        call(a, rule=3, edit_threshold=0.5)
+    a["editable"] = a["tokens"].view(np.bool_)[8:13]  # bytes of tokens 1 and 2
+    with pytest.raises(ValueError, match=r"^tokens: overlaps editable"):
+        call(a, rule=3, edit_threshold=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_joint_editable_on_another_device_is_refused():
+    a = numpy_args()
+    a["editable"] = torch.ones(5, dtype=torch.bool, device="cuda")
+    with pytest.raises(ValueError, match=r"^editable\b"):
+        call(a, rule=3, edit_threshold=0.5)
 
 
 def test_read_only_output_is_refused():
@@ -178,10 +269,14 @@ def valid_call(draw, N, V, K, B, rng):
             seen.add(v)
     params = dict(
         mask_id=int(rng.integers(0, V)),
-        rule=int(rng.integers(0, 3)),
+        rule=int(rng.integers(0, 4)),
         temperature=draw(st.sampled_from([0.0, 0.5])),
         seed=int(rng.integers(0, 2**32)),
     )
+    if params["rule"] == 3:
+        params["edit_threshold"] = draw(st.sampled_from([0.0, 0.3, 0.9, float("inf")]))
+        if draw(st.booleans()):
+            a["editable"] = rng.random(N) < 0.5
     return a, params
 
 
@@ -189,7 +284,7 @@ def corrupt(draw, a, params, rng, N, V):
     """Breaks one or more things: a dtype, a shape, a value range, a layout or a parameter."""
     for _ in range(draw(st.integers(1, 3))):
         what = draw(st.sampled_from(["dtype", "shape", "range", "layout", "param", "foreign"]))
-        key = draw(st.sampled_from(ORDER))
+        key = draw(st.sampled_from(ORDER + [k for k in OPTIONAL if k in a]))
         if not isinstance(a[key], np.ndarray):
             continue
         if what == "dtype":
@@ -212,8 +307,12 @@ def corrupt(draw, a, params, rng, N, V):
         elif what == "layout" and a[key].ndim == 2 and a[key].shape[1] > 1:
             a[key] = np.asfortranarray(a[key]) if draw(st.booleans()) else a[key][:, ::-1]
         elif what == "param":
-            p = draw(st.sampled_from(["mask_id", "rule", "temperature", "seed", "offset", "credit_beta"]))
-            params[p] = draw(st.sampled_from([-1, V, 3, 2**32, float("nan"), -0.5]))
+            p = draw(
+                st.sampled_from(
+                    ["mask_id", "rule", "temperature", "seed", "offset", "credit_beta", "edit_threshold"]
+                )
+            )
+            params[p] = draw(st.sampled_from([-1, V, 3, 4, 2**32, float("nan"), -0.5]))
         elif what == "foreign":
             a[key] = draw(st.sampled_from([None, 3, "x", [1, 2]]))
 
@@ -240,7 +339,7 @@ def test_fuzz_bindings_never_crash(case):
         call(a, **params)
     except (TypeError, ValueError) as e:
         assert bad, f"a valid call was refused: {e}"
-        assert str(e).split(":")[0] in set(ORDER) | set(PARAMS), str(e)
+        assert str(e).split(":")[0] in set(ORDER) | set(PARAMS) | set(OPTIONAL) | {"edit_threshold"}, str(e)
 
 
 # ---- overlapping arrays, hand-built credit states, NumPy scalars ---------------------------------

@@ -13,7 +13,10 @@ from conftest import assert_precision, device_backends
 from dinfer_kernels.reference import decode_step_reference
 from dinfer_kernels.reference.decode import DEFAULTS
 
-RULES = {"threshold": 0, "hierarchical": 1, "fixed": 2}
+RULES = {"threshold": 0, "hierarchical": 1, "fixed": 2, "joint": 3}
+# The joint rule's edit threshold in the generic checks (check_backend): low enough that random rows
+# of every vocabulary edit, so that each check of the joint rule also exercises its edits.
+JOINT_EDIT_AT = 0.1
 BACKENDS = device_backends()
 pytestmark = pytest.mark.usefixtures("host_isa")  # the host kernels under every ISA this CPU runs
 
@@ -44,12 +47,16 @@ def run_backend(
     seed=0,
     offset=0,
     row_keys=None,
+    editable=None,
+    edit_threshold=None,
 ):
-    """One call on `device`; returns outputs and the updated tokens / credit on the host."""
+    """One call on `device`; returns outputs and the updated tokens / credit on the host.
+    edit_threshold None is editing off: the reference's None, the kernels' +inf."""
     N = logits.shape[0]
     to = lambda t: t.to(device)
     lg, tok, offs = to(logits), to(tokens.clone()), to(offsets)
     keys = None if row_keys is None else to(row_keys)
+    edit = None if editable is None else to(editable)
     ids, vals = (
         (to(credit[0].clone()), to(credit[1].clone()))
         if credit
@@ -70,6 +77,8 @@ def run_backend(
             credit_ids=ids if credit else None,
             credit_vals=vals if credit else None,
             row_keys=keys,
+            editable=edit,
+            edit_threshold=edit_threshold,
         )
         outs = list(out)
     else:
@@ -102,6 +111,8 @@ def run_backend(
             credit_beta=DEFAULTS.credit_beta,
             credit_gamma=DEFAULTS.credit_gamma,
             row_keys=keys,
+            editable=edit,
+            edit_threshold=float("inf") if edit_threshold is None else edit_threshold,
         )
     host = lambda t: t.cpu()
     return [host(o) for o in outs], host(tok), (host(ids), host(vals))
@@ -122,7 +133,10 @@ def check_backend(
     fresh_logits=None,
     **kw,
 ):
-    """Runs `iterations` steps on the backend and on the fp32 / fp64 references, comparing each."""
+    """Runs `iterations` steps on the backend and on the fp32 / fp64 references, comparing each.
+    The joint rule edits above JOINT_EDIT_AT unless kw says otherwise (edit_threshold=None: off)."""
+    if rule == "joint":
+        kw.setdefault("edit_threshold", JOINT_EDIT_AT)
     B = offsets.numel() - 1
     threshold = torch.rand(B) if threshold is None else threshold
     num_commit = torch.randint(0, 4, (B,), dtype=torch.int32) if num_commit is None else num_commit
@@ -248,10 +262,11 @@ def test_inf_nan_and_dead_rows(backend, device):
 def test_no_mask_all_mask_and_mask_predictions(backend, device, rule):
     V = 211
     logits, tokens, offsets, mask_id = make_case(12, V, [0, 5, 12])
-    # no masked position at all: nothing commits
+    # no masked position at all: nothing commits, but the joint rule's edits
     unmasked = torch.where(tokens == mask_id, torch.zeros_like(tokens), tokens)
-    outs = check_backend(backend, device, logits, unmasked, offsets, mask_id, rule)
-    assert not outs[2].any()
+    cand, conf, commit, _ = check_backend(backend, device, logits, unmasked, offsets, mask_id, rule)
+    edits = (cand != unmasked) & (cand != mask_id) & (conf > JOINT_EDIT_AT)
+    assert torch.equal(commit, edits if rule == "joint" else torch.zeros_like(commit))
     # every position masked
     check_backend(backend, device, logits, torch.full_like(tokens, mask_id), offsets, mask_id, rule)
     # every masked position predicts the mask token: the progress guarantee commits exactly one
@@ -282,7 +297,10 @@ def test_no_mask_all_mask_and_mask_predictions(backend, device, rule):
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("slots", [4, 16])
-def test_credit_over_a_block(backend, device, slots):
+@pytest.mark.parametrize("rule", ["threshold", "joint"])
+def test_credit_over_a_block(backend, device, slots, rule):
+    """Credit builds up over a block's iterations; under the joint rule the committed rows of the
+    block are edited in later ones (their candidates use the credit-fused logits too)."""
     V = 503 if small_vocab(backend, device) else 32003
     N = 10
     logits, tokens, offsets, mask_id = make_case(N, V, [0, 4, 10], masked_frac=1.0, scale=1.5)
@@ -294,11 +312,12 @@ def test_credit_over_a_block(backend, device, slots):
         tokens,
         offsets,
         mask_id,
-        "threshold",
+        rule,
         credit=credit,
         threshold=torch.tensor([0.9, 0.95]),
         iterations=8,
         fresh_logits=lambda: torch.randn(N, V) * 1.5,
+        **({"edit_threshold": 0.002} if rule == "joint" else {}),
     )
 
 
@@ -379,6 +398,138 @@ def test_many_sequences_and_empty_ones(backend, device):
         check_backend(backend, device, logits, tokens, offs, mask_id, rule)
 
 
+# ---- the joint rule (LLaDA2.1's JointThreshold): the threshold rule plus token-to-token edits -----
+
+JOINT_PEAK = 15.0  # a token this far above the rest holds >= 0.95 of the mass even at V = 157184
+
+
+def joint_case(V, dtype=torch.float32):
+    """14 rows over V tokens (mask V - 1) in sequences [], rows 0-7 (no [MASK]: a post-edit step, only
+    edits can happen), [] and rows 8-13 (mixed), with every kind of row the edit condition tells
+    apart. Returns (logits, tokens, offsets, mask_id, editable, rows that commit and their tokens)
+    for tau 0.9 and edit_threshold 0.6."""
+    mask_id = V - 1
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(14, V, generator=g) * 0.1
+    tokens = torch.tensor([5, 5, 7, 5, 5, 5, 5, 5, mask_id, mask_id, 3, 3, mask_id, 4])
+    editable = torch.ones(14, dtype=torch.bool)
+    peaks = {0: 7, 2: 7, 3: mask_id, 6: 9, 7: 8, 8: 11, 10: 12, 11: 12, 12: mask_id, 13: 4}
+    for row, tok in peaks.items():
+        logits[row, tok] += JOINT_PEAK
+    logits[1, 7] += 1.0  # row 1: another token, far below the edit threshold
+    logits[4] = float("-inf")  # row 4: dead
+    logits[5] = float("nan")  # row 5: dead (NaN everywhere)
+    logits[7, ::3] = float("nan")  # row 7: NaN in places, live; its peak (8) is not one of them
+    editable[[6, 11]] = False  # rows 6 and 11: confident in another token, but not editable
+    # commits: rows 0 and 7 (edits), 8 (tau), 10 (edit); not 2 and 13 (their own token), 3 and 12
+    # (the mask token), 9 (not confident, and 8 commits), 1 (below the edit threshold)
+    commits = {0: 7, 7: 8, 8: 11, 10: 12}
+    offsets = torch.tensor([0, 0, 8, 8, 14], dtype=torch.int32)
+    return logits.to(dtype), tokens, offsets, mask_id, editable, commits
+
+
+def joint_vocabularies(backend, device):
+    return [41, 1000] if small_vocab(backend, device) else [41, 32003, 157184]
+
+
+def joint_cases():
+    for backend, device in BACKENDS:
+        for V in joint_vocabularies(backend, device):
+            yield backend, device, V
+
+
+@pytest.mark.parametrize("backend,device,V", list(joint_cases()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_joint_commits_and_edits(backend, device, V, dtype, temperature):
+    """Edits: committed, editable, live rows whose candidate is neither the mask nor their token,
+    above edit_threshold; with the threshold rule on the masked rows, in a block with and one
+    without [MASK]; greedy and sampled candidates."""
+    logits, tokens, offsets, mask_id, editable, commits = joint_case(V, dtype)
+    threshold = torch.full((4,), 0.9)
+    cand, _, commit, nonfinite = check_backend(
+        backend,
+        device,
+        logits,
+        tokens,
+        offsets,
+        mask_id,
+        "joint",
+        threshold=threshold,
+        editable=editable,
+        edit_threshold=0.6,
+        temperature=temperature,
+        seed=3,
+    )
+    assert commit.nonzero().flatten().tolist() == sorted(commits)
+    assert cand[sorted(commits)].tolist() == [commits[r] for r in sorted(commits)]
+    assert nonfinite.nonzero().flatten().tolist() == [4, 5, 7]
+    # editing off (the kernels' +inf): the threshold rule's commits, row for row
+    off = check_backend(
+        backend, device, logits, tokens, offsets, mask_id, "joint", threshold=threshold, edit_threshold=None
+    )
+    same = check_backend(backend, device, logits, tokens, offsets, mask_id, "threshold", threshold=threshold)
+    assert all(torch.equal(a, b) for a, b in zip(off, same)) and off[2].nonzero().flatten().tolist() == [8]
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_joint_edit_threshold_is_strict(backend, device):
+    """A confidence exactly at edit_threshold is not an edit (`>`); one fp32 step below it is. Uniform
+    rows over 8 tokens: candidate 0 (the lowest index), confidence exactly 1/8 on every backend."""
+    V, mask_id = 8, 7
+    logits = torch.zeros(6, V)
+    tokens = torch.tensor([3, 3, mask_id, 0, 5, 3])  # row 3 holds its candidate already
+    offsets = torch.tensor([0, 2, 6], dtype=torch.int32)
+    below = float(torch.tensor(0.125).nextafter(torch.tensor(0.0)))
+    for edit_at, edited in ((0.125, []), (below, [0, 1, 4, 5])):
+        cand, conf, commit, _ = check_backend(
+            backend, device, logits, tokens, offsets, mask_id, "joint", edit_threshold=edit_at
+        )
+        assert conf.tolist() == [0.125] * 6 and cand.tolist() == [0] * 6
+        assert commit.nonzero().flatten().tolist() == sorted(edited + [2])  # row 2: its sequence's M2T
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_joint_only_masks_is_the_threshold_rule(backend, device):
+    """Without a committed row there is nothing to edit: the threshold rule's outputs, also the
+    progress guarantee's (every masked row predicting the mask token)."""
+    V = 211 if small_vocab(backend, device) else 5003
+    logits, tokens, offsets, mask_id = make_case(20, V, [0, 0, 7, 20], masked_frac=1.0)
+    threshold = torch.tensor([0.5, 0.2, 0.95])
+    for lg in (logits, logits.index_fill(1, torch.tensor([mask_id]), 60.0)):
+        joint = check_backend(backend, device, lg, tokens, offsets, mask_id, "joint", threshold=threshold)
+        plain = check_backend(backend, device, lg, tokens, offsets, mask_id, "threshold", threshold=threshold)
+        assert all(torch.equal(a, b) for a, b in zip(joint, plain)) and joint[2].any()
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_joint_never_edits_the_prompt_tail(backend, device):
+    """LLaDA2's first block: its first rows are the prompt's tail (not editable), the rest are
+    generated. Over a block's steps and then post-edit steps, with every row confident in a new
+    token each step, the prompt rows keep their tokens and the generated rows are rewritten."""
+    V, N, tail = (97 if small_vocab(backend, device) else 4099), 9, 3
+    mask_id = V - 1
+    tokens = torch.full((N,), mask_id)
+    prompt = torch.tensor([11, 12, 13])
+    tokens[:tail] = prompt
+    editable = torch.arange(N) >= tail
+    offsets = torch.tensor([0, N], dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    edited = torch.zeros(N, dtype=torch.bool)
+    for step in range(N):
+        logits = torch.randn(N, V, generator=g)
+        logits[torch.arange(N), torch.randint(0, V - 1, (N,), generator=g)] += JOINT_PEAK
+        masked = tokens == mask_id
+        cand, _, commit, _ = check_backend(
+            backend, device, logits, tokens, offsets, mask_id, "joint", editable=editable, edit_threshold=0.5
+        )
+        assert not commit[:tail].any(), f"step {step}: a prompt row was rewritten"
+        edited |= commit & ~masked
+        tokens = torch.where(commit, cand, tokens)
+    assert torch.equal(tokens[:tail], prompt) and not (tokens == mask_id).any()
+    assert edited[tail:].any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_bf16_large_batch(backend):
@@ -402,9 +553,10 @@ def padded(shape, fill, dtype, device):
     return buf[MARGIN : MARGIN + shape[0]], buf
 
 
-def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold, credit):
+def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold, credit, edit_threshold=None):
     """One kernel call on arrays that sit inside poisoned buffers; asserts the margins are untouched
-    and returns the outputs, tokens and credit on the host."""
+    and returns the outputs, tokens and credit on the host. With edit_threshold: the joint rule, every
+    row editable (from a buffer whose margins are editable too)."""
     N, V = logits.shape
     K = credit[0].shape[1]
     # Rows past the logits hold a logit that would win every max and show in the candidates.
@@ -422,6 +574,7 @@ def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold,
         padded((N,), True, torch.bool, device),
     ]
     nonfinite, nonfinite_buf = padded((N,), True, torch.bool, device)
+    editable = None if edit_threshold is None else padded((N,), True, torch.bool, device)[0]
     backend_impl(backend)(
         lg,
         tok,
@@ -433,7 +586,7 @@ def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold,
         *[o for o, _ in outs],
         nonfinite,
         mask_id=mask_id,
-        rule=RULES["threshold"],
+        rule=RULES["threshold" if edit_threshold is None else "joint"],
         low_threshold=0.4,
         temperature=0.0,
         seed=0,
@@ -441,6 +594,8 @@ def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold,
         credit_alpha=0.7,
         credit_beta=0.8,
         credit_gamma=0.2,
+        editable=editable,
+        edit_threshold=float("inf") if edit_threshold is None else edit_threshold,
     )
     before = lambda buf, fill: torch.full_like(buf[:MARGIN], fill)
     for name, buf, fill in [
@@ -470,8 +625,8 @@ def assert_same_step(got, want, truth):
     assert_precision(cred[1], ref_cred[1], truth[1], "credit values")
 
 
-def reference_step(logits, tokens, offsets, mask_id, threshold, credit):
-    """The reference step in fp32 and its fp64 truth, on copies."""
+def reference_step(logits, tokens, offsets, mask_id, threshold, credit, edit_threshold=None):
+    """The reference step in fp32 and its fp64 truth, on copies (the joint rule with edit_threshold)."""
     results = []
     for dtype in (torch.float32, torch.float64):
         tok, ids, vals = tokens.clone(), credit[0].clone(), credit[1].clone()
@@ -480,9 +635,11 @@ def reference_step(logits, tokens, offsets, mask_id, threshold, credit):
             tok,
             offsets,
             mask_id,
+            rule="threshold" if edit_threshold is None else "joint",
             threshold=threshold,
             credit_ids=ids,
             credit_vals=vals,
+            edit_threshold=edit_threshold,
             compute_dtype=dtype,
         )
         results.append(([out.candidate, out.confidence, out.commit], tok, (ids, vals)))
@@ -491,10 +648,11 @@ def reference_step(logits, tokens, offsets, mask_id, threshold, credit):
 
 
 @pytest.mark.parametrize("backend,device", GPU_KERNELS)
-def test_unchecked_offsets_are_clamped(backend, device):
+@pytest.mark.parametrize("edit_threshold", [None, 0.05])
+def test_unchecked_offsets_are_clamped(backend, device, edit_threshold):
     """Offsets outside [0, N] or decreasing (unvalidated, as on a GPU) act as their clamped values
     lo = clamp(o[b], 0, N), hi = clamp(o[b+1], lo, N), as in the CUDA kernel: nothing outside the
-    arrays is read or written, whatever the values."""
+    arrays is read or written, whatever the values; also under the joint rule's edits."""
     N, V, K = 12, 37, 4
     logits, tokens, _, mask_id = make_case(N, V, [0, N])
     credit = (torch.full((N, K), -1, dtype=torch.int32), torch.zeros(N, K))
@@ -505,10 +663,24 @@ def test_unchecked_offsets_are_clamped(backend, device):
     ):
         threshold = torch.rand(len(bad) - 1)
         got = run_in_margins(
-            backend, device, logits, tokens, torch.tensor(bad, dtype=torch.int32), mask_id, threshold, credit
+            backend,
+            device,
+            logits,
+            tokens,
+            torch.tensor(bad, dtype=torch.int32),
+            mask_id,
+            threshold,
+            credit,
+            edit_threshold,
         )
         want, truth = reference_step(
-            logits, tokens, torch.tensor(clamped, dtype=torch.int32), mask_id, threshold, credit
+            logits,
+            tokens,
+            torch.tensor(clamped, dtype=torch.int32),
+            mask_id,
+            threshold,
+            credit,
+            edit_threshold,
         )
         assert_same_step(got, want, truth)
 
@@ -573,7 +745,9 @@ def test_sequences_without_any_fallback_commit_the_default_token(backend, device
         rule,
         num_commit=torch.tensor([1, 2, 0, 3], dtype=torch.int32),
     )
-    assert commit.nonzero().flatten().tolist() == [0, 3, 7, 10]
+    # row 6 (unmasked, live) is the joint rule's to edit, when confident in another token
+    edited = rule == "joint" and int(cand[6]) not in (9, mask_id) and float(conf[6]) > JOINT_EDIT_AT
+    assert commit.nonzero().flatten().tolist() == [0, 3] + [6] * edited + [7, 10]
     assert cand[[0, 3, 7]].tolist() == [default] * 3 and conf[[0, 3, 7]].tolist() == [0.0] * 3
     assert int(cand[10]) == 3 and float(conf[10]) > 0.0
     assert nonfinite.tolist() == [True] * 6 + [False, True, True, True, True, True]

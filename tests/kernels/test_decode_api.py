@@ -77,6 +77,96 @@ def test_public_op_flags_nonfinite_rows_and_takes_row_keys(backend, device):
     assert torch.equal(out.candidate.cpu(), ref.candidate) and torch.equal(tokens.cpu(), ref_tokens)
 
 
+def joint_case(N=8, V=50, device="cpu", dtype=torch.float32):
+    """Rows 0-1 masked, the rest committed; every row confident in token 7 except row 5 (its own)."""
+    logits = torch.randn(N, V) * 0.5
+    logits[:, 7] += 9.0
+    logits[5, 4] += 30.0
+    tokens = torch.tensor([3, 3, 1, 2, 7, 4, 9, 10])[:N]
+    offsets = torch.tensor([0, 3, N], dtype=torch.int32)
+    editable = torch.tensor([True, True, True, False, True, True, True, True])[:N]
+    return logits.to(dtype).to(device), tokens.to(device), offsets.to(device), editable.to(device)
+
+
+@pytest.mark.parametrize("backend,device", device_backends())
+@pytest.mark.usefixtures("host_isa")
+def test_public_op_joint_rule(backend, device):
+    """rule='joint' on every backend: the reference's commits and tokens, with `editable` and
+    edit_threshold (rows 2, 6, 7 edited; row 3 is not editable, row 4 holds its candidate, row 5 is
+    confident in its own token); None, 0 and a negative edit_threshold turn editing off."""
+    logits, tokens, offsets, editable = joint_case(device=device)
+    credit = dk.CreditState.empty(8, 4, device=device)
+    ref_tokens, ref_credit = tokens.cpu().clone(), (credit.ids.cpu().clone(), credit.vals.cpu().clone())
+    out = dk.decode_step(
+        logits,
+        tokens,
+        offsets,
+        3,
+        rule="joint",
+        threshold=0.8,
+        credit=credit,
+        editable=editable,
+        edit_threshold=0.6,
+        backend=backend,
+    )
+    ref = decode_step_reference(
+        logits.cpu(),
+        ref_tokens,
+        offsets.cpu(),
+        3,
+        rule="joint",
+        threshold=torch.full((2,), 0.8),
+        credit_ids=ref_credit[0],
+        credit_vals=ref_credit[1],
+        editable=editable.cpu(),
+        edit_threshold=0.6,
+    )
+    assert torch.equal(out.commit.cpu(), ref.commit) and torch.equal(tokens.cpu(), ref_tokens)
+    assert torch.equal(out.candidate.cpu(), ref.candidate) and torch.equal(credit.ids.cpu(), ref_credit[0])
+    assert out.commit.cpu().tolist() == [True, True, True, False, False, False, True, True]
+    assert tokens.cpu().tolist() == [7, 7, 7, 2, 7, 4, 7, 7]
+    for off in (None, 0, 0.0, -0.5):
+        logits, tokens, offsets, editable = joint_case(device=device)
+        plain = tokens.clone()
+        joint = dk.decode_step(
+            logits, tokens, offsets, 3, rule="joint", editable=editable, edit_threshold=off, backend=backend
+        )
+        want = dk.decode_step(logits, plain, offsets, 3, rule="threshold", backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(joint, want)) and torch.equal(tokens, plain)
+        assert joint.commit.cpu().tolist() == [True, True] + [False] * 6
+
+
+@pytest.mark.parametrize("rule", ["threshold", "joint"])
+def test_auto_picks_the_same_backend_for_every_rule(monkeypatch, rule):
+    """The joint rule is not routed elsewhere: auto runs the backend it runs the other rules on."""
+    from dinfer_kernels import _backend
+
+    picked = []
+    real = _backend.impl
+    monkeypatch.setattr(_backend, "impl", lambda op, b: picked.append(b) or real(op, b))
+    logits, tokens, offsets, editable = joint_case()
+    kw = dict(editable=editable, edit_threshold=0.5) if rule == "joint" else {}
+    dk.decode_step(logits, tokens, offsets, 3, rule=rule, **kw)
+    expected = _backend.resolve("auto", torch.device("cpu"), "decode_step")
+    assert picked == ([] if expected == "torch" else [expected])
+
+
+def test_kernel_backends_share_one_signature():
+    """One backend contract: cpu, cuda and triton's decode_step take the same inputs, outputs and
+    keyword scalars, the joint rule's editable and edit_threshold included."""
+    import importlib
+    import inspect
+
+    params = {
+        b: list(
+            inspect.signature(importlib.import_module(f"dinfer_kernels.{b}.decode").decode_step).parameters
+        )
+        for b in ("cpu", "cuda", "triton")
+    }
+    assert params["cpu"] == params["cuda"] == params["triton"]
+    assert params["cpu"][-2:] == ["editable", "edit_threshold"]
+
+
 @pytest.mark.usefixtures("host_isa")
 def test_auto_backend_on_host():
     assert dk.available_backends("cpu")[-1] == "torch"
@@ -127,24 +217,32 @@ def test_opcheck():
         0.8,
         0.2,
         torch.arange(6) * 977,
-        "auto_placeholder",
+        None,
+        float("inf"),
     )
     backend = "cpu" if "cpu" in dk.available_backends("cpu") else "torch"
-    args = args[:-1] + (backend,)
-    torch.library.opcheck(
-        torch.ops.dinfer.decode_step.default,
-        args,
-        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
-    )
+    joint = args[:8] + (3,) + args[9:16] + (None, torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool), 0.3)
+    for call in (args, joint):
+        torch.library.opcheck(
+            torch.ops.dinfer.decode_step.default,
+            call + (backend,),
+            test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+        )
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("rule", ["threshold", "joint"])
+def test_torch_compile_fullgraph(rule):
     logits, tokens, offsets = case()
+    tokens[1] = 8  # a committed row for the joint rule to edit
     credit = dk.CreditState.empty(6, 4)
     eager_tokens, eager_credit = tokens.clone(), dk.CreditState(credit.ids.clone(), credit.vals.clone())
+    editable = torch.tensor([True, True, False, True, True, True])
+    edits = dict(editable=editable, edit_threshold=0.05) if rule == "joint" else {}
 
     def step(lg, tok, offs, ids, vals):
-        out = dk.decode_step(lg, tok, offs, 3, threshold=0.5, credit=dk.CreditState(ids, vals))
+        out = dk.decode_step(
+            lg, tok, offs, 3, rule=rule, threshold=0.5, credit=dk.CreditState(ids, vals), **edits
+        )
         return out.candidate, out.confidence
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -156,26 +254,31 @@ def test_torch_compile_fullgraph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_cuda_graph_capture(backend):
+@pytest.mark.parametrize("rule", ["threshold", "joint"])
+def test_cuda_graph_capture(backend, rule):
     if backend not in dk.available_backends("cuda"):
         pytest.skip(f"{backend} not available")
     logits, tokens, offsets = case(N=64, V=32003, device="cuda", dtype=torch.bfloat16)
+    tokens[::2] = torch.arange(32, device="cuda")  # committed rows for the joint rule to edit
+    kw = dict(rule=rule, backend=backend)
+    if rule == "joint":
+        kw.update(editable=torch.arange(64, device="cuda") % 3 > 0, edit_threshold=1e-4)
     credit = dk.CreditState.empty(64, 16, device="cuda")
     static_tokens = tokens.clone()
     dk.decode_step(
-        logits, tokens.clone(), offsets, 3, credit=dk.CreditState.empty(64, 16, "cuda"), backend=backend
+        logits, tokens.clone(), offsets, 3, credit=dk.CreditState.empty(64, 16, "cuda"), **kw
     )  # warm-up (Triton compiles outside the capture)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = dk.decode_step(logits, static_tokens, offsets, 3, credit=credit, backend=backend)
+        out = dk.decode_step(logits, static_tokens, offsets, 3, credit=credit, **kw)
     for _ in range(3):
         static_tokens.copy_(tokens)
         credit.reset_()
         graph.replay()
         ref_tokens = tokens.clone()
         ref = dk.decode_step(
-            logits, ref_tokens, offsets, 3, credit=dk.CreditState.empty(64, 16, "cuda"), backend=backend
+            logits, ref_tokens, offsets, 3, credit=dk.CreditState.empty(64, 16, "cuda"), **kw
         )
         torch.cuda.synchronize()
         assert torch.equal(out.candidate, ref.candidate) and torch.equal(static_tokens, ref_tokens)
@@ -236,6 +339,23 @@ BAD = [
     (dict(row_keys=torch.arange(5)), ValueError, "row_keys"),
     (dict(row_keys=torch.arange(12).view(6, 2)), ValueError, "row_keys"),
     (dict(row_keys=[0, 1, 2, 3, 4, 5]), TypeError, "row_keys"),
+    (dict(rule="joint", editable=torch.ones(6, dtype=torch.uint8)), TypeError, "editable"),
+    (dict(rule="joint", editable=torch.ones(6, dtype=torch.int64)), TypeError, "editable"),
+    (dict(rule="joint", editable=torch.ones(5, dtype=torch.bool)), ValueError, "editable"),
+    (dict(rule="joint", editable=torch.ones(6, 1, dtype=torch.bool)), ValueError, "editable"),
+    (dict(rule="joint", editable=[True] * 6), TypeError, "editable"),
+    (dict(rule="joint", editable=torch.ones(6, dtype=torch.bool, device="meta")), ValueError, "editable"),
+    (dict(rule="joint", edit_threshold=float("nan")), ValueError, "edit_threshold"),
+    (dict(rule="joint", edit_threshold=float("inf")), ValueError, "edit_threshold"),
+    (dict(rule="joint", edit_threshold="0.5"), TypeError, "edit_threshold"),
+    (dict(rule="joint", edit_threshold=True), TypeError, "edit_threshold"),
+    (dict(editable=torch.ones(6, dtype=torch.bool)), ValueError, "editable"),
+    (dict(rule="hierarchical", edit_threshold=0.5), ValueError, "edit_threshold"),
+    (
+        dict(rule="fixed", num_commit=1, edit_threshold=None, editable=torch.ones(6, dtype=torch.bool)),
+        ValueError,
+        "editable",
+    ),
     (dict(backend="fpga"), ValueError, "backend"),
     (dict(logits="not a tensor"), TypeError, "logits"),
 ]
@@ -255,6 +375,8 @@ def test_device_mismatch_is_named():
     logits, tokens, offsets = case(device="cuda")
     with pytest.raises(ValueError, match="^tokens"):
         dk.decode_step(logits, tokens.cpu(), offsets, 3)
+    with pytest.raises(ValueError, match="^editable"):
+        dk.decode_step(logits, tokens, offsets, 3, rule="joint", editable=torch.ones(6, dtype=torch.bool))
 
 
 def test_unavailable_backend_is_named():

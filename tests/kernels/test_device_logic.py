@@ -21,6 +21,7 @@ import torch
 from conftest import EXT, HAS_GPU, ROOT, assert_precision
 
 from dinfer_kernels.reference import decode_step_reference
+from dinfer_kernels.reference.attention import paged_rows
 
 SOURCES = sorted((Path(__file__).resolve().parent / "device_logic").glob("*.cpp"))
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -93,6 +94,8 @@ def emulated_decode_step(lib):
         vp,
         vp,
         vp,
+        vp,
+        flt,
     ]
     f.restype = ctypes.c_int
 
@@ -119,6 +122,8 @@ def emulated_decode_step(lib):
         credit_beta,
         credit_gamma,
         row_keys=None,
+        editable=None,
+        edit_threshold=float("inf"),
     ):
         assert logits.stride(1) == 1 or logits.shape[1] <= 1
         N, V = logits.shape
@@ -150,6 +155,8 @@ def emulated_decode_step(lib):
             _ptr(commit),
             _ptr(nonfinite),
             _ptr(row_keys),
+            _ptr(editable),
+            edit_threshold,
         )
         assert rc == 0
 
@@ -235,8 +242,30 @@ def test_decode_mask_predictions_and_sampling(emulated, rule):
 
 
 @pytest.mark.parametrize("slots", [4, 16])
-def test_decode_credit(emulated, slots):
-    test_decode.test_credit_over_a_block(EMULATED, "cpu", slots)
+@pytest.mark.parametrize("rule", ["threshold", "joint"])
+def test_decode_credit(emulated, slots, rule):
+    test_decode.test_credit_over_a_block(EMULATED, "cpu", slots, rule)
+
+
+@pytest.mark.parametrize("V", [41, 157184])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_decode_joint_commits_and_edits(emulated, V, dtype, temperature):
+    """The joint rule's edits in phase c of the finalize kernel (decode_math.h row_edits), next to
+    its threshold commits: every kind of row, editing off, sampled candidates."""
+    test_decode.test_joint_commits_and_edits(EMULATED, "cpu", V, dtype, temperature)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "test_joint_edit_threshold_is_strict",
+        "test_joint_only_masks_is_the_threshold_rule",
+        "test_joint_never_edits_the_prompt_tail",
+    ],
+)
+def test_decode_joint_edge_cases(emulated, case):
+    getattr(test_decode, case)(EMULATED, "cpu")
 
 
 def test_decode_all_equal_rows_across_splits(emulated):
@@ -282,17 +311,19 @@ def test_decode_bad_credit_ids_are_empty_slots(emulated):
 )
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature):
+@pytest.mark.parametrize("rule", ["hierarchical", "joint"])
+def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature, rule):
     """The GPU and its host run take the same decisions: candidates, commits, non-finite flags, tokens
     and credit slots agree exactly; confidences, where MUFU.EX2 stands against exp2f, are as close to
-    the fp64 truth as the host run's."""
+    the fp64 truth as the host run's. The joint rule edits the rows its steps commit."""
     N, V, B = 64, 157184, 5
     logits, tokens, offsets, mask_id = test_decode.make_case(N, V, test_decode.ragged_offsets(N, B), dtype)
+    edits = dict(editable=torch.rand(N) < 0.7, edit_threshold=0.02) if rule == "joint" else {}
     thr, k = torch.rand(B), torch.randint(0, 4, (B,), dtype=torch.int32)
     credit = (torch.full((N, 4), -1, dtype=torch.int32), torch.zeros(N, 4))
     for _ in range(3):
-        kw = dict(temperature=temperature, seed=3)
-        args = (logits, tokens, offsets, mask_id, "hierarchical", thr, k, credit)
+        kw = dict(temperature=temperature, seed=3, **edits)
+        args = (logits, tokens, offsets, mask_id, rule, thr, k, credit)
         gpu, tok_g, cred_g = test_decode.run_backend("cuda", "cuda", *args, **kw)
         host, tok_h, cred_h = test_decode.run_backend(EMULATED, "cpu", *args, **kw)
         ids, vals = credit[0].clone(), credit[1].clone()
@@ -301,7 +332,7 @@ def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature):
             tokens.clone(),
             offsets,
             mask_id,
-            rule="hierarchical",
+            rule=rule,
             threshold=thr,
             num_commit=k,
             credit_ids=ids,
@@ -666,6 +697,49 @@ def test_attention_split_combine(lib, ns, D):
     assert (out[empty] == 0).all() and (lse2[empty] == float("-inf")).all()
 
 
+# ---- attention: the paged layout's address translation ------------------------------------------------
+
+
+def emulated_kv_offsets(lib, table, page_size, num_pages, strides, head, B=None, S=None):
+    """[B, S] int64: the kernels' element offset of each position's cache row (head `head`), -1 where
+    absent; table None: contiguous caches of S positions."""
+    f = lib.dinfer_attention_kv_offsets_on_host
+    i64, i32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    f.argtypes = [vp, i64, i64, i32, i64, vp, i64, vp]
+    f.restype = None
+    if table is not None:
+        B, MP = table.shape
+    else:
+        MP, page_size = 1, S
+    st = torch.tensor(strides, dtype=torch.int64)
+    out = torch.full((B, MP * page_size), -7, dtype=torch.int64)
+    f(_ptr(table), B, MP, page_size, num_pages, _ptr(st), head, _ptr(out))
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 32])
+@pytest.mark.parametrize("strided", [False, True])
+def test_attention_paged_translation(lib, page_size, strided):
+    """Each position of each sequence maps to the reference's pool row (reference.attention.paged_rows:
+    page block_table[b, s // page_size], row s % page_size), through the pool's strides; ids outside
+    [0, P) (-3..-1, P..P+2, INT32_MIN / MAX) make the position absent."""
+    B, MP, P, H, D = 3, 7, 11, 2, 8
+    g = torch.Generator().manual_seed(page_size)
+    table = torch.randint(-3, P + 3, (B, MP), generator=g, dtype=torch.int32)
+    table[0, 0], table[1, -1] = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+    row = H * D
+    strides = (page_size * row + (24 if strided else 0), row, D)  # a padded page stride: a strided pool
+    got = emulated_kv_offsets(lib, table, page_size, P, strides, head=1)
+    rows, present = paged_rows(table, P, page_size)
+    want = (rows // page_size) * strides[0] + (rows % page_size) * strides[1] + strides[2]
+    assert torch.equal(got, torch.where(present, want, -1))
+    assert (~present).sum() > 0 and present.sum() > 0
+    # contiguous caches: (b, s) itself
+    S = MP * page_size
+    got = emulated_kv_offsets(lib, None, 0, 0, (S * row + 8, row, D), head=0, B=B, S=S)
+    assert torch.equal(got, torch.arange(B)[:, None] * (S * row + 8) + torch.arange(S)[None, :] * row)
+
+
 # ---- hostile inputs under AddressSanitizer ---------------------------------------------------------
 
 
@@ -691,7 +765,8 @@ def hostile_inputs(so):
             torch.full((N,), float("nan")),
             torch.zeros(N, dtype=torch.bool),
         ]
-        for rule in range(3):
+        editable = torch.rand(N) < 0.5  # exactly [N]: a read past it is reported
+        for rule in range(4):
             decode_step(
                 logits,
                 tokens,
@@ -711,6 +786,8 @@ def hostile_inputs(so):
                 credit_alpha=0.7,
                 credit_beta=0.8,
                 credit_gamma=0.2,
+                editable=editable if rule == 3 else None,
+                edit_threshold=0.01 if rule == 3 else float("inf"),
             )
         covered = torch.zeros(N, dtype=torch.bool)
         for b in range(B):  # the rows the kernels' clamp assigns to a sequence
@@ -720,6 +797,11 @@ def hostile_inputs(so):
         assert ((ids == -1) | ((ids >= 0) & (ids < V)))[covered].all()  # bad ids became empty slots
     for blocks, count in (([5, -1, 99, 2], 4), ([1, 2], 7), ([3], -1)):
         emulated_walk(lib, 640, 600, 64, blocks=blocks, count=count, mass=True)
+    # block tables of any ids, exactly sized: only their own entries are read
+    i32 = torch.iinfo(torch.int32)
+    for page_size in (1, 3, 32):
+        table = torch.tensor([[i32.min, -1, 5], [i32.max, 2, 0]], dtype=torch.int32)
+        emulated_kv_offsets(lib, table, page_size, 3, (page_size * 64, 64, 8), head=1)
     logits = torch.randn(3, 8)
     logits[1] = float("nan")
     emulated_route(lib, logits, 2, num_groups=4, topk_groups=1, e0=2, e1=6)

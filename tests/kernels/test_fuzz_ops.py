@@ -31,8 +31,12 @@ import numpy as np
 import pytest
 import torch
 
-if __name__ == "__main__" and not torch.cuda.is_available():  # as conftest does for pytest
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if __name__ == "__main__":
+    if not torch.cuda.is_available():  # as conftest does for pytest
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, as under pytest: conftest
+
+from conftest import paged_caches
 
 import dinfer_kernels as dk
 from dinfer_kernels import _backend, precision
@@ -407,7 +411,7 @@ def gen_decode_step(r, backend, floats, valid):
     mask_id = r.randrange(V)
     tokens = torch.randint(0, V, (N,))
     tokens[torch.rand(N) < 0.6] = mask_id
-    rule = r.choice(("threshold", "hierarchical", "fixed"))
+    rule = r.choice(("threshold", "hierarchical", "fixed", "joint"))
     a = dict(
         logits=rand(r, (N, V), r.choice(floats), scale=3, nonfinite=0.3),
         tokens=tokens,
@@ -424,6 +428,9 @@ def gen_decode_step(r, backend, floats, valid):
         offset=r.randrange(100),
         credit=credit_state(r, N, V, K) if K else None,
     )
+    if rule == "joint":  # editing off (None, <= 0) or on; editable rows or all
+        a["edit_threshold"] = r.choice((None, 0.0, -0.5, 0.05, 0.3, 0.9))
+        a["editable"] = r.choice((None, torch.rand(N) < 0.6))
     if valid:
         before = (tokens.clone(), a["credit"] and (a["credit"].ids.clone(), a["credit"].vals.clone()))
 
@@ -459,6 +466,11 @@ def gen_decode_step(r, backend, floats, valid):
                     offset=a["offset"],
                     credit_ids=ids,
                     credit_vals=vals,
+                    editable=a.get("editable"),
+                    # the op's convention: None and <= 0 turn editing off
+                    edit_threshold=None
+                    if a.get("edit_threshold") is None or a["edit_threshold"] <= 0
+                    else a["edit_threshold"],
                     compute_dtype=c,
                 )
                 res.append(tuple(out) + (tok,) + ((ids, vals) if ids is not None else ()))
@@ -491,6 +503,38 @@ def gen_decode_step(r, backend, floats, valid):
         (("num_commit",), lambda a: a.update(rule="fixed", num_commit=r.choice((-1, None, 1.5)))),
         (("temperature",), lambda a: a.update(temperature=r.choice((-0.1, float("nan"), float("inf"))))),
         (("seed",), lambda a: a.update(seed=r.choice((-1, 2**32, 0.5)))),
+        (
+            ("editable",),
+            lambda a: a.update(
+                rule="joint",
+                editable=r.choice(
+                    (
+                        torch.ones(N, dtype=torch.uint8),
+                        torch.ones(N, dtype=torch.int32),
+                        torch.ones(N + 1, dtype=torch.bool),
+                        torch.ones(N, 1, dtype=torch.bool),
+                        torch.ones(N, dtype=torch.bool, device="meta"),
+                        [True] * N,
+                    )
+                ),
+            ),
+        ),
+        (
+            ("edit_threshold",),
+            lambda a: a.update(
+                rule="joint", edit_threshold=r.choice((float("nan"), float("inf"), "0.5", True))
+            ),
+        ),
+        # editing asked of another rule
+        (
+            ("editable", "edit_threshold"),
+            lambda a: a.update(
+                rule=r.choice(("threshold", "hierarchical")),
+                **r.choice(({"editable": torch.ones(N, dtype=torch.bool)}, {"edit_threshold": 0.5})),
+            ),
+        ),
+        # the caller's buffer for both the tokens and the editable rows
+        (("tokens",), lambda a: a.update(rule="joint", editable=a["tokens"].view(torch.bool)[:N])),
         (("credit",), lambda a: a.update(credit=(torch.zeros(N, 1),))),
         (
             ("credit.ids", "credit_ids"),
@@ -551,10 +595,15 @@ def gen_decode_step(r, backend, floats, valid):
 
 
 def gen_attention(r, backend, floats, valid):
+    """Contiguous caches, or (4 calls in 10) shuffled page pools with spare pages, ids outside the
+    pool past seq_lens and, for two sequences, pages without window rows shared."""
     dt = r.choice(floats if backend != "cuda" else (torch.float16, torch.bfloat16))
     B, W, Hkv, group = r.randint(1, 2), r.choice((1, 2, 3, 5)), r.randint(1, 2), r.choice((1, 2, 3))
     D = r.choice((64,)) if backend in ("triton", "cuda") else r.choice((1, 3, 8, 13, 16))
     S = W + r.randint(0, 9)
+    page_size = r.choice((1, 2, 3, 5)) if r.random() < 0.4 else None
+    if page_size:
+        S = -(-S // page_size) * page_size  # positions cover whole pages
     Hq = Hkv * group
     positions = torch.stack([torch.randperm(S)[:W] for _ in range(B)])
     seq_lens = torch.randint(0, S + 1, (B,), dtype=torch.int32)
@@ -576,6 +625,25 @@ def gen_attention(r, backend, floats, valid):
         for b in range(B):
             poison_rows(r, [a["k_cache"][b], a["v_cache"][b]], torch.arange(S) >= seq_lens[b])
             poison_rows(r, [a["q"][b], a["k"][b], a["v"][b]], positions[b] >= seq_lens[b])
+    table = None
+    if page_size:
+        pools, table = paged_caches(
+            (a["k_cache"], a["v_cache"]),
+            page_size,
+            seq_lens,
+            seed=r.randrange(2**31),
+            extra_pages=r.randint(0, 3),
+            absent=True,
+        )
+        P = pools[0].shape[0]
+        if B == 2 and r.random() < 0.5:
+            # share sequence 0's present pages where no valid window row of either sequence sits
+            valid_rows = positions < seq_lens[:, None].long()
+            for j in range(S // page_size):
+                here = (positions // page_size == j) & valid_rows
+                if not here.any() and 0 <= int(table[0, j]) < P:
+                    table[1, j] = table[0, j]
+        a.update(k_cache=pools[0], v_cache=pools[1], block_table=table)
     if r.random() < 0.5:
         q_block, kv_block = r.choice((1, 2, 3, 4)), r.choice((1, 2, 3, 5))
         a["block_mask"] = (
@@ -623,13 +691,14 @@ def gen_attention(r, backend, floats, valid):
                     block_mask=bm and tuple(bm),
                     return_lse=a["return_lse"],
                     return_block_mass=a.get("return_block_mass", False),
+                    block_table=table,
                 )
                 res.append((out if isinstance(out, tuple) else (out,)) + (kc, vc))
             return res[0], tuple(t.double() for t in res[1])
 
         n_out = 1 + a["return_lse"] + a.get("return_block_mass", False)
         return Case(
-            f"attention {dt} {(B, W, Hq, Hkv, D, S)} wb={a['write_back']}",
+            f"attention {dt} {(B, W, Hq, Hkv, D, S)} pages={page_size} wb={a['write_back']}",
             run,
             reference=ref,
             exact=(n_out, n_out + 1),
@@ -655,6 +724,8 @@ def gen_attention(r, backend, floats, valid):
         corruptions.append(
             (("attn_mask",), lambda a: a.update(attn_mask=torch.ones(B, W, S, dtype=torch.bool)))
         )
+    if page_size:
+        corruptions += paged_corruptions(r, a, page_size, P)
     if "block_mask" in a:
         bm = a["block_mask"]
         corruptions += [
@@ -670,6 +741,41 @@ def gen_attention(r, backend, floats, valid):
         ]
     names = corrupt(r, a, corruptions)
     return Case(f"attention broken {names[0]}", lambda: dk.attention(**a, backend=backend), names)
+
+
+def paged_corruptions(r, a, page_size, P):
+    """Breaks of a paged call: the table's dtype / shape, a page id outside the pool before seq_lens,
+    a page holding a valid window row also at another attended position, a pool of another shape."""
+    table, positions, lens = a["block_table"], a["positions"], a["seq_lens"].long()
+    B, MP = table.shape
+    out = [
+        (("block_table",), lambda a: a.update(block_table=table.long())),
+        (("block_table",), lambda a: a.update(block_table=torch.cat([table, table]))),
+        (("v_cache",), lambda a: a.update(v_cache=torch.cat([a["v_cache"], a["v_cache"][:1]]))),
+        (
+            ("k_cache", "v_cache"),
+            lambda a: a.update(k_cache=a["k_cache"][:, :-1] if page_size > 1 else a["k_cache"][:0]),
+        ),
+    ]
+    covered = [(b, j) for b in range(B) for j in range(MP) if j * page_size < int(lens[b])]
+    if covered:
+        b, j = r.choice(covered)
+        out.append((("block_table",), lambda a: table.__setitem__((b, j), r.choice((-1, P, P + 7)))))
+    # a second attended position on the pool row of a valid window row
+    clashes = []
+    for b in range(B):
+        for w in range(positions.shape[1]):
+            pos = int(positions[b, w])
+            if pos >= int(lens[b]):
+                continue
+            for b2 in range(B):
+                for j2 in range(MP):
+                    if (b2, j2) != (b, pos // page_size) and j2 * page_size + pos % page_size < int(lens[b2]):
+                        clashes.append((b2, j2, int(table[b, pos // page_size])))
+    if clashes:
+        b2, j2, page = r.choice(clashes)
+        out.append((("block_table",), lambda a: table.__setitem__((b2, j2), page)))
+    return out
 
 
 # ---- moe ------------------------------------------------------------------------------------------

@@ -13,6 +13,9 @@
 //   3. attention_epilogue_kernel (when there are splits, block statistics or a cache to restore):
 //      combines the splits' partial outputs by their log-sum-exps, finishes block_mass from the
 //      per-(row, block) log-sum-exps and the rows' final ones, and restores saved cache rows.
+// Every cache row is found through attention_math::kv_slot (contiguous caches, or page pools through
+// a block table): rows of absent pages are neither written nor restored, and the forward kernel
+// neither loads them (zero-filled) nor attends them (a per-key flag next to each K/V buffer).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -34,6 +37,10 @@ using attention_math::KeyTile;
 using attention_math::KeyWalk;
 using attention_math::kTileM;
 using attention_math::kTileN;
+using attention_math::kv_offset;
+using attention_math::kv_slot;
+using attention_math::KvLayout;
+using attention_math::KvSlot;
 using dtype::BF16Tag;
 using dtype::F16Tag;
 using ptx::cp_async16;
@@ -68,6 +75,7 @@ struct FwdArgs {
   int64_t vcs[3];
   const int64_t* positions;  // [B, W]
   const int32_t* seq_lens;  // [B]
+  KvLayout kv;  // where the cache rows are (contiguous or paged)
   const int32_t* kv_num_blocks;  // [B, Hkv, NQB] or null
   const int32_t* kv_indices;  // [B, Hkv, NQB, max_blocks] or null
   int32_t max_blocks;
@@ -86,27 +94,31 @@ struct FwdArgs {
   float* lsekb;  // [B, Hq, NKB, W] log2-domain lse of each (row, key block), or null
 };
 
+// Q + 2 x (K, V), then the two buffers' key flags (one byte per key).
 template <int kD>
 constexpr size_t fwd_smem_bytes() {
-  return static_cast<size_t>(Tiles<kD>::kSmemElems) * sizeof(uint16_t);  // Q + 2 x (K, V)
+  return static_cast<size_t>(Tiles<kD>::kSmemElems) * sizeof(uint16_t) + 2 * kTileN;
 }
 
-// One K/V tile (keys [t.k0, t.k1)) into the given buffers; rows past t.k1 are zero-filled, so
-// their (masked) scores are finite and their values contribute exact zeros.
+// One K/V tile (keys [t.k0, t.k1)) into the given buffers, and its key flags: flag r = 1 for a key
+// that is attended (r < t.k1 - t.k0, its page present). Rows of other keys are zero-filled (never
+// read from memory), so their scores are finite before the flags mask them and their values
+// contribute exact zeros. The thread copying chunk 0 of a row writes its flag.
 template <int kD>
-__device__ __forceinline__ void load_kv_tile(uint16_t* sk, uint16_t* sv, const FwdArgs& a, int b, int g,
-                                             const KeyTile& t, int tid) {
+__device__ __forceinline__ void load_kv_tile(uint16_t* sk, uint16_t* sv, uint8_t* flags, const FwdArgs& a,
+                                             int b, int g, const KeyTile& t, int tid) {
   using T = Tiles<kD>;
-  const uint16_t* kbase = a.k_cache + b * a.kcs[0] + g * a.kcs[2];
-  const uint16_t* vbase = a.v_cache + b * a.vcs[0] + g * a.vcs[2];
+  const uint16_t* kbase = a.k_cache + g * a.kcs[2];
+  const uint16_t* vbase = a.v_cache + g * a.vcs[2];
   const int n = t.k1 - t.k0;
   DINFER_UNROLL
   for (int i = 0; i < T::kKVRounds; ++i) {
     const int r = T::copy_row(tid, i), ch = T::copy_chunk(tid, i);
-    const bool ok = r < n;
-    const int64_t key = t.k0 + (ok ? r : 0);
-    cp_async16(sk + T::copy_offset(tid, i), kbase + key * a.kcs[1] + ch * 8, ok);
-    cp_async16(sv + T::copy_offset(tid, i), vbase + key * a.vcs[1] + ch * 8, ok);
+    const KvSlot at = kv_slot(a.kv, b, t.k0 + (r < n ? r : 0));  // a key < L either way
+    const bool ok = r < n && at.present;
+    if (ch == 0) flags[r] = ok ? 1 : 0;
+    cp_async16(sk + T::copy_offset(tid, i), kbase + kv_offset(a.kcs, at, 0) + ch * 8, ok);
+    cp_async16(sv + T::copy_offset(tid, i), vbase + kv_offset(a.vcs, at, 0) + ch * 8, ok);
   }
 }
 
@@ -118,6 +130,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sk = sq + T::kKBase;  // [2][kTileN][kD]
   uint16_t* sv = sq + T::kVBase;  // [2][kTileN][kD]
+  uint8_t* sflags = reinterpret_cast<uint8_t*>(sq + T::kSmemElems);  // [2][kTileN]
 
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int tig = lane % 4;  // the quad's lane 0 writes the per-row statistics
@@ -179,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
     }
   }
   KeyTile cur = attention_math::find_tile(walk, ord0, ord1);
-  if (cur.valid()) load_kv_tile<kD>(sk, sv, a, b, g, cur, tid);
+  if (cur.valid()) load_kv_tile<kD>(sk, sv, sflags, a, b, g, cur, tid);
   cp_async_commit();
 
   // Per thread: rows r0 = T::acc_row(warp, lane, 0) and r1 = r0 + 8 of the tile (index 0 / 1 below).
@@ -198,7 +211,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
   while (cur.valid()) {
     const KeyTile nxt = attention_math::find_tile(walk, cur.ord + 1, ord1);
     if (nxt.valid()) {
-      load_kv_tile<kD>(sk + (buf ^ 1) * T::kBufElems, sv + (buf ^ 1) * T::kBufElems, a, b, g, nxt, tid);
+      load_kv_tile<kD>(sk + (buf ^ 1) * T::kBufElems, sv + (buf ^ 1) * T::kBufElems,
+                       sflags + (buf ^ 1) * kTileN, a, b, g, nxt, tid);
       cp_async_commit();
       cp_async_wait<1>();  // everything but the prefetch has landed (Q and this tile)
     } else {
@@ -225,15 +239,18 @@ __global__ void __launch_bounds__(kThreads, 2) attention_fwd_kernel(const __grid
       }
     }
 
-    // Online softmax. s[nt][i] is row (i < 2 ? r0 : r1), key column T::acc_col(lane, nt, i).
-    const int nvalid = cur.k1 - cur.k0;
+    // Online softmax. s[nt][i] is row (i < 2 ? r0 : r1), key column T::acc_col(lane, nt, i); the
+    // tile's key flags mask the keys it does not attend (past its end, or of absent pages). Columns
+    // acc_col(lane, nt, 0) and + 1 are two adjacent flag bytes: one 16-bit load.
+    const uint8_t* tflags = sflags + buf * kTileN;
     float mx[2] = {-INFINITY, -INFINITY};
     DINFER_UNROLL
     for (int nt = 0; nt < 8; ++nt) {
+      const uint32_t pair = *reinterpret_cast<const uint16_t*>(tflags + T::acc_col(lane, nt, 0));
       DINFER_UNROLL
       for (int i = 0; i < 4; ++i) {
-        const int col = T::acc_col(lane, nt, i);
-        const float x = col < nvalid ? s[nt][i] * a.scale_log2 : -INFINITY;
+        const bool attended = (pair >> (8 * (i & 1))) & 1u;  // acc_col(lane, nt, i) = acc_col(.., 0) + i % 2
+        const float x = attended ? s[nt][i] * a.scale_log2 : -INFINITY;
         s[nt][i] = x;
         mx[i >> 1] = fmaxf(mx[i >> 1], x);
       }
@@ -363,6 +380,7 @@ struct PrologueArgs {
   int64_t vcs[3];
   const int64_t* positions;
   const int32_t* seq_lens;
+  KvLayout kv;
   int32_t W, Hkv, D, S;
   int32_t row_ctas;  // B * W
   uint16_t* saved;  // [2, B, W, Hkv, D] (write_back = false) or null
@@ -379,14 +397,16 @@ __global__ void __launch_bounds__(kAuxThreads)
     const int32_t L = attention_math::valid_len(a.seq_lens[b], a.S);
     const int64_t pos = a.positions[cta];
     if (!attention_math::row_valid(pos, L)) return;  // padding rows are never written
+    const KvSlot at = kv_slot(a.kv, b, static_cast<int32_t>(pos));
+    if (!at.present) return;  // nor are rows of absent pages
     const int chunks = a.D / 8;
     const int64_t rowsz = static_cast<int64_t>(a.Hkv) * a.D;
     for (int c = tid; c < a.Hkv * chunks; c += kAuxThreads) {
       const int h = c / chunks, d = (c % chunks) * 8;
       const uint4 fk = *reinterpret_cast<const uint4*>(a.k + b * a.ks[0] + w * a.ks[1] + h * a.ks[2] + d);
       const uint4 fv = *reinterpret_cast<const uint4*>(a.v + b * a.vs[0] + w * a.vs[1] + h * a.vs[2] + d);
-      uint4* ck = reinterpret_cast<uint4*>(a.k_cache + b * a.kcs[0] + pos * a.kcs[1] + h * a.kcs[2] + d);
-      uint4* cv = reinterpret_cast<uint4*>(a.v_cache + b * a.vcs[0] + pos * a.vcs[1] + h * a.vcs[2] + d);
+      uint4* ck = reinterpret_cast<uint4*>(a.k_cache + kv_offset(a.kcs, at, h) + d);
+      uint4* cv = reinterpret_cast<uint4*>(a.v_cache + kv_offset(a.vcs, at, h) + d);
       if (a.saved != nullptr) {
         const int64_t off = static_cast<int64_t>(cta) * rowsz + h * a.D + d;
         *reinterpret_cast<uint4*>(a.saved + off) = *ck;
@@ -423,6 +443,7 @@ struct EpilogueArgs {
   int64_t kcs[3];
   uint16_t* v_cache;
   int64_t vcs[3];
+  KvLayout kv;
 };
 
 // Final log2-domain lse of row `row` = (b, w, h) from the splits' partial ones.
@@ -487,15 +508,17 @@ __global__ void __launch_bounds__(kAuxThreads)
   const int32_t L = attention_math::valid_len(a.seq_lens[b], a.S);
   const int64_t pos = a.positions[r];
   if (!attention_math::row_valid(pos, L)) return;
+  const KvSlot at = kv_slot(a.kv, b, static_cast<int32_t>(pos));
+  if (!at.present) return;  // the prologue wrote nothing there
   const int chunks = a.D / 8;
   const int64_t rowsz = static_cast<int64_t>(a.Hkv) * a.D;
   const int64_t rows = static_cast<int64_t>(a.B) * a.W;
   for (int c = tid; c < a.Hkv * chunks; c += kAuxThreads) {
     const int h = c / chunks, d = (c % chunks) * 8;
     const int64_t off = static_cast<int64_t>(r) * rowsz + h * a.D + d;
-    *reinterpret_cast<uint4*>(a.k_cache + b * a.kcs[0] + pos * a.kcs[1] + h * a.kcs[2] + d) =
+    *reinterpret_cast<uint4*>(a.k_cache + kv_offset(a.kcs, at, h) + d) =
         *reinterpret_cast<const uint4*>(a.saved + off);
-    *reinterpret_cast<uint4*>(a.v_cache + b * a.vcs[0] + pos * a.vcs[1] + h * a.vcs[2] + d) =
+    *reinterpret_cast<uint4*>(a.v_cache + kv_offset(a.vcs, at, h) + d) =
         *reinterpret_cast<const uint4*>(a.saved + rows * rowsz + off);
   }
 }
@@ -616,6 +639,11 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
   if (has_list ? (p.kv_indices == nullptr && p.max_blocks != 0) : p.kv_indices != nullptr)
     return cudaErrorInvalidValue;
   if (has_list && (p.max_blocks < 0 || p.max_blocks >= kMaxLen)) return cudaErrorInvalidValue;
+  if (p.block_table != nullptr &&
+      (p.page_size < 1 || p.num_pages < 1 || p.max_pages < 0 || p.page_size >= kMaxLen ||
+       p.max_pages >= kMaxLen || p.max_pages * p.page_size != S))
+    return cudaErrorInvalidValue;
+  const KvLayout kv = attention_math::kv_layout(p);
   const bool mass = p.block_mass != nullptr;
   if (B * W > 0 &&
       (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.out == nullptr || p.positions == nullptr))
@@ -673,6 +701,7 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
     copy3(pa.vcs, p.v_cache_stride);
     pa.positions = p.positions;
     pa.seq_lens = p.seq_lens;
+    pa.kv = kv;
     pa.W = static_cast<int32_t>(W);
     pa.Hkv = static_cast<int32_t>(Hkv);
     pa.D = static_cast<int32_t>(D);
@@ -696,6 +725,7 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
     copy3(fa.vcs, p.v_cache_stride);
     fa.positions = p.positions;
     fa.seq_lens = p.seq_lens;
+    fa.kv = kv;
     fa.kv_num_blocks = p.kv_num_blocks;
     fa.kv_indices = p.kv_indices;
     fa.max_blocks = has_list ? static_cast<int32_t>(p.max_blocks) : 0;
@@ -753,6 +783,7 @@ int attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_b
     copy3(ea.kcs, p.k_cache_stride);
     ea.v_cache = static_cast<uint16_t*>(p.v_cache);
     copy3(ea.vcs, p.v_cache_stride);
+    ea.kv = kv;
     err = p.dtype == ScalarType::kBFloat16
               ? launch(attention_epilogue_kernel<BF16Tag>, epi_grid, kAuxThreads, 0, stream, ea)
               : launch(attention_epilogue_kernel<F16Tag>, epi_grid, kAuxThreads, 0, stream, ea);

@@ -5,7 +5,9 @@
 // place: the window's fresh row where the slot map names one, else the cache row) and converted once
 // per listed block for 16-bit dtypes, so write_back=false never copies or touches the cache. With
 // write_back the fresh rows are first written into the cache (a separate parallel loop, finished
-// before any task reads the cache).
+// before any task reads the cache). Cache rows are found through attention_math::kv_slot (contiguous
+// or paged); an absent position (page id outside the pool) reads a row of zeros and its score is
+// set to -inf, and a block with no present key is skipped like an empty one.
 //
 // The rows of a query block share its key list and go through it together, up to kTileRows at a time:
 // scores in chunks of one vector of keys (each chunk transposed once, then four rows per pass, a chunk
@@ -37,6 +39,10 @@ namespace dinfer_kernels {
 DINFER_ISA_BEGIN
 namespace {
 
+using attention_math::kv_offset;
+using attention_math::kv_slot;
+using attention_math::KvLayout;
+using attention_math::KvSlot;
 using attention_math::row_valid;
 using attention_math::valid_len;
 
@@ -48,8 +54,9 @@ int64_t offset(const int64_t (&s)[3], int64_t i0, int64_t i1, int64_t i2) {
   return i0 * s[0] + i1 * s[1] + i2 * s[2];
 }
 
-// The fresh K/V of valid window rows into the cache rows at their positions (write_back).
-void write_back_rows(const AttentionParams& p, int threads) {
+// The fresh K/V of valid window rows into the cache rows at their positions (write_back); rows of
+// absent pages are not written.
+void write_back_rows(const AttentionParams& p, const KvLayout& layout, int threads) {
   const size_t row_bytes = static_cast<size_t>(p.head_dim) * elem_bytes(p.dtype);
   char* kc = static_cast<char*>(p.k_cache);
   char* vc = static_cast<char*>(p.v_cache);
@@ -61,10 +68,12 @@ void write_back_rows(const AttentionParams& p, int threads) {
     const int64_t b = bw / p.window, w = bw % p.window;
     const int64_t pos = p.positions[bw];
     if (!row_valid(pos, valid_len(p.seq_lens[b], static_cast<int32_t>(p.cache_len)))) continue;
+    const KvSlot at = kv_slot(layout, b, static_cast<int32_t>(pos));
+    if (!at.present) continue;
     for (int64_t g = 0; g < p.heads_kv; ++g) {
-      std::memcpy(kc + offset(p.k_cache_stride, b, pos, g) * eb, k + offset(p.k_stride, b, w, g) * eb,
+      std::memcpy(kc + kv_offset(p.k_cache_stride, at, g) * eb, k + offset(p.k_stride, b, w, g) * eb,
                   row_bytes);
-      std::memcpy(vc + offset(p.v_cache_stride, b, pos, g) * eb, v + offset(p.v_stride, b, w, g) * eb,
+      std::memcpy(vc + kv_offset(p.v_cache_stride, at, g) * eb, v + offset(p.v_stride, b, w, g) * eb,
                   row_bytes);
     }
   }
@@ -106,24 +115,27 @@ using host::lane_sum;
 
 constexpr int64_t kTileRows = 64;  // query rows whose scores are computed together
 
+struct Keys {
+  int64_t t0, t1;
+};
+
 struct Scratch {
   std::vector<const float*> key_rows, value_rows;  // [L]: fp32 row t of the task's kv head
   std::vector<float> keys, values;  // [L, D]: converted rows (16-bit dtypes only)
+  std::vector<char> absent;  // [L]: key t's page is outside the pool (its rows point at `zeros`)
   std::vector<char> ready;  // [NKB]: the block's rows are set
+  std::vector<int64_t> present;  // [NKB]: keys of the block that are not absent (once ready)
+  std::vector<Keys> ranges;  // per listed block: its keys, empty when none is present
   std::vector<float> q;  // [kTileRows, D]: the tile's scaled queries
   std::vector<float> scores;  // [kTileRows, L + kLanes]: scores, then exps
   std::vector<float> keys_t;  // [D, kLanes]: one key chunk, transposed
   std::vector<float> acc;  // [kChains, D]
   std::vector<float> parts;  // [kTileRows, listed blocks]: exp-sum shares
   std::vector<float> maxes, sums;  // [kTileRows]: each row's max score and exp-sum
-  std::vector<float> zeros;  // [D]: the output of rows that attend nothing
+  std::vector<float> zeros;  // [D]: the output of rows that attend nothing, the rows of absent keys
   std::vector<int64_t> rows;  // the tile's valid window rows
   std::vector<char> allowed;
   std::vector<int32_t> blocks;
-};
-
-struct Keys {
-  int64_t t0, t1;
 };
 
 // Keys [t0, t1) of key block kb that exist: below the sequence's length L (empty at or past it).
@@ -133,19 +145,28 @@ Keys block_keys(const AttentionParams& p, int32_t kb, int32_t L) {
 }
 
 // Sets the row pointers of key block kb: fp32 rows are read in place (the window's fresh row where
-// `slot` names one, else the cache row), 16-bit rows are converted into the scratch once.
-void prepare_block(const AttentionParams& p, const int32_t* slot, int64_t b, int64_t g, int32_t L, int32_t kb,
-                   Scratch& s) {
-  if (s.ready[kb]) return;
+// `slot` names one, else the cache row), 16-bit rows are converted into the scratch once; absent
+// keys point at the zero row. Returns the block's present keys.
+int64_t prepare_block(const AttentionParams& p, const KvLayout& layout, const int32_t* slot, int64_t b,
+                      int64_t g, int32_t L, int32_t kb, Scratch& s) {
+  if (s.ready[kb]) return s.present[kb];
   s.ready[kb] = 1;
   const int64_t D = p.head_dim;
   const Keys r = block_keys(p, kb, L);
+  int64_t present = 0;
   for (int64_t t = r.t0; t < r.t1; ++t) {
+    const KvSlot at = kv_slot(layout, b, static_cast<int32_t>(t));
+    s.absent[t] = !at.present;
+    if (!at.present) {
+      s.key_rows[t] = s.value_rows[t] = s.zeros.data();
+      continue;
+    }
+    ++present;
     const int32_t w = slot ? slot[b * p.cache_len + t] : -1;
     const void* kbase = w >= 0 ? p.k : p.k_cache;
     const void* vbase = w >= 0 ? p.v : p.v_cache;
-    const int64_t ko = w >= 0 ? offset(p.k_stride, b, w, g) : offset(p.k_cache_stride, b, t, g);
-    const int64_t vo = w >= 0 ? offset(p.v_stride, b, w, g) : offset(p.v_cache_stride, b, t, g);
+    const int64_t ko = w >= 0 ? offset(p.k_stride, b, w, g) : kv_offset(p.k_cache_stride, at, g);
+    const int64_t vo = w >= 0 ? offset(p.v_stride, b, w, g) : kv_offset(p.v_cache_stride, at, g);
     if (p.dtype == ScalarType::kFloat32) {
       s.key_rows[t] = static_cast<const float*>(kbase) + ko;
       s.value_rows[t] = static_cast<const float*>(vbase) + vo;
@@ -156,6 +177,8 @@ void prepare_block(const AttentionParams& p, const int32_t* slot, int64_t b, int
       s.value_rows[t] = &s.values[t * D];
     }
   }
+  s.present[kb] = present;
+  return present;
 }
 
 // Scores of the tile's n rows against keys [t0, t1) of one listed block: kLanes keys at a time, the
@@ -196,7 +219,8 @@ void tile_scores(Scratch& s, int64_t D, int64_t n, int64_t t0, int64_t t1, int64
   }
 }
 
-void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64_t h, Scratch& s) {
+void attend_head(const AttentionParams& p, const KvLayout& layout, const int32_t* slot, int64_t b, int64_t h,
+                 Scratch& s) {
   const int64_t D = p.head_dim, S = p.cache_len, W = p.window;
   const int64_t Dv = D / kLanes * kLanes;  // dims [0, Dv) of P.V in vectors, the rest one by one
   const int64_t g = h / (p.heads_q / p.heads_kv);
@@ -204,7 +228,6 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
   const int64_t ld = L + kLanes;  // score row stride: room for a chunk's overhang
   const int64_t nkb = attention_math::cdiv(S, p.kv_block);
   const float kNegInf = -INFINITY;
-  auto keys_of = [&](int32_t kb) { return block_keys(p, kb, L); };
 
   s.key_rows.resize(L);
   s.value_rows.resize(L);
@@ -212,7 +235,9 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
     s.keys.resize(static_cast<size_t>(L) * D);
     s.values.resize(static_cast<size_t>(L) * D);
   }
+  s.absent.resize(L);
   s.ready.assign(nkb, 0);
+  s.present.resize(nkb);
   s.q.resize(kTileRows * D);
   s.scores.resize(kTileRows * ld);
   s.keys_t.resize(D * kLanes);
@@ -251,11 +276,19 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
       const int64_t n = static_cast<int64_t>(s.rows.size());
       if (n == 0) continue;
       bool any_key = false;
+      s.ranges.clear();
       for (int32_t kb : s.blocks) {
-        const Keys r = keys_of(kb);
+        Keys r = block_keys(p, kb, L);
+        const int64_t present = r.t0 < r.t1 ? prepare_block(p, layout, slot, b, g, L, kb, s) : 0;
+        if (present == 0) r.t1 = r.t0;  // no key, or only absent ones
+        s.ranges.push_back(r);
         if (r.t0 >= r.t1) continue;
-        prepare_block(p, slot, b, g, L, kb, s);
         tile_scores(s, D, n, r.t0, r.t1, ld);
+        if (present < r.t1 - r.t0) {  // absent keys are never attended
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t t = r.t0; t < r.t1; ++t)
+              if (s.absent[t]) s.scores[i * ld + t] = kNegInf;
+        }
         any_key = true;
       }
       if (!any_key) {
@@ -270,13 +303,11 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
       for (int64_t i = 0; i < n; ++i) {
         float* sc = &s.scores[i * ld];
         float m = kNegInf;
-        for (int32_t kb : s.blocks) {
-          const Keys r = keys_of(kb);
+        for (const Keys& r : s.ranges)
           if (r.t0 < r.t1) m = std::max(m, lane_max(sc + r.t0, r.t1 - r.t0));
-        }
         float sum = 0.f;
         for (size_t k = 0; k < nb; ++k) {
-          const Keys r = keys_of(s.blocks[k]);
+          const Keys r = s.ranges[k];
           if (r.t0 >= r.t1) continue;
           int64_t t = r.t0;
           for (; t + host::kRegLanes <= r.t1; t += host::kRegLanes)
@@ -297,8 +328,7 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
         float* acc = s.acc.data();
         for (int64_t d0 = 0; d0 < Dv; d0 += kLanes) {
           vreg a0 = {}, a1 = {}, a2 = {}, a3 = {};
-          for (int32_t kb : s.blocks) {
-            const Keys r = keys_of(kb);
+          for (const Keys& r : s.ranges) {
             for (int64_t t = r.t0; t < r.t1; ++t) {
               const vreg v = loadr(vr[t] + d0);
               a0 += e[0][t] * v;
@@ -314,8 +344,7 @@ void attend_head(const AttentionParams& p, const int32_t* slot, int64_t b, int64
         }
         for (int64_t d = Dv; d < D; ++d) {
           float a[kChains] = {};
-          for (int32_t kb : s.blocks) {
-            const Keys r = keys_of(kb);
+          for (const Keys& r : s.ranges) {
             for (int64_t t = r.t0; t < r.t1; ++t)
               for (int c = 0; c < kChains; ++c) a[c] += e[c][t] * vr[t][d];
           }
@@ -341,9 +370,10 @@ void attention_cpu(const AttentionParams& p, int num_threads) {
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   // Without write_back the window's fresh rows stand in for their cache rows: slot[b * S + t] is
   // the window row at position t, or -1. With it they are written into the cache first.
+  const KvLayout layout = attention_math::kv_layout(p);
   std::vector<int32_t> slot;
   if (p.write_back) {
-    write_back_rows(p, threads);
+    write_back_rows(p, layout, threads);
   } else {
     slot.assign(static_cast<size_t>(p.batch * p.cache_len), -1);
     for (int64_t b = 0; b < p.batch; ++b) {
@@ -360,7 +390,7 @@ void attention_cpu(const AttentionParams& p, int num_threads) {
   {
     Scratch scratch;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) attend_head(p, slots, t / p.heads_q, t % p.heads_q, scratch);
+    for (int64_t t = 0; t < tasks; ++t) attend_head(p, layout, slots, t / p.heads_q, t % p.heads_q, scratch);
   }
 }
 

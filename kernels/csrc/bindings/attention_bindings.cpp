@@ -1,6 +1,8 @@
 // pybind11 entry for block-sparse window attention: validates every argument (dtype, shape, device,
-// strides, alignment, scalars), then calls the torch-free launcher of the arrays' device: the host
-// kernel (every build) or the CUDA one (CUDA builds; CUDA arrays are refused otherwise).
+// strides, alignment, scalars; with a block table the caches' shapes as page pools), then calls the
+// torch-free launcher of the arrays' device: the host kernel (every build) or the CUDA one (CUDA
+// builds; CUDA arrays are refused otherwise). Values (positions, page ids, block lists) are the
+// kernels' to take safely, whatever they are.
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -36,8 +38,8 @@ void row_layout(const TensorArg& t, bool vectors, int64_t (&out)[3]) {
 void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cache_o, py::handle v_cache_o,
                py::handle positions_o, py::handle seq_lens_o, py::handle out_o, py::handle lse_o,
                py::handle block_mass_o, py::handle kv_num_blocks_o, py::handle kv_indices_o,
-               py::handle write_back_o, py::handle q_block_o, py::handle kv_block_o, py::handle scale_o,
-               py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
+               py::handle block_table_o, py::handle write_back_o, py::handle q_block_o, py::handle kv_block_o,
+               py::handle scale_o, py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
   const bool write_back = bool_arg(write_back_o, "write_back");
   const int64_t q_block = int_arg(q_block_o, "q_block"), kv_block = int_arg(kv_block_o, "kv_block");
   const int64_t stream = int_arg(stream_o, "stream");
@@ -48,6 +50,7 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
   if (!std::isfinite(scale) || !std::isfinite(static_cast<float>(scale)))
     throw_value_error("scale: must be a finite float32 value");
 
+  AttentionParams p;
   TensorArg q(q_o, "q"), k(k_o, "k"), v(v_o, "v"), k_cache(k_cache_o, "k_cache"),
       v_cache(v_cache_o, "v_cache"), positions(positions_o, "positions"), seq_lens(seq_lens_o, "seq_lens"),
       out(out_o, "out");
@@ -64,15 +67,44 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
     throw_value_error("q: head dim must be " + std::string(on_host ? ">= 1" : "64 or 128") + ", got " +
                       std::to_string(D));
   if (Hq < 1) throw_value_error("q: needs at least one head");
+  // With a block table the caches are page pools [P, page_size, Hkv, D] and S = MP * page_size.
+  std::unique_ptr<TensorArg> table;
+  if (!block_table_o.is_none()) {
+    table.reset(new TensorArg(block_table_o, "block_table"));
+    table->expect_dtype({DType::kInt32});
+    if (table->ndim() != 2) throw_value_error("block_table: expected a 2-D array [B, max_pages]");
+    table->expect_shape({B, -1});
+    table->expect_contiguous();
+  }
   k_cache.expect_dtype({q.dtype()});
-  if (k_cache.ndim() != 4) throw_value_error("k_cache: expected a 4-D array [B, S, Hkv, D]");
-  const int64_t S = k_cache.size(1), Hkv = k_cache.size(2);
-  k_cache.expect_shape({B, S, Hkv, D});
+  if (k_cache.ndim() != 4)
+    throw_value_error(table ? "k_cache: expected a 4-D page pool [P, page_size, Hkv, D]"
+                            : "k_cache: expected a 4-D array [B, S, Hkv, D]");
+  const int64_t Hkv = k_cache.size(2);
+  int64_t S = k_cache.size(1);
+  if (table) {
+    const int64_t pages = k_cache.size(0), page_size = k_cache.size(1);
+    if (pages < 1 || page_size < 1)
+      throw_value_error("k_cache: a page pool needs >= 1 page of >= 1 row, got [" + std::to_string(pages) +
+                        ", " + std::to_string(page_size) + ", ...]");
+    k_cache.expect_shape({pages, page_size, Hkv, D});
+    // The kernels keep positions in int32 (the CUDA launcher below 2^30).
+    if (table->size(1) >= ((int64_t{1} << 30) + page_size - 1) / page_size)
+      throw_value_error("block_table: max_pages * page_size (" + std::to_string(table->size(1)) + " * " +
+                        std::to_string(page_size) + " positions) must be below 2^30");
+    S = table->size(1) * page_size;
+    p.block_table = table->data<int32_t>();
+    p.max_pages = table->size(1);
+    p.page_size = page_size;
+    p.num_pages = pages;
+  } else {
+    k_cache.expect_shape({B, S, Hkv, D});
+  }
   if (Hkv < 1 || Hq % Hkv != 0)
     throw_value_error("k_cache: query heads (" + std::to_string(Hq) + ") must be a multiple of kv heads (" +
                       std::to_string(Hkv) + ")");
   v_cache.expect_dtype({q.dtype()});
-  v_cache.expect_shape({B, S, Hkv, D});
+  v_cache.expect_shape({k_cache.size(0), k_cache.size(1), Hkv, D});
   k.expect_dtype({q.dtype()});
   k.expect_shape({B, W, Hkv, D});
   v.expect_dtype({q.dtype()});
@@ -89,7 +121,6 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
   k_cache.expect_writable();
   v_cache.expect_writable();
 
-  AttentionParams p;
   row_layout(q, !on_host, p.q_stride);
   row_layout(k, !on_host, p.k_stride);
   row_layout(v, !on_host, p.v_stride);
@@ -97,6 +128,7 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
   row_layout(v_cache, !on_host, p.v_cache_stride);
   row_layout(out, !on_host, p.out_stride);
   for (TensorArg* t : {&k, &v, &k_cache, &v_cache, &positions, &seq_lens, &out}) t->expect_same_device(q);
+  if (table) table->expect_same_device(q);
 
   const int64_t nqb = dinfer_kernels::attention_num_q_blocks(W, q_block);
   const int64_t nkb = dinfer_kernels::attention_num_kv_blocks(S, kv_block);
@@ -145,7 +177,7 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
   const TensorArg* kc_written = write_back ? &k_cache : nullptr;
   const TensorArg* vc_written = write_back ? &v_cache : nullptr;
   expect_disjoint({&out, lse.get(), mass.get(), kc_written, vc_written},
-                  {&q, &k, &v, &positions, &seq_lens, counts.get(), indices.get(),
+                  {&q, &k, &v, &positions, &seq_lens, counts.get(), indices.get(), table.get(),
                    write_back ? nullptr : &k_cache, write_back ? nullptr : &v_cache});
   p.batch = B;
   p.window = W;
@@ -176,7 +208,7 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
   run_cuda(
       "attention_cuda", "attention_workspace_bytes", q, workspace_o, stream,
       {&q, &k, &v, &k_cache, &v_cache, &positions, &seq_lens, &out, counts.get(), indices.get(), lse.get(),
-       mass.get()},
+       mass.get(), table.get()},
       [&] {
         return dinfer_kernels::attention_cuda_workspace_bytes(
             B, W, Hq, Hkv, D, S, q_block, kv_block, max_blocks, write_back, p.block_mass != nullptr);
@@ -190,15 +222,17 @@ void register_attention(py::module_& m) {
   m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("positions"), py::arg("seq_lens"), py::arg("out"),
         py::arg("lse") = py::none(), py::arg("block_mass") = py::none(),
-        py::arg("kv_num_blocks") = py::none(), py::arg("kv_indices") = py::none(), py::kw_only(),
-        py::arg("write_back"), py::arg("q_block"), py::arg("kv_block"), py::arg("scale"),
-        py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
-        py::arg("num_threads") = py::int_(0),
+        py::arg("kv_num_blocks") = py::none(), py::arg("kv_indices") = py::none(),
+        py::arg("block_table") = py::none(), py::kw_only(), py::arg("write_back"), py::arg("q_block"),
+        py::arg("kv_block"), py::arg("scale"), py::arg("workspace") = py::none(),
+        py::arg("stream") = py::int_(0), py::arg("num_threads") = py::int_(0),
         "Block-sparse window attention with partial KV refresh over DLPack arrays (contract: "
         "dinfer_kernels/reference/attention.py). Outputs are caller-allocated; the caches are "
-        "updated in place (write_back) or left as they were (not). CUDA arrays: needs a uint8 "
-        "workspace of attention_workspace_bytes(...) bytes and runs on `stream`. Host arrays (also "
-        "fp32, any head dim): runs on num_threads OpenMP threads (0: OpenMP's default).");
+        "updated in place (write_back) or left as they were (not). block_table [B, max_pages] int32: "
+        "the caches are page pools [P, page_size, Hkv, D] and S = max_pages * page_size. CUDA "
+        "arrays: needs a uint8 workspace of attention_workspace_bytes(...) bytes and runs on "
+        "`stream`. Host arrays (also fp32, any head dim): runs on num_threads OpenMP threads (0: "
+        "OpenMP's default).");
 #ifdef DINFER_WITH_CUDA
   m.def(
       "attention_workspace_bytes",

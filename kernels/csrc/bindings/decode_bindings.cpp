@@ -88,7 +88,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
                  py::handle rule_o, py::handle low_threshold_o, py::handle temperature_o, py::handle seed_o,
                  py::handle offset_o, py::handle alpha_o, py::handle beta_o, py::handle gamma_o,
                  py::handle workspace_o, py::handle stream_o, py::handle num_threads_o, py::handle row_keys_o,
-                 py::handle nonfinite_o) {
+                 py::handle nonfinite_o, py::handle editable_o, py::handle edit_threshold_o) {
   const int64_t mask_id = int_arg(mask_id_o, "mask_id"), seed = int_arg(seed_o, "seed"),
                 offset = int_arg(offset_o, "offset"), stream = int_arg(stream_o, "stream");
   const int64_t rule = int_arg(rule_o, "rule");
@@ -96,7 +96,8 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   const double low_threshold = float_arg(low_threshold_o, "low_threshold"),
                temperature = float_arg(temperature_o, "temperature"),
                alpha = float_arg(alpha_o, "credit_alpha"), beta = float_arg(beta_o, "credit_beta"),
-               gamma = float_arg(gamma_o, "credit_gamma");
+               gamma = float_arg(gamma_o, "credit_gamma"),
+               edit_threshold = float_arg(edit_threshold_o, "edit_threshold");
   TensorArg logits(logits_o, "logits"), tokens(tokens_o, "tokens"), offsets(offsets_o, "seq_offsets"),
       threshold(threshold_o, "threshold"), num_commit(num_commit_o, "num_commit"),
       credit_ids(credit_ids_o, "credit_ids"), credit_vals(credit_vals_o, "credit_vals"),
@@ -148,9 +149,10 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   for (TensorArg* t : {&tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals, &candidate,
                        &confidence, &commit})
     t->expect_same_device(logits);
-  // Optional: per-row noise keys (any values: they only feed the hash) and the non-finite flags.
-  // Held until the launch: a TensorArg owns its DLPack reference.
-  std::unique_ptr<TensorArg> row_keys, nonfinite;
+  // Optional: per-row noise keys (any values: they only feed the hash), the non-finite flags and the
+  // joint rule's editable rows (any values: nonzero is editable). Held until the launch: a TensorArg
+  // owns its DLPack reference.
+  std::unique_ptr<TensorArg> row_keys, nonfinite, editable;
   if (!row_keys_o.is_none()) {
     row_keys.reset(new TensorArg(row_keys_o, "row_keys"));
     row_keys->expect_dtype({DType::kInt64});
@@ -166,12 +168,26 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
     nonfinite->expect_writable();
     nonfinite->expect_same_device(logits);
   }
+  if (!editable_o.is_none()) {
+    editable.reset(new TensorArg(editable_o, "editable"));
+    editable->expect_dtype({DType::kBool, DType::kUInt8});
+    editable->expect_shape({N});
+    editable->expect_contiguous();
+    editable->expect_same_device(logits);
+  }
   expect_disjoint({&tokens, &credit_ids, &credit_vals, &candidate, &confidence, &commit, nonfinite.get()},
-                  {&logits, &offsets, &threshold, &num_commit, row_keys.get()});
+                  {&logits, &offsets, &threshold, &num_commit, row_keys.get(), editable.get()});
 
   if (mask_id < 0 || mask_id >= V)
     throw_value_error("mask_id: " + std::to_string(mask_id) + " is outside [0, " + std::to_string(V) + ")");
-  if (rule < 0 || rule > 2) throw_value_error("rule: expected 0 (threshold), 1 (hierarchical) or 2 (fixed)");
+  if (rule < 0 || rule > 3)
+    throw_value_error("rule: expected 0 (threshold), 1 (hierarchical), 2 (fixed) or 3 (joint)");
+  // +inf (the default) turns editing off; NaN would do the same silently, so it is refused.
+  if (std::isnan(edit_threshold)) throw_value_error("edit_threshold: must not be NaN");
+  if (rule != static_cast<int64_t>(CommitRule::kJoint)) {
+    if (editable) throw_value_error("editable: only rule 3 (joint) edits tokens");
+    if (edit_threshold != INFINITY) throw_value_error("edit_threshold: only rule 3 (joint) edits tokens");
+  }
   if (!(temperature >= 0.0) || !std::isfinite(temperature))
     throw_value_error("temperature: must be a finite number >= 0");
   if (seed < 0 || seed > UINT32_MAX) throw_value_error("seed: must be in [0, 2^32)");
@@ -187,6 +203,8 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   DecodeStepParams p;
   p.row_keys = row_keys ? row_keys->data<int64_t>() : nullptr;
   p.nonfinite = nonfinite ? nonfinite->data<uint8_t>() : nullptr;
+  p.editable = editable ? editable->data<uint8_t>() : nullptr;
+  p.edit_threshold = static_cast<float>(edit_threshold);
   p.logits = logits.data<void>();
   p.logits_dtype = scalar_type(logits.dtype());
   p.num_rows = N;
@@ -222,7 +240,7 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   run_cuda(
       "decode_step_cuda", "decode_step_workspace_bytes", logits, workspace_o, stream,
       {&logits, &tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals, &candidate,
-       &confidence, &commit, row_keys.get(), nonfinite.get()},
+       &confidence, &commit, row_keys.get(), nonfinite.get(), editable.get()},
       [&] { return dinfer_kernels::decode_step_cuda_workspace_bytes(N, V); },
       [&](void* ws, size_t bytes, cudaStream_t s) {
         return dinfer_kernels::decode_step_cuda(p, ws, bytes, s);
@@ -237,11 +255,15 @@ void register_decode(py::module_& m) {
         py::arg("credit_alpha"), py::arg("credit_beta"), py::arg("credit_gamma"),
         py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
         py::arg("num_threads") = py::int_(0), py::arg("row_keys") = py::none(),
-        py::arg("nonfinite") = py::none(),
+        py::arg("nonfinite") = py::none(), py::arg("editable") = py::none(),
+        py::arg("edit_threshold") = py::float_(INFINITY),
         "Fused decode step over DLPack arrays (contract: dinfer_kernels/reference/decode.py). "
         "Outputs are caller-allocated; tokens and credit slots are updated in place; row_keys [N] int64 "
-        "(noise keys, default the row index) and the output nonfinite [N] bool are optional. CUDA arrays "
-        "need a uint8 workspace of decode_step_workspace_bytes(N, V) bytes and run on `stream`.");
+        "(noise keys, default the row index) and the output nonfinite [N] bool are optional. Rule 3 "
+        "(joint) also rewrites committed rows whose candidate differs from their token with confidence "
+        "> edit_threshold (+inf, the default: never), among the rows of editable [N] bool (None: all). "
+        "CUDA arrays need a uint8 workspace of decode_step_workspace_bytes(N, V) bytes and run on "
+        "`stream`.");
 #ifdef DINFER_WITH_CUDA
   m.def("decode_step_workspace_bytes", &dinfer_kernels::decode_step_cuda_workspace_bytes, py::arg("num_rows"),
         py::arg("vocab"));

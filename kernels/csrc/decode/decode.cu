@@ -153,7 +153,8 @@ int decode_step_cuda(const DecodeStepParams& p, void* workspace, size_t workspac
       return cudaErrorInvalidValue;
   }
   if (reinterpret_cast<uintptr_t>(p.logits) % esize != 0) return cudaErrorInvalidValue;
-  if (p.rule != CommitRule::kThreshold && p.rule != CommitRule::kHierarchical && p.rule != CommitRule::kFixed)
+  if (p.rule != CommitRule::kThreshold && p.rule != CommitRule::kHierarchical &&
+      p.rule != CommitRule::kFixed && p.rule != CommitRule::kJoint)
     return cudaErrorInvalidValue;
 
   const int S = decode_step_cuda_num_splits(N, V);

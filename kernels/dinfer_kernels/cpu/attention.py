@@ -25,6 +25,7 @@ def attention(
     v_cache,
     positions,
     seq_lens,
+    block_table,
     kv_num_blocks,
     kv_indices,
     out,
@@ -37,7 +38,19 @@ def attention(
     scale: float,
 ) -> None:
     arrays = capsules(
-        q, k, v, k_cache, v_cache, positions, seq_lens, out, lse, block_mass, kv_num_blocks, kv_indices
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        positions,
+        seq_lens,
+        out,
+        lse,
+        block_mass,
+        kv_num_blocks,
+        kv_indices,
+        block_table,
     )
     compiled().attention(
         *arrays,

@@ -27,6 +27,8 @@ def decode_step(
     credit_beta: float,
     credit_gamma: float,
     row_keys=None,
+    editable=None,
+    edit_threshold: float = float("inf"),
 ) -> None:
     arrays = capsules(
         logits,
@@ -41,9 +43,10 @@ def decode_step(
         commit,
         row_keys,
         nonfinite,
+        editable,
     )
     compiled().decode_step(
-        *arrays[:-2],
+        *arrays[:-3],
         mask_id=mask_id,
         rule=rule,
         low_threshold=low_threshold,
@@ -53,6 +56,8 @@ def decode_step(
         credit_alpha=credit_alpha,
         credit_beta=credit_beta,
         credit_gamma=credit_gamma,
-        row_keys=arrays[-2],
-        nonfinite=arrays[-1],
+        row_keys=arrays[-3],
+        nonfinite=arrays[-2],
+        editable=arrays[-1],
+        edit_threshold=edit_threshold,
     )

@@ -25,6 +25,7 @@ def attention(
     v_cache,
     positions,
     seq_lens,
+    block_table,
     kv_num_blocks,
     kv_indices,
     out,
@@ -38,7 +39,8 @@ def attention(
 ) -> None:
     ext = compiled()
     B, W, Hq, D = q.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[2]
+    S = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
     max_blocks = -1 if kv_indices is None else kv_indices.shape[-1]
     nbytes = ext.attention_workspace_bytes(
         B, W, Hq, Hkv, D, S, q_block, kv_block, max_blocks, bool(write_back), block_mass is not None
@@ -59,6 +61,7 @@ def attention(
             block_mass,
             kv_num_blocks,
             kv_indices,
+            block_table,
             write_back=bool(write_back),
             q_block=int(q_block),
             kv_block=int(kv_block),

@@ -32,6 +32,8 @@ def decode_step(
     credit_beta: float,
     credit_gamma: float,
     row_keys=None,
+    editable=None,
+    edit_threshold: float = float("inf"),
 ) -> None:
     ext = compiled()
     N, V = logits.shape
@@ -62,4 +64,6 @@ def decode_step(
             stream=stream,
             row_keys=row_keys,
             nonfinite=nonfinite,
+            editable=editable,
+            edit_threshold=edit_threshold,
         )

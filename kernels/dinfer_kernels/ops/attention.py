@@ -8,13 +8,15 @@ Backends: torch (the reference; the only one that takes a dense attn_mask), trit
 torch when attn_mask is given or no kernel backend can take the inputs. Every kernel backend module
 `kernels/dinfer_kernels/{triton,cuda,cpu}/attention.py` exposes
 
-    attention(q, k, v, k_cache, v_cache, positions, seq_lens, kv_num_blocks, kv_indices, out, lse,
-              block_mass, *, write_back, q_block, kv_block, scale) -> None
+    attention(q, k, v, k_cache, v_cache, positions, seq_lens, block_table, kv_num_blocks, kv_indices,
+              out, lse, block_mass, *, write_back, q_block, kv_block, scale) -> None
     supports(dtype, head_dim) -> bool     whether it serves q of that dtype and head dim
     HEAD_DIMS                             the head dims it serves (None: any)
 
 with caller-allocated outputs (lse / block_mass None = not wanted; kv_num_blocks / kv_indices None =
-every key block, and then q_block / kv_block are only tiling hints).
+every key block, and then q_block / kv_block are only tiling hints; block_table None = contiguous
+caches [B, S, Hkv, D], else [B, MP] int32 over page pools [P, page_size, Hkv, D]). Every backend takes
+the paged layout, so auto picks the same backend for paged and contiguous calls.
 """
 
 from typing import Optional, Union
@@ -84,18 +86,19 @@ def _attention_op(
         else None
     )
     _backend.impl("attention", backend)(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        positions,
-        seq_lens,
-        kv_num_blocks,
-        kv_indices,
-        out,
-        lse,
-        mass,
+        q=q,
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        positions=positions,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        kv_num_blocks=kv_num_blocks,
+        kv_indices=kv_indices,
+        out=out,
+        lse=lse,
+        block_mass=mass,
         write_back=write_back,
         q_block=q_block,
         kv_block=kv_block,
@@ -144,12 +147,11 @@ def _pick_backend(
     dtype: torch.dtype,
     D: int,
     attn_mask: Optional[torch.Tensor],
-    paged: bool = False,
 ) -> str:
     """backend, checked against what the call needs, or for "auto" the first backend that serves it
     (each kernel backend's supports(); only the torch one takes a dense attn_mask)."""
     if backend == "auto":
-        if attn_mask is not None or paged:
+        if attn_mask is not None:
             return "torch"
         for b in _backend.auto_backends(dev, "attention"):
             if b == "torch" or _backend.module("attention", b).supports(dtype, D):
@@ -163,8 +165,6 @@ def _pick_backend(
             f"attn_mask: a dense mask is only supported by the torch backend, got "
             f"backend={backend!r} (express it as a block_mask, or use 'torch')"
         )
-    if paged:
-        raise ValueError(f"block_table: the paged layout is not supported by the {backend} backend yet")
     kernel = _backend.module("attention", backend)
     if not kernel.supports(dtype, D):
         if kernel.HEAD_DIMS is not None and D not in kernel.HEAD_DIMS:
@@ -274,7 +274,7 @@ def attention(
         "block_mask.kv_indices": block_mask and block_mask.kv_indices,
     }
     _checks.disjoint(caches if write_back else {}, reads)
-    backend = _pick_backend(backend, dev, q.dtype, D, attn_mask, block_table is not None)
+    backend = _pick_backend(backend, dev, q.dtype, D, attn_mask)
 
     if _checks.data_checks_possible(q) if validate is None else validate:
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= S):
@@ -284,9 +284,7 @@ def attention(
         if counts is not None:
             _check_block_lists(counts, indices, nkb)
         if block_table is not None:
-            _check_block_table(
-                block_table, k_cache.shape[0], k_cache.shape[1], positions, seq_lens, write_back
-            )
+            _check_block_table(block_table, k_cache.shape[0], k_cache.shape[1], positions, seq_lens)
     if backend != "torch":
         # The kernels read positions / seq_lens / the block table as dense arrays and q / k / v rows
         # with a unit last stride: make them so (no-ops in the usual case; an expanded arange of
@@ -333,8 +331,10 @@ def _check_block_lists(counts, indices, nkb):
             raise ValueError("block_mask.kv_indices: listed key blocks must be distinct")
 
 
-def _check_block_table(block_table, num_pages, page_size, positions, seq_lens, write_back):
-    """The pages every sequence attends are in the pool, and the rows a call writes are distinct."""
+def _check_block_table(block_table, num_pages, page_size, positions, seq_lens):
+    """The pages every sequence attends are in the pool, and the pool row of each valid window row
+    is no other attended position's (the kernels write window rows into the pool, also without
+    write_back: for the call, then restored)."""
     covered = torch.arange(block_table.shape[1], device=block_table.device) * page_size < seq_lens[:, None]
     bad = covered & ((block_table < 0) | (block_table >= num_pages))
     if bool(bad.any()):
@@ -343,11 +343,28 @@ def _check_block_table(block_table, num_pages, page_size, positions, seq_lens, w
             f"block_table: page {j} of sequence {b} (positions before seq_lens[{b}] = "
             f"{int(seq_lens[b])}) has id {int(block_table[b, j])}, outside the pool [0, {num_pages})"
         )
-    if write_back:
-        valid = positions < seq_lens[:, None].to(torch.int64)
-        page = block_table.to(torch.int64).gather(1, positions // page_size)
-        rows = (page * page_size + positions % page_size)[valid]
-        if rows.numel() != rows.unique().numel():
-            raise ValueError(
-                "block_table: two valid window rows of the call map to the same pool row (written twice)"
-            )
+    lens = seq_lens.to(torch.int64)
+    valid = positions < lens[:, None]
+    if not bool(valid.any()):
+        return
+    table = block_table.to(torch.int64)
+    page = table.gather(1, positions // page_size)
+    rows = (page * page_size + positions % page_size)[valid]
+    if rows.numel() != rows.unique().numel():
+        raise ValueError(
+            "block_table: two valid window rows of the call map to the same pool row (a row written twice)"
+        )
+    # Every attended position's pool row (pages are in the pool: checked above), counted.
+    S = table.shape[1] * page_size
+    s = torch.arange(S, device=table.device)
+    read = s[None, :] < lens[:, None]
+    pool_rows = (table.repeat_interleave(page_size, dim=1) * page_size + s % page_size)[read]
+    count = torch.bincount(pool_rows, minlength=num_pages * page_size)
+    shared = count[rows] > 1
+    if bool(shared.any()):
+        b, w = (int(i) for i in valid.nonzero()[int(shared.nonzero()[0])])
+        raise ValueError(
+            f"block_table: the pool row of window row {w} of sequence {b} (position "
+            f"{int(positions[b, w])}) is also the row of another position below seq_lens (a page "
+            f"holding window rows is shared)"
+        )

@@ -159,6 +159,8 @@ def _decode_step_op(
         credit_beta=credit_beta,
         credit_gamma=credit_gamma,
         row_keys=row_keys,
+        editable=editable,
+        edit_threshold=edit_threshold,
     )
     return candidate, confidence, commit, nonfinite
 
@@ -250,6 +252,94 @@ def decode_step(
     """
     N, V = _checks.logits_matrix("logits", logits)
     dev = logits.device
+    args = _checked_args(
+        N,
+        V,
+        dev,
+        tokens,
+        seq_offsets,
+        mask_id,
+        rule,
+        threshold,
+        low_threshold,
+        num_commit,
+        temperature,
+        seed,
+        offset,
+        credit,
+        credit_alpha,
+        credit_beta,
+        credit_gamma,
+        row_keys,
+        editable,
+        edit_threshold,
+    )
+    seq_offsets, mask_id, code, seed, offset, thr, k, ids, vals, row_keys, editable, edit_at = args
+    backend = _backend.resolve(backend, dev, "decode_step")
+    _checks.disjoint(
+        {"tokens": tokens, "credit.ids": ids, "credit.vals": vals},
+        {
+            "logits": logits,
+            "seq_offsets": seq_offsets,
+            "threshold": thr,
+            "num_commit": k,
+            "row_keys": row_keys,
+            "editable": editable,
+        },
+    )
+
+    if (_checks.data_checks_possible(logits) if validate is None else validate) and backend != "cpu":
+        _check_values(tokens, seq_offsets, thr, k, ids, vals, N, V)  # the host kernel checks them itself
+    out = _decode_step_op(
+        logits,
+        tokens,
+        seq_offsets,
+        thr,
+        k,
+        ids,
+        vals,
+        mask_id,
+        code,
+        float(low_threshold),
+        float(temperature),
+        seed,
+        offset,
+        float(credit_alpha),
+        float(credit_beta),
+        float(credit_gamma),
+        row_keys,
+        editable,
+        edit_at,
+        backend,
+    )
+    return DecodeOutput(*out)
+
+
+def _checked_args(
+    N,
+    V,
+    dev,
+    tokens,
+    seq_offsets,
+    mask_id,
+    rule,
+    threshold,
+    low_threshold,
+    num_commit,
+    temperature,
+    seed,
+    offset,
+    credit,
+    credit_alpha,
+    credit_beta,
+    credit_gamma,
+    row_keys,
+    editable,
+    edit_threshold,
+):
+    """decode_step's arguments for N rows of a V-token vocabulary on `dev`, checked (the errors name
+    the argument) and normalised: (seq_offsets, mask_id, rule code, seed, offset, threshold [B],
+    num_commit [B], credit ids, credit vals, row_keys, editable, edit threshold (+inf: off))."""
     _checks.tensor("tokens", tokens, (torch.int64,), ndim=1, device=dev)
     _checks.shape("tokens", tokens, [N])
     _checks.contiguous("tokens", tokens)
@@ -291,7 +381,8 @@ def decode_step(
         _checks.shape("row_keys", row_keys, [N])
         row_keys = row_keys.contiguous()
     if rule != "joint" and (editable is not None or edit_threshold is not None):
-        raise ValueError(f"editable / edit_threshold: only rule='joint' edits tokens, got rule={rule!r}")
+        given = "editable" if editable is not None else "edit_threshold"
+        raise ValueError(f"{given}: only rule='joint' edits tokens, got rule={rule!r}")
     if editable is not None:
         _checks.tensor("editable", editable, (torch.bool,), ndim=1, device=dev)
         _checks.shape("editable", editable, [N])
@@ -300,57 +391,18 @@ def decode_step(
         _checks.number("edit_threshold", edit_threshold)
     # +inf: off (no confidence exceeds it); None and <= 0 mean off (diffusers' convention)
     edit_at = float("inf") if edit_threshold is None or edit_threshold <= 0 else float(edit_threshold)
-    requested = backend
-    backend = _backend.resolve(backend, dev, "decode_step")
-    if rule == "joint" and backend != "torch":
-        if requested != "auto":
-            raise ValueError(f"rule: 'joint' is not supported by the {backend} backend yet")
-        backend = "torch"
-    _checks.disjoint(
-        {"tokens": tokens, "credit.ids": ids, "credit.vals": vals},
-        {
-            "logits": logits,
-            "seq_offsets": seq_offsets,
-            "threshold": thr,
-            "num_commit": k,
-            "row_keys": row_keys,
-            "editable": editable,
-        },
-    )
+    return seq_offsets, mask_id, code, seed, offset, thr, k, ids, vals, row_keys, editable, edit_at
 
-    check_data = _checks.data_checks_possible(logits) if validate is None else validate
-    if check_data and backend != "cpu":  # the compiled host kernel checks values itself, for free
-        _checks.token_range("tokens", tokens, V)
-        if int(seq_offsets[0]) != 0 or int(seq_offsets[-1]) != N or bool((seq_offsets.diff() < 0).any()):
-            raise ValueError(
-                f"seq_offsets: must be non-decreasing from 0 to N={N}, got {seq_offsets.tolist()[:8]}..."
-            )
-        if bool(torch.isnan(thr).any()):
-            raise ValueError("threshold: must not be NaN")
-        if bool((k < 0).any()):
-            raise ValueError("num_commit: must be >= 0")
-        CreditState(ids, vals).check(V)
 
-    out = _decode_step_op(
-        logits,
-        tokens,
-        seq_offsets,
-        thr,
-        k,
-        ids,
-        vals,
-        mask_id,
-        code,
-        float(low_threshold),
-        float(temperature),
-        seed,
-        offset,
-        float(credit_alpha),
-        float(credit_beta),
-        float(credit_gamma),
-        row_keys,
-        editable,
-        edit_at,
-        backend,
-    )
-    return DecodeOutput(*out)
+def _check_values(tokens, seq_offsets, thr, k, ids, vals, N, V):
+    """The value checks of validate=True (they read the tensors: a sync on a GPU)."""
+    _checks.token_range("tokens", tokens, V)
+    if int(seq_offsets[0]) != 0 or int(seq_offsets[-1]) != N or bool((seq_offsets.diff() < 0).any()):
+        raise ValueError(
+            f"seq_offsets: must be non-decreasing from 0 to N={N}, got {seq_offsets.tolist()[:8]}..."
+        )
+    if bool(torch.isnan(thr).any()):
+        raise ValueError("threshold: must not be NaN")
+    if bool((k < 0).any()):
+        raise ValueError("num_commit: must be >= 0")
+    CreditState(ids, vals).check(V)

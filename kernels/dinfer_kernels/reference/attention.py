@@ -14,9 +14,11 @@ block_table [B, MP] int32 or None: the paged layout (vLLM style). Sequence b's p
             the place of the cache length everywhere (positions, seq_lens, key blocks, block_mass).
             Unchecked page ids (the op checks them on host tensors only) never reach outside the
             pool: a position whose page id is outside [0, P) is absent -- never attended (even where
-            a window row sits), never written. Valid window rows written back must land on distinct
-            pool rows; pages may be shared between sequences of a call only where no window row of
-            the call sits (prefix sharing).
+            a window row sits), never written. The pool row of a valid window row is the row of no
+            other position below seq_lens of the call, in its own sequence or another, with or
+            without write_back (the GPU kernels write window rows into the pool for the call and
+            restore them): valid window rows land on distinct pool rows, and pages may be shared
+            between sequences only where no window row of the call sits (prefix sharing).
 positions   [B, W] int64    absolute position of each window row in [0, S). Valid rows have distinct
                             positions, and no padding row shares a valid row's position. A row with
                             position >= seq_lens[b] is padding: it is never written, its output is 0.
@@ -85,26 +87,28 @@ def paged_rows(block_table, num_pages: int, page_size: int):
 
 
 def _gather(pool, rows):
-    """[B, S, Hkv, D]: pool rows `rows` [B, S] (pool [P, page, Hkv, D] seen as [P * page, Hkv, D])."""
-    flat = pool.reshape(-1, *pool.shape[2:])
-    return flat[rows.flatten()].view(*rows.shape, *pool.shape[2:])
+    """[*rows.shape, Hkv, D]: the pool rows `rows` (flat row r = page r // page_size, row
+    r % page_size), indexed per dimension: any pool strides, no copy of the pool."""
+    ps = pool.shape[1]
+    return pool[rows // ps, rows % ps]
 
 
 def _write_pages(k_pool, v_pool, k, v, rows, write):
-    """Window rows `write` [B, W] of k / v [B, W, Hkv, D] into pool rows `rows` [B, W], in place.
-    Fixed shapes and no host sync (capturable): every other row repeats the first written row's
-    copy (or, with none written, rewrites one row with what it holds), so duplicate indices always
-    carry equal values and the result does not depend on the order of the copies."""
+    """Window rows `write` [B, W] of k / v [B, W, Hkv, D] into flat pool rows `rows` [B, W], in
+    place (any pool strides). Fixed shapes and no host sync (capturable): every other row repeats the
+    first written row's copy (or, with none written, rewrites one row with what it holds), so
+    duplicate indices always carry equal values and the result does not depend on the order of the
+    copies."""
     r, w = rows.flatten(), write.flatten()
     if r.numel() == 0:
         return
     first = torch.argmax(w.to(torch.int32))  # 0 when nothing is written
     target = torch.where(w, r, r[first])
+    ps = k_pool.shape[1]
     for pool, fresh in ((k_pool, k), (v_pool, v)):
-        flat = pool.view(-1, *pool.shape[2:])
         src = fresh.flatten(0, 1)
-        fill = torch.where(w[first], src[first], flat[r[first]])
-        flat.index_copy_(0, target, torch.where(w[:, None, None], src, fill))
+        fill = torch.where(w[first], src[first], _gather(pool, r[first]))
+        pool.index_put_((target // ps, target % ps), torch.where(w[:, None, None], src, fill))
 
 
 def attention_reference(

@@ -23,8 +23,9 @@ editable     [N] bool or None ("joint" only): rows whose committed token may be 
              token-to-token editing: the generated, non-prompt positions of the current block).
              None: every row.
 edit_threshold  float or None ("joint" only): a non-masked editable row is rewritten when its
-             candidate differs from its token with confidence > edit_threshold. None: editing off
-             (the public op also reads <= 0 as off, the convention of diffusers' LLaDA2 pipeline).
+             candidate differs from its token with confidence > edit_threshold, compared in the
+             confidences' precision (fp32, as tau is). None: editing off (the public op also reads
+             <= 0 as off, the convention of diffusers' LLaDA2 pipeline; the kernels take +inf).
 temperature  float >= 0. 0: candidate = argmax. > 0: Gumbel-max sample from softmax(z'/T) with the
              counter-based noise of reference/rng.py keyed by (seed, offset, row key, token v).
 row_keys     [N] int64 or None: row n's noise key (low 32 bits); None: the row index n. Any values
@@ -203,7 +204,6 @@ def decode_step_reference(
     compute_dtype=torch.float64 gives the high-precision truth used to size test tolerances.
     """
     N, V = logits.shape
-    B = seq_offsets.numel() - 1
     dev = logits.device
     nonfinite = ~torch.isfinite(logits).all(dim=-1)
     z = sanitize_logits(logits, compute_dtype)
@@ -248,6 +248,60 @@ def decode_step_reference(
     fb_conf = torch.where(fb_valid, prob(fb), torch.full_like(conf, float("-inf")))
     fb = torch.where(fb_valid, fb, torch.full_like(fb, default_token(mask_id)))
 
+    commit = commit_rows(
+        cand,
+        conf,
+        fb,
+        fb_conf,
+        fb_valid,
+        dead,
+        masked,
+        tokens,
+        seq_offsets,
+        mask_id,
+        V,
+        rule,
+        threshold,
+        low_threshold,
+        num_commit,
+        editable,
+        edit_threshold,
+    )
+    return DecodeOutput(
+        cand.to(torch.int64),
+        conf.to(torch.float32),
+        commit,
+        nonfinite,
+    )
+
+
+def commit_rows(
+    cand,
+    conf,
+    fb,
+    fb_conf,
+    fb_valid,
+    dead,
+    masked,
+    tokens,
+    seq_offsets,
+    mask_id,
+    vocab,
+    rule,
+    threshold,
+    low_threshold,
+    num_commit,
+    editable,
+    edit_threshold,
+):
+    """Steps 4-6 from the per-row results of steps 0-3: candidate / confidence [N] (dead rows: the
+    mask token, 0), the fallback token, its probability (-inf where none) and whether it exists,
+    the dead and masked rows. Applies the rule and the progress guarantee per sequence (a row that
+    commits its fallback gets it as candidate and confidence, in place), the joint rule's edits,
+    writes tokens in place, and returns the commit mask. Shared by every reference form of the step
+    (the whole vocabulary, and the vocabulary-parallel one of reference/vocab_parallel.py)."""
+    N, dev = cand.numel(), cand.device
+    B = seq_offsets.numel() - 1
     eligible = masked & (cand != mask_id) & ~dead
     c_all = torch.where(eligible, conf, torch.full_like(conf, float("-inf")))
     commit = torch.zeros(N, dtype=torch.bool, device=dev)
@@ -263,7 +317,7 @@ def decode_step_reference(
         commit[sl] = commit_sequence(
             c_all[sl].cpu(), eligible[sl].cpu(), masked[sl].cpu(), rule, tau, low_threshold, k
         ).to(dev)
-        if masked[sl].any() and not eligible[sl].any() and (V > 1 or fb_valid[sl][masked[sl]].any()):
+        if masked[sl].any() and not eligible[sl].any() and (vocab > 1 or fb_valid[sl][masked[sl]].any()):
             cands = torch.where(
                 masked[sl] & fb_valid[sl], fb_conf[sl], torch.full_like(fb_conf[sl], float("-inf"))
             )
@@ -278,9 +332,4 @@ def decode_step_reference(
         edit = ~masked & ~dead & (cand != mask_id) & (cand != tokens) & (conf > edit_threshold)
         commit |= edit if editable is None else edit & editable
     tokens.copy_(torch.where(commit, cand, tokens))
-    return DecodeOutput(
-        cand.to(torch.int64),
-        conf.to(torch.float32),
-        commit,
-        nonfinite,
-    )
+    return commit

@@ -38,19 +38,40 @@ def row_keys(seed: int, offset: int, rows: torch.Tensor) -> torch.Tensor:
     return mix32(k ^ rows.to(torch.int64))
 
 
-def uniform(seed: int, offset: int, num_rows: int, vocab: int, device=None, rows=None) -> torch.Tensor:
-    """[num_rows, vocab] fp32 uniforms in (0, 1). rows: [num_rows] integer row keys (default: the
-    row indices), of which the low 32 bits are used."""
-    rows = torch.arange(num_rows, device=device) if rows is None else rows.to(torch.int64) & _U32
-    keys = row_keys(seed, offset, rows)
-    v = torch.arange(vocab, device=device, dtype=torch.int64)
-    h = mix32(keys[:, None] ^ v[None, :])
+def _row_counters(num_rows: int, device, rows) -> torch.Tensor:
+    return torch.arange(num_rows, device=device) if rows is None else rows.to(torch.int64) & _U32
+
+
+def _uniform_of(keys: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The uniforms of row keys `keys` [N, 1] at vocabulary ids `v` (broadcast against keys)."""
+    h = mix32(keys ^ v)
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
-def gumbel(seed: int, offset: int, num_rows: int, vocab: int, device=None, rows=None) -> torch.Tensor:
-    """[num_rows, vocab] fp32 Gumbel noise -log(-log(u)); rows as in uniform()."""
-    u = uniform(seed, offset, num_rows, vocab, device, rows)
+def uniform(
+    seed: int, offset: int, num_rows: int, vocab: int, device=None, rows=None, vocab_start: int = 0
+) -> torch.Tensor:
+    """[num_rows, vocab] fp32 uniforms in (0, 1) of the ids [vocab_start, vocab_start + vocab) (a
+    vocabulary shard draws the same noise as the whole row: the hash is keyed on the global id).
+    rows: [num_rows] integer row keys (default: the row indices), of which the low 32 bits are used."""
+    keys = row_keys(seed, offset, _row_counters(num_rows, device, rows))
+    v = torch.arange(vocab_start, vocab_start + vocab, device=device, dtype=torch.int64)
+    return _uniform_of(keys[:, None], v[None, :])
+
+
+def gumbel(
+    seed: int, offset: int, num_rows: int, vocab: int, device=None, rows=None, vocab_start: int = 0
+) -> torch.Tensor:
+    """[num_rows, vocab] fp32 Gumbel noise -log(-log(u)); rows and vocab_start as in uniform()."""
+    u = uniform(seed, offset, num_rows, vocab, device, rows, vocab_start)
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_at(seed: int, offset: int, ids: torch.Tensor, rows=None) -> torch.Tensor:
+    """[N, K] fp32 Gumbel noise of row n at token ids[n, k] (any int dtype, values taken mod 2**32):
+    gumbel()'s value at those ids, without the [N, V] table. rows as in uniform()."""
+    keys = row_keys(seed, offset, _row_counters(ids.shape[0], ids.device, rows))
+    u = _uniform_of(keys[:, None], ids.to(torch.int64) & _U32)
     return -torch.log(-torch.log(u))
 
 

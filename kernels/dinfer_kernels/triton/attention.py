@@ -4,9 +4,10 @@ Contract: kernels/dinfer_kernels/reference/attention.py; public op: kernels/dinf
 Launches, all with grids fixed by the shapes (no host sync: CUDA-graph capturable):
 
 1. `_refresh_kernel`, grid (B * W,): the window's fresh K/V rows go into the cache rows `positions`
-   (valid rows only; padding rows and positions outside [0, min(seq_len, S)) are skipped). With
-   write_back=False the W cache rows it overwrites are first saved to a [2, B, W, Hkv, D] buffer and
-   put back by the same kernel (MODE 2) after the attention: O(W) copies, never a whole-cache copy.
+   (valid rows only; padding rows, positions outside [0, min(seq_len, S)) and rows of absent pages
+   are skipped). With write_back=False the W cache rows it overwrites are first saved to a
+   [2, B, W, Hkv, D] buffer and put back by the same kernel (MODE 2) after the attention: O(W) copies,
+   never a whole-cache copy.
 2. `_attn_kernel`, grid (NQB * MT, B * Hkv, SPLITS): flash-attention forward. One program takes the
    query rows of one query block (or an M-tile of it, MT tiles per block) for all G = Hq / Hkv query
    heads of one kv head at once (GQA packing: packed row m = row r * G + head hh, so every K/V tile is
@@ -15,6 +16,9 @@ Launches, all with grids fixed by the shapes (no host sync: CUDA-graph capturabl
    block's keys [blk * kv_block, min((blk + 1) * kv_block, seq_len))): S = Q K^T in fp32, online
    softmax in base 2, O += P V with P in the input dtype (fp32 accumulators; fp32 inputs use IEEE fp32
    dots). Out-of-range list entries and counts are clamped/skipped, so any values are safe to read.
+   With a block table (PAGED) every key row is found through it (`_kv_rows`, per key: page
+   s // page_size, row s % page_size); a key whose page id is outside the pool is masked like a key
+   past seq_len and never loaded.
    With SPLITS == 1 its epilogue writes out (and lse); otherwise it writes the normalised partial O
    and partial lse of its split (fp32) and
 3. `_combine_kernel`, grid (B * W, Hq), merges the SPLITS partials in split order (deterministic).
@@ -53,6 +57,21 @@ def _save_offsets(row, n_rows, Hkv, hd, d, D: tl.constexpr):
 
 
 @triton.jit
+def _kv_rows(s, ok, b, block_table, MP, PS, NP, PAGED: tl.constexpr):
+    """Where the cache rows of positions s (where ok) of sequence b are, as int64 indices into the
+    cache's first two dims, and whether each is present: (b, s) for contiguous caches; with a block
+    table (page block_table[b, s // PS], row s % PS) of the pool, absent when the page id is outside
+    [0, NP) (then page 0, never used)."""
+    if PAGED:
+        j = s // PS
+        page = tl.load(block_table + b.to(tl.int64) * MP + j, mask=ok, other=-1)
+        present = ok & (page >= 0) & (page < NP)
+        return tl.where(present, page, 0).to(tl.int64), (s - j * PS).to(tl.int64), present
+    else:
+        return tl.zeros_like(s).to(tl.int64) + b, s.to(tl.int64), ok
+
+
+@triton.jit
 def _refresh_kernel(
     k,
     v,
@@ -61,24 +80,29 @@ def _refresh_kernel(
     save,
     positions,
     seq_lens,
+    block_table,
     W,
     S,
     Hkv,
+    MP,
+    PS,
+    NP,
     sk_b,
     sk_w,
     sk_h,
     sv_b,
     sv_w,
     sv_h,
-    skc_b,
-    skc_s,
+    skc_0,
+    skc_1,
     skc_h,
-    svc_b,
-    svc_s,
+    svc_0,
+    svc_1,
     svc_h,
     spos_b,
     spos_w,
     MODE: tl.constexpr,
+    PAGED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
 ):
@@ -93,10 +117,14 @@ def _refresh_kernel(
     pos = tl.where(valid, pos, 0)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    ok = (h[:, None] < tl.where(valid, Hkv, 0)) & (d[None, :] < D)
+    # the row as a one-element vector: the page lookup is a masked load
+    pos_v = tl.zeros([1], tl.int64) + pos
+    ok_v = (tl.zeros([1], tl.int32) + tl.where(valid, 1, 0)) != 0
+    i0, i1, present = _kv_rows(pos_v, ok_v, b, block_table, MP, PS, NP, PAGED)
     hd = h[:, None]
-    kc = k_cache + b.to(tl.int64) * skc_b + pos * skc_s + hd * skc_h + d[None, :]
-    vc = v_cache + b.to(tl.int64) * svc_b + pos * svc_s + hd * svc_h + d[None, :]
+    ok = (hd < tl.where(present[:, None], Hkv, 0)) & (d[None, :] < D)
+    kc = k_cache + (i0 * skc_0 + i1 * skc_1)[:, None] + hd * skc_h + d[None, :]
+    vc = v_cache + (i0 * svc_0 + i1 * svc_1)[:, None] + hd * svc_h + d[None, :]
     k_at, n_save = _save_offsets(row, tl.num_programs(0), Hkv, hd, d[None, :], D)
     sv = save + k_at
     if MODE == 2:
@@ -119,6 +147,7 @@ def _attn_kernel(
     v_cache,
     positions,
     seq_lens,
+    block_table,
     kv_num_blocks,
     kv_indices,
     out,
@@ -131,6 +160,9 @@ def _attn_kernel(
     S,
     Hq,
     Hkv,
+    MP,
+    PS,
+    NP,
     MAXB,
     NKB,
     q_block,
@@ -141,15 +173,16 @@ def _attn_kernel(
     sq_b,
     sq_w,
     sq_h,
-    skc_b,
-    skc_s,
+    skc_0,
+    skc_1,
     skc_h,
-    svc_b,
-    svc_s,
+    svc_0,
+    svc_1,
     svc_h,
     spos_b,
     spos_w,
     G: tl.constexpr,
+    PAGED: tl.constexpr,
     HAS_BLOCKS: tl.constexpr,
     SPLIT: tl.constexpr,
     WANT_LSE: tl.constexpr,
@@ -182,8 +215,8 @@ def _attn_kernel(
     d = tl.arange(0, D)
     q_ptr = q + b.to(tl.int64) * sq_b + w[:, None] * sq_w + h[:, None] * sq_h + d[None, :]
     q_tile = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
-    kc = k_cache + b.to(tl.int64) * skc_b + g * skc_h
-    vc = v_cache + b.to(tl.int64) * svc_b + g * svc_h
+    kc = k_cache + g * skc_h
+    vc = v_cache + g * svc_h
 
     if HAS_BLOCKS:
         cnt = tl.load(kv_num_blocks + bg * tl.cdiv(W, q_block) + j)
@@ -215,8 +248,9 @@ def _attn_kernel(
         lo = tl.where(blk_ok, blk, 0) * kv_block
         hi = tl.where(blk_ok, tl.minimum(lo + kv_block, seq), lo)
         s = lo + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-        kmask = s < hi
-        k_tile = tl.load(kc + s[:, None] * skc_s + d[None, :], mask=kmask[:, None], other=0.0)
+        i0, i1, kmask = _kv_rows(s, s < hi, b, block_table, MP, PS, NP, PAGED)
+        k_row = i0 * skc_0 + i1 * skc_1
+        k_tile = tl.load(kc + k_row[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * scale_log2
         qk = tl.where(kmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -225,7 +259,7 @@ def _attn_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         p_sum = tl.sum(p, 1)
         l_i = l_i * alpha + p_sum
-        v_tile = tl.load(vc + s[:, None] * svc_s + d[None, :], mask=kmask[:, None], other=0.0)
+        v_tile = tl.load(vc + (i0 * svc_0 + i1 * svc_1)[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PREC)
         m_i = m_new
         if WANT_MASS:
@@ -372,6 +406,7 @@ def attention(
     v_cache,
     positions,
     seq_lens,
+    block_table,
     kv_num_blocks,
     kv_indices,
     out,
@@ -384,7 +419,11 @@ def attention(
     scale: float,
 ) -> None:
     B, W, Hq, D = q.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[2]
+    paged = block_table is not None
+    # the paged layout's geometry: positions S = MP * page_size over a pool of NP pages
+    MP, PS, NP = (block_table.shape[1], k_cache.shape[1], k_cache.shape[0]) if paged else (0, 1, 0)
+    S = MP * PS if paged else k_cache.shape[1]
     dev = q.device
     if B * W * Hq == 0:
         if block_mass is not None:
@@ -400,6 +439,7 @@ def attention(
         kv_indices = kv_indices.contiguous() if maxb else torch.zeros(1, dtype=torch.int32, device=dev)
     else:
         kv_num_blocks = kv_indices = seq_lens  # never read
+    table = block_table.contiguous() if paged else seq_lens  # never read without PAGED
     block_h = _pow2(Hkv)
 
     def refresh(mode, save):
@@ -411,9 +451,13 @@ def attention(
             save,
             positions,
             seq_lens,
+            table,
             W,
             S,
             Hkv,
+            MP,
+            PS,
+            NP,
             k.stride(0),
             k.stride(1),
             k.stride(2),
@@ -429,6 +473,7 @@ def attention(
             positions.stride(0),
             positions.stride(1),
             MODE=mode,
+            PAGED=paged,
             BLOCK_H=block_h,
             D=D,
             num_warps=4,
@@ -461,6 +506,7 @@ def attention(
         v_cache,
         positions,
         seq_lens,
+        table,
         kv_num_blocks,
         kv_indices,
         out,
@@ -473,6 +519,9 @@ def attention(
         S,
         Hq,
         Hkv,
+        MP,
+        PS,
+        NP,
         maxb,
         nkb,
         cfg["q_block"],
@@ -492,6 +541,7 @@ def attention(
         positions.stride(0),
         positions.stride(1),
         G=cfg["G"],
+        PAGED=paged,
         HAS_BLOCKS=has_blocks,
         SPLIT=splits > 1,
         WANT_LSE=lse_buf is not None,

@@ -13,7 +13,8 @@ Two launches, both with grids fixed by the shapes (CUDA-graph capturable, no hos
    (A) merges the S partials of each row, folds in the mask token, updates the credit slots, applies
    the credit to max / sum / argmax in O(K) and writes candidate, confidence, nonfinite;
    (B) after a CTA barrier, applies the commit rule and the progress guarantee and writes commit and
-   tokens. Per-row values that (B) reads across rows go through a small scratch area.
+   tokens. Per-row values that (B) reads across rows go through a small scratch area. The joint
+   rule's edits need nothing across rows: (A) decides them and parks them in `commit`, (B) adds them.
 
 Workspace (one fp32 allocation, also viewed as int32), with P = N * S:
   [0, P)      fp32  max of z over the chunk (v != mask_id)
@@ -235,6 +236,7 @@ def _finalize_kernel(
     ws,
     ws_i,
     row_keys,
+    editable,
     candidate,
     confidence,
     commit,
@@ -250,10 +252,12 @@ def _finalize_kernel(
     alpha,
     beta,
     gamma,
+    edit_threshold,
     RULE: tl.constexpr,
     SAMPLE: tl.constexpr,
     HAS_CREDIT: tl.constexpr,
     HAS_KEYS: tl.constexpr,
+    HAS_EDITABLE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -381,6 +385,13 @@ def _finalize_kernel(
         tl.store(confidence + rows, conf, mask=live)
 
         eligible = masked & (cand != mask_id)
+        if RULE == 3:
+            # Token-to-token edits (decode_math.h row_edits): committed rows whose candidate is neither
+            # the mask (so live) nor their token, above edit_threshold; parked in `commit` for (B).
+            edit = live & ~masked & (cand != mask_id) & (cand != tok) & (conf > edit_threshold)
+            if HAS_EDITABLE:
+                edit = edit & (tl.load(editable + rows, mask=live, other=0) != 0)
+            tl.store(commit + rows, edit, mask=live)
         c = tl.where(eligible, conf, float("-inf"))
         tl.store(c_ws + rows, c, mask=live)
         tl.store(fbc_ws + rows, fb_conf, mask=live)
@@ -419,7 +430,7 @@ def _finalize_kernel(
         live = rows < hi
         c = tl.load(c_ws + rows, mask=live, other=float("-inf"))
         eligible = c > float("-inf")
-        if RULE == 0:
+        if RULE == 0 or RULE == 3:
             take = eligible & (c >= cut)
         elif RULE == 1:
             beaten = _beaten_in_run(c_ws, seg_ws, rows, c, lo, hi, BLOCK_R)
@@ -429,6 +440,8 @@ def _finalize_kernel(
 
         is_fb = live & (rows == rescue_row)
         take = take | is_fb
+        if RULE == 3:
+            take = take | (tl.load(commit + rows, mask=live, other=0) != 0)
         fb = tl.load(fb_ws + rows, mask=is_fb, other=0).to(tl.int64)
         tl.store(candidate + rows, fb, mask=is_fb)
         tl.store(
@@ -474,6 +487,8 @@ def decode_step(
     credit_beta: float,
     credit_gamma: float,
     row_keys=None,
+    editable=None,
+    edit_threshold: float = float("inf"),
 ) -> None:
     N, V = logits.shape
     B = seq_offsets.numel() - 1
@@ -524,6 +539,7 @@ def decode_step(
         ws,
         ws_i,
         keys,
+        tokens if editable is None else editable,  # any pointer when unused
         candidate,
         confidence,
         commit,
@@ -539,10 +555,12 @@ def decode_step(
         float(credit_alpha),
         float(credit_beta),
         float(credit_gamma),
+        float(edit_threshold),
         RULE=rule,
         SAMPLE=sample,
         HAS_CREDIT=K > 0,
         HAS_KEYS=has_keys,
+        HAS_EDITABLE=editable is not None,
         BLOCK_R=block_r,
         BLOCK_S=block_s,
         BLOCK_K=block_k,

@@ -1,8 +1,10 @@
 // A C++ runtime calling the CUDA decode step with device buffers and its own stream: no Python, no
-// torch. The case is that of the host example (examples/decode_case.h).
+// torch. The case is that of the host example (examples/decode_case.h), under the threshold rule and
+// then the joint rule (every row editable).
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <initializer_list>
 
 #include "../examples/decode_case.h"
 #include "dinfer_kernels/decode.h"
@@ -46,17 +48,20 @@ int main() {
 
   const dinfer_kernels::DecodeStepParams p =
       params(d_logits, d_tokens, d_offsets, d_threshold, d_candidate, d_confidence, d_commit);
-  CHECK(static_cast<cudaError_t>(dinfer_kernels::decode_step_cuda(p, d_workspace, workspace_bytes, stream)));
-
   int64_t tokens[kRows];
   float confidence[kRows];
   uint8_t commit[kRows];
-  CHECK(cudaMemcpyAsync(tokens, d_tokens, sizeof tokens, cudaMemcpyDeviceToHost, stream));
-  CHECK(cudaMemcpyAsync(confidence, d_confidence, sizeof confidence, cudaMemcpyDeviceToHost, stream));
-  CHECK(cudaMemcpyAsync(commit, d_commit, sizeof commit, cudaMemcpyDeviceToHost, stream));
-  CHECK(cudaStreamSynchronize(stream));
-  // The device sums exp with the hardware exp2 (a few ulp), the host exactly.
-  if (!matches(tokens, confidence, commit, 1e-5f)) return 1;
+  for (const bool edits : {false, true}) {
+    CHECK(cudaMemcpyAsync(d_tokens, kTokens, sizeof kTokens, cudaMemcpyHostToDevice, stream));
+    CHECK(static_cast<cudaError_t>(dinfer_kernels::decode_step_cuda(edits ? joint(p, nullptr) : p,
+                                                                    d_workspace, workspace_bytes, stream)));
+    CHECK(cudaMemcpyAsync(tokens, d_tokens, sizeof tokens, cudaMemcpyDeviceToHost, stream));
+    CHECK(cudaMemcpyAsync(confidence, d_confidence, sizeof confidence, cudaMemcpyDeviceToHost, stream));
+    CHECK(cudaMemcpyAsync(commit, d_commit, sizeof commit, cudaMemcpyDeviceToHost, stream));
+    CHECK(cudaStreamSynchronize(stream));
+    // The device sums exp with the hardware exp2 (a few ulp), the host exactly.
+    if (!matches(tokens, confidence, commit, 1e-5f, edits)) return 1;
+  }
 
   for (void* ptr :
        {static_cast<void*>(d_logits), static_cast<void*>(d_tokens), static_cast<void*>(d_offsets),

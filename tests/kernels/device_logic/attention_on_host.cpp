@@ -1,8 +1,10 @@
 // The attention kernels' scheduling and split combine (kernels/csrc/attention/attention.cu) executed on the
 // host: the key walk of every split of one (sequence, kv head, query block) work unit, with the
-// launcher's plan and the forward kernel's loop over attention_math::find_tile, and the epilogue's
+// launcher's plan and the forward kernel's loop over attention_math::find_tile, the epilogue's
 // per-row combine (attention_math::splits_lse2 / split_share / combine_columns) run lane by lane by the SIMT
-// emulator. Built and loaded by tests/kernels/test_device_logic.py through ctypes.
+// emulator, and the cache address translation of the paged layout (attention_math::kv_slot /
+// kv_offset, which the prologue, the forward kernel's tile loads and the restore call per row).
+// Built and loaded by tests/kernels/test_device_logic.py through ctypes.
 #include <cmath>
 #include <cstdint>
 
@@ -87,4 +89,24 @@ extern "C" int dinfer_attention_combine_on_host(const float* part_lse, const flo
     if (!ok) return 2;
   }
   return 0;
+}
+
+// The element offset of head `head` of the cache row of every position s < max_pages * page_size of
+// every sequence b < B, as the kernels compute it (kv_slot, then kv_offset with the cache's leading
+// strides): out[b * S + s], or -1 where the position is absent. table null: contiguous caches.
+extern "C" void dinfer_attention_kv_offsets_on_host(const int32_t* table, int64_t B, int64_t max_pages,
+                                                    int32_t page_size, int64_t num_pages,
+                                                    const int64_t* strides, int64_t head, int64_t* out) {
+  KvLayout layout;
+  layout.block_table = table;
+  layout.max_pages = max_pages;
+  layout.num_pages = num_pages;
+  layout.page_size = page_size;
+  const int64_t S = max_pages * page_size;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t s = 0; s < S; ++s) {
+      const KvSlot at = kv_slot(layout, b, static_cast<int32_t>(s));
+      out[b * S + s] = at.present ? kv_offset(strides, at, head) : -1;
+    }
+  }
 }

@@ -69,7 +69,8 @@ extern "C" int dinfer_decode_step_cuda_on_host(
     const int32_t* seq_offsets, int64_t num_seqs, int64_t mask_id, int32_t rule, const float* threshold,
     const int32_t* num_commit, float low_threshold, float temperature, uint32_t seed, uint32_t offset,
     int32_t* credit_ids, float* credit_vals, int32_t num_slots, float alpha, float beta, float gamma,
-    int64_t* candidate, float* confidence, uint8_t* commit, uint8_t* nonfinite, const int64_t* row_keys) {
+    int64_t* candidate, float* confidence, uint8_t* commit, uint8_t* nonfinite, const int64_t* row_keys,
+    const uint8_t* editable, float edit_threshold) {
   DecodeStepParams p;
   p.logits = logits;
   p.logits_dtype = static_cast<ScalarType>(dtype);
@@ -98,6 +99,8 @@ extern "C" int dinfer_decode_step_cuda_on_host(
   p.commit = commit;
   p.nonfinite = nonfinite;
   p.row_keys = row_keys;
+  p.editable = editable;
+  p.edit_threshold = edit_threshold;
   const int64_t N = num_rows, V = vocab;
   if (N == 0) return 0;
   if (V <= 0 || V > kMaxVocab) return 1;

@@ -17,7 +17,7 @@ namespace dinfer_kernels {
 // Sizes are element counts; strides are in elements. The last dimension of every [.., D] array is
 // contiguous; for attention_cuda the other strides of q/k/v/k_cache/v_cache/out must also be
 // multiples of 8 and the data 16-byte aligned (16-byte vector copies). positions, seq_lens, the
-// block lists, lse and block_mass are contiguous.
+// block table, the block lists, lse and block_mass are contiguous.
 struct AttentionParams {
   // ---- shapes ----------------------------------------------------------------------------------
   int64_t batch = 0;  // B
@@ -25,7 +25,7 @@ struct AttentionParams {
   int64_t heads_q = 0;  // Hq, a multiple of heads_kv (GQA: head h reads kv head h / (Hq/Hkv))
   int64_t heads_kv = 0;  // Hkv
   int64_t head_dim = 0;  // D: 64 or 128 (attention_cuda); any >= 1 (attention_cpu)
-  int64_t cache_len = 0;  // S: rows of the per-layer cache
+  int64_t cache_len = 0;  // S: rows of the per-layer cache (paged: max_pages * page_size positions)
   // of q, k, v, the caches and out: bf16 or fp16 (attention_cuda); also fp32 (attention_cpu)
   ScalarType dtype = ScalarType::kBFloat16;
   // ---- inputs ----------------------------------------------------------------------------------
@@ -35,10 +35,20 @@ struct AttentionParams {
   int64_t k_stride[3] = {0, 0, 0};
   const void* v = nullptr;  // [B, W, Hkv, D]
   int64_t v_stride[3] = {0, 0, 0};
-  void* k_cache = nullptr;  // [B, S, Hkv, D] in/out
+  void* k_cache = nullptr;  // [B, S, Hkv, D] in/out, or with a block table [P, page_size, Hkv, D]
   int64_t k_cache_stride[3] = {0, 0, 0};
-  void* v_cache = nullptr;  // [B, S, Hkv, D] in/out
+  void* v_cache = nullptr;  // same shape as k_cache, in/out
   int64_t v_cache_stride[3] = {0, 0, 0};
+  // Paged layout (vLLM style): with a block table the caches are page pools shared by the sequences
+  // (their strides are the pool's) and cache_len = max_pages * page_size: position s of sequence b
+  // is row s % page_size of page block_table[b, s / page_size]. A page id outside [0, num_pages)
+  // makes the position absent: never attended (even where a window row sits), never written. The
+  // pool row of a valid window row must be no other position's below seq_lens (window rows are
+  // written into the pool for the call, also without write_back on the GPU).
+  const int32_t* block_table = nullptr;  // [B, max_pages] contiguous, or null: caches [B, S, Hkv, D]
+  int64_t max_pages = 0;  // MP
+  int64_t page_size = 0;  // rows per page, >= 1 (with a block table)
+  int64_t num_pages = 0;  // P: pages in the pool
   const int64_t* positions = nullptr;  // [B, W]: row w of sequence b sits at cache row positions[b, w]
   const int32_t* seq_lens = nullptr;  // [B]: keys [0, seq_lens[b]) exist; row valid iff pos < seq_len
   bool write_back = true;  // false: the caches hold their old rows when the call returns

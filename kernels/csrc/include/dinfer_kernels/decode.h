@@ -5,6 +5,7 @@
 // kernels/dinfer_kernels/reference/decode.py; every pointer below mirrors one argument there.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -12,7 +13,9 @@
 
 namespace dinfer_kernels {
 
-enum class CommitRule : int32_t { kThreshold = 0, kHierarchical = 1, kFixed = 2 };
+// kJoint: LLaDA2.1's JointThreshold, the threshold rule on the masked rows plus token-to-token edits
+// of the committed ones (DecodeStepParams::editable, edit_threshold).
+enum class CommitRule : int32_t { kThreshold = 0, kHierarchical = 1, kFixed = 2, kJoint = 3 };
 
 struct DecodeStepParams {
   // ---- inputs -------------------------------------------------------------------------------
@@ -26,12 +29,17 @@ struct DecodeStepParams {
   int64_t num_seqs = 0;  // B
   int64_t mask_id = 0;
   CommitRule rule = CommitRule::kThreshold;
-  const float* threshold = nullptr;  // [B]: tau (threshold) or tau_high (hierarchical)
+  const float* threshold = nullptr;  // [B]: tau (threshold, joint) or tau_high (hierarchical)
   const int32_t* num_commit = nullptr;  // [B]: k (fixed); may be null for the other rules
   float low_threshold = 0.4f;  // tau_low (hierarchical)
   float temperature = 0.0f;  // 0: argmax; > 0: Gumbel-max sampling
   uint32_t seed = 0, offset = 0;  // counter-based RNG key (reference/rng.py)
   const int64_t* row_keys = nullptr;  // [N] noise key of each row (low 32 bits); null: the row index
+  // ---- token-to-token edits (kJoint only) ------------------------------------------------------
+  // A row not masked, editable, whose candidate is neither the mask token nor its token, is rewritten
+  // when its confidence > edit_threshold (compared in fp32, like every confidence).
+  const uint8_t* editable = nullptr;  // [N] (bool) rows that may be rewritten; null: every row
+  float edit_threshold = INFINITY;  // +inf: editing off
   // ---- sparse credit (num_slots == 0 disables it) ----------------------------------------------
   int32_t* credit_ids = nullptr;  // [N, num_slots] in/out, -1 = empty slot
   float* credit_vals = nullptr;  // [N, num_slots] in/out

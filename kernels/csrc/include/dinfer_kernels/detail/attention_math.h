@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "dinfer_kernels/attention.h"
 #include "dinfer_kernels/detail/isa_namespace.h"
 #include "dinfer_kernels/detail/simt.h"
 #include "dinfer_kernels/types.h"
@@ -31,6 +32,59 @@ DINFER_HD int32_t valid_len(int32_t seq_len, int32_t cache_len) {
 
 // A window row is valid (attends, is written into the cache) iff its position is a real key.
 DINFER_HD bool row_valid(int64_t pos, int32_t len) { return pos >= 0 && pos < len; }
+
+// ---- the KV cache layout -----------------------------------------------------------------------------
+// Where position s of sequence b is in the caches, as the index of its row in their first two
+// dimensions. Contiguous caches [B, S, Hkv, D]: (b, s). Paged (vLLM style): the caches are page
+// pools [num_pages, page_size, Hkv, D] shared by the sequences, and position s is row s % page_size
+// of page block_table[b, s / page_size]; a page id outside [0, num_pages) makes the position absent
+// (never attended, never written), so no value of the table reaches outside the pool. The one
+// address translation of the host kernel, the CUDA kernels and the host test of both.
+struct KvLayout {
+  const int32_t* block_table;  // [B, max_pages] or null: contiguous
+  int64_t max_pages;
+  int64_t num_pages;
+  int32_t page_size;  // >= 1 with a block table
+};
+
+struct KvSlot {
+  int64_t page;  // first index of the row: the sequence (contiguous) or the page (0 when absent)
+  int32_t row;  // second index: the position (contiguous) or the row in the page
+  bool present;
+};
+
+// The layout of a launch (page_size fits int32: the bindings keep cache_len below 2^31).
+inline KvLayout kv_layout(const AttentionParams& p) {
+  KvLayout l;
+  l.block_table = p.block_table;
+  l.max_pages = p.max_pages;
+  l.num_pages = p.num_pages;
+  l.page_size = p.block_table != nullptr ? static_cast<int32_t>(p.page_size) : 1;
+  return l;
+}
+
+// s in [0, max_pages * page_size) (the kernels translate window rows below their sequence's length
+// and keys below it only, both < S).
+DINFER_HD KvSlot kv_slot(const KvLayout& l, int64_t b, int32_t s) {
+  KvSlot r;
+  if (l.block_table == nullptr) {
+    r.page = b;
+    r.row = s;
+    r.present = true;
+    return r;
+  }
+  const uint32_t j = static_cast<uint32_t>(s) / static_cast<uint32_t>(l.page_size);
+  const int32_t id = l.block_table[b * l.max_pages + j];
+  r.present = id >= 0 && id < l.num_pages;
+  r.page = r.present ? id : 0;
+  r.row = s - static_cast<int32_t>(j) * l.page_size;
+  return r;
+}
+
+// Element offset of head g of the row of `slot` in an array with leading strides st.
+DINFER_HD int64_t kv_offset(const int64_t* st, const KvSlot& slot, int64_t g) {
+  return slot.page * st[0] + static_cast<int64_t>(slot.row) * st[1] + g * st[2];
+}
 
 // How a CTA walks its key list. The list is a sequence of slots (an explicit kv_indices row, or
 // the implicit 0, 1, ..., count-1); slot i covers key block kb = list[i], i.e. keys

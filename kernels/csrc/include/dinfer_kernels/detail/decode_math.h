@@ -247,14 +247,16 @@ DINFER_HD SeqStats sequence_stats(int64_t L, const int64_t* tokens, const int64_
   return s;
 }
 
-// Whether row i commits under the rule (progress guarantee excluded). O(L) for the rank of the
-// fixed rule and O(run length) for the hierarchical run maximum, so rows can be decided in parallel.
+// Whether row i commits under the rule (the progress guarantee and the joint rule's edits excluded).
+// O(L) for the rank of the fixed rule and O(run length) for the hierarchical run maximum, so rows can
+// be decided in parallel.
 DINFER_HD bool row_commits(int64_t i, int64_t L, const int64_t* tokens, const int64_t* cand,
                            const float* conf, const SeqStats& s, CommitRule rule, float tau, float tau_low,
                            int32_t k, int64_t mask_id) {
   if (s.argmax_c < 0 || !is_eligible(tokens, cand, i, mask_id)) return false;
   const float c = conf[i];
-  if (rule == CommitRule::kThreshold) return c >= fminf(tau, s.max_c - kAtLeastOneEps);
+  if (rule == CommitRule::kThreshold || rule == CommitRule::kJoint)
+    return c >= fminf(tau, s.max_c - kAtLeastOneEps);
   if (rule == CommitRule::kHierarchical) {
     if (c > tau || i == s.argmax_c) return true;
     if (!(c > tau_low)) return false;
@@ -268,6 +270,16 @@ DINFER_HD bool row_commits(int64_t i, int64_t L, const int64_t* tokens, const in
   for (int64_t j = 0; j < L && rank < k; ++j)
     if (j != i && is_eligible(tokens, cand, j, mask_id) && (conf[j] > c || (conf[j] == c && j < i))) ++rank;
   return rank < k;
+}
+
+// Whether row n of the batch is rewritten by the joint rule's token-to-token editing: not masked,
+// editable, a candidate that is neither the mask token (so the row is live: dead rows predict the
+// mask) nor its token, with confidence > edit_threshold (+inf: never). Independent of every other
+// row, so it needs no sequence statistics; masked rows never qualify, so edits and the progress
+// guarantee (which changes masked rows' candidates only) never meet. token: the token before this step.
+DINFER_HD bool row_edits(const DecodeStepParams& p, int64_t n, int64_t token, int64_t cand, float conf) {
+  return p.rule == CommitRule::kJoint && token != p.mask_id && cand != p.mask_id && cand != token &&
+         conf > p.edit_threshold && (p.editable == nullptr || p.editable[n] != 0);
 }
 
 }  // namespace decode_math

@@ -442,7 +442,8 @@ DINFER_HD void finalize_stats(const FinalizeArgs& a, const FinalizeSeq& q, const
       decode_math::sequence_stats(q.L, v.tokens, v.cand, v.conf, v.fb_conf, a.p.mask_id, a.p.vocab > 1);
 }
 
-// Phase c, thread tid: commit decisions of its rows, from the tokens as they were before this step.
+// Phase c, thread tid: commit decisions of its rows (the rule, the progress guarantee, the joint
+// rule's edits), from the tokens as they were before this step.
 DINFER_HD void finalize_decide(const FinalizeArgs& a, const FinalizeSeq& q, const SeqView& v,
                                const decode_math::SeqStats& st, int64_t b, int tid) {
   const DecodeStepParams& p = a.p;
@@ -451,7 +452,8 @@ DINFER_HD void finalize_decide(const FinalizeArgs& a, const FinalizeSeq& q, cons
   for (int64_t i = tid; i < q.L; i += kFinalizeThreads) {
     const bool c = decode_math::row_commits(i, q.L, v.tokens, v.cand, v.conf, st, p.rule, tau,
                                             p.low_threshold, k, p.mask_id) ||
-                   i == st.fallback_row;
+                   i == st.fallback_row ||
+                   decode_math::row_edits(p, q.lo + i, v.tokens[i], v.cand[i], v.conf[i]);
     p.commit[q.lo + i] = c ? 1 : 0;
   }
 }

@@ -1,0 +1,141 @@
+"""The KV-cache manager of bidirectional models (LLaDA, LLaDA-MoE): a contiguous cache per sequence
+slot, rebuilt by full refreshes and partially recomputed by window steps.
+
+Every row of a bidirectional model sees the whole sequence, [MASK]s after the block included, so the
+K/V of committed tokens go stale as the suffix is decoded. Each block starts with a full refresh (a
+forward over the whole sequence that rebuilds the cache); in between, a window step recomputes the
+rows the cache mode names (dInfer's prefix / dual / vicinity caches; none: every step a refresh):
+
+    none      everything            prefix   from the block to the sequence's end
+    dual      the block             vicinity [block - prefix_look, block + after_look)
+
+A window's start depends only on its own sequence, and rows past a sequence's end are padding, so a
+sequence computes the same alone or in a batch.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .batch import Batch
+from .params import check_memory
+
+MODES = ("none", "prefix", "dual", "vicinity")
+
+
+class Window(NamedTuple):
+    """What one forward computes: rows at positions `pos` [B, W] of the sequences, attending keys
+    [0, seq_lens[b]) (narrowed by block_mask), writing their K/V into `cache` (write_back), and the
+    flat indices of the block's rows among them (`rows`, [B * bl], into B * W)."""
+
+    pos: torch.Tensor
+    rows: torch.Tensor
+    seq_lens: torch.Tensor
+    block_mask: Optional[object]
+    write_back: bool
+    cache: object
+    block_table: Optional[torch.Tensor]
+
+
+def block_rows(block_pos: torch.Tensor, lo: torch.Tensor, W: int) -> torch.Tensor:
+    """[B * bl] flat indices (into B * W) of each sequence's block rows in a window starting at lo [B].
+    Padding rows may fall outside the window: they read any row's logits."""
+    B = block_pos.shape[0]
+    return (
+        (block_pos - lo[:, None]).clamp(0, W - 1) + W * torch.arange(B, device=lo.device)[:, None]
+    ).flatten()
+
+
+def window(batch: Batch, k: torch.Tensor, mode: str, prefix_look: int, after_look: int):
+    """(start [B], W) of the rows a window step recomputes for each sequence's block k[b] under `mode`."""
+    bl, S = batch.block_length, batch.max_len
+    start = batch.block_start(k)
+    if mode == "none":
+        return torch.zeros_like(start), S
+    if mode == "dual":
+        return start, bl
+    if mode == "vicinity":
+        return (start - prefix_look).clamp(min=0), prefix_look + bl + after_look
+    if mode == "prefix":
+        return start, max(1, int((batch.total_len.to(torch.int64) - start).max()))
+    raise ValueError(f"cache: expected one of {MODES}, got {mode!r}")
+
+
+class RoundCache(NamedTuple):
+    """A round's view of the cache and its windows."""
+
+    cache: object  # KVCache: the head of each slot buffer seen as [B, S, Hkv, D], contiguous
+    window_lo: torch.Tensor  # [B] where each sequence's window step starts
+    window_len: int
+
+
+class RefreshKV:
+    """The cache of `model` (a DiffusionLM) under GenerationConfig `cfg` for the rows of `storage`
+    (a row per sequence in flight, of storage.max_len positions); max_total is not needed: every
+    row holds its sequence whole."""
+
+    admit = None  # every request fits its row: no admission control, nothing to give back
+    release = None
+
+    @staticmethod
+    def check(model, cfg) -> None:
+        """ValueError naming `cache` unless cfg's cache mode is one of this manager's."""
+        if cfg.cache not in MODES:
+            raise ValueError(
+                f"cache: a bidirectional model ({model.config.family}) takes one of {MODES}, got {cfg.cache!r}"
+            )
+
+    def __init__(self, model, cfg, storage: Batch, max_total: int):
+        self.check(model, cfg)
+        self.model, self.cfg = model, cfg
+        slots, width = storage.size, storage.max_len
+        rows = slots * width  # the cache, and a refresh's forward over every row
+        what = f"a run of {slots} sequence(s) x {width} positions"
+        check_memory(model, rows, rows, slots * cfg.block_length, what)  # a refusal, not an OOM
+        self.cache = model.new_cache(slots, width)
+
+    def start_round(self, st, sched, stats) -> RoundCache:
+        """The round's cache: the head of each slot buffer as [B, S, Hkv, D]. What a block leaves
+        there is never read again (every block starts with a refresh)."""
+        B, S = st.batch.size, st.batch.max_len
+        cache = type(self.cache)(
+            [_head(t, B, S) for t in self.cache.keys], [_head(t, B, S) for t in self.cache.values]
+        )
+        lo, W = window(st.batch, st.blocks, self.cfg.cache, self.cfg.prefix_look, self.cfg.after_look)
+        return RoundCache(cache, lo, W)
+
+    def kinds(self, step: int, ran: int, chunk: int) -> tuple:
+        """The kinds of the block's iterations step .. step + chunk - 1 ("refresh" or "window");
+        `ran`: the fewest forwards any sequence in the block has run before (the warm-up is per
+        sequence: a newcomer gets its own)."""
+        c = self.cfg
+
+        def refresh(s: int, r: int) -> bool:
+            return (
+                s == 0
+                or c.cache == "none"
+                or r < c.warmup_steps
+                or (c.refresh_every > 0 and s % c.refresh_every == 0)
+            )
+
+        return tuple("refresh" if refresh(step + j, ran + j) else "window" for j in range(chunk))
+
+    def window(self, st, kind: str) -> Window:
+        rc = st.kv
+        refresh = kind == "refresh"
+        lo = torch.zeros_like(rc.window_lo) if refresh else rc.window_lo
+        W = st.batch.max_len if refresh else rc.window_len
+        pos = (lo[:, None] + torch.arange(W, device=lo.device)).clamp(max=st.batch.max_len - 1)
+        rows = block_rows(st.block_pos, lo, W)
+        return Window(pos, rows, st.batch.total_len, None, refresh or self.cfg.write_back, rc.cache, None)
+
+    def select(self, rc: RoundCache, keep: torch.Tensor) -> RoundCache:
+        """The round cache of sequences `keep` only. Their cache rows are copied: nothing a block's
+        iterations write into the cache is read after the block, whose successor starts with a
+        refresh."""
+        cache = type(rc.cache)([t[keep] for t in rc.cache.keys], [t[keep] for t in rc.cache.values])
+        return RoundCache(cache, rc.window_lo[keep], rc.window_len)
+
+
+def _head(buffer: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    return buffer.view(-1)[: B * S * buffer[0, 0].numel()].view(B, S, *buffer.shape[2:])
