@@ -24,9 +24,10 @@ VANILLA = dict(decoder="fixed", steps_per_block=0, cache="none", early_stop=Fals
 
 def vanilla(name) -> dict:
     """Vanilla decoding of an embedded model: one token per step, lowest-confidence first, no cache;
-    a block-causal model's blocks on the grid from position 0, as it was trained (the loop requires it)."""
+    a block-causal model's blocks on the grid from position 0, as it was trained, on its paged cache
+    (the only cache it takes: exact, since a committed block's K/V are final)."""
     block_causal = ModelConfig.from_dir(model_dir(name)).block_causal
-    return dict(VANILLA, align_blocks=True) if block_causal else VANILLA
+    return dict(VANILLA, align_blocks=True, cache="paged") if block_causal else VANILLA
 
 
 @pytest.fixture(scope="module", params=EMBEDDED)
