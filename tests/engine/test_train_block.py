@@ -294,6 +294,56 @@ def test_block_fill_reaches_into_the_block_after_the_first_eos(tok_dir, bl):
     assert fill.min() == 1 and fill.max() == 4
 
 
+def test_attention_mask_in_training_attention():
+    """ops.attention with a dense mask: each row a softmax over its allowed keys (before seq_lens);
+    a row with none gets 0 and no NaN, forward or backward."""
+    g = torch.Generator().manual_seed(0)
+    B, T, Hq, Hkv, D = 2, 7, 4, 2, 8
+    q, k, v = (torch.randn(B, T, h, D, generator=g).requires_grad_() for h in (Hq, Hkv, Hkv))
+    mask = torch.rand(B, T, T, generator=g) < 0.5
+    mask[0, 3] = False  # a row that sees nothing
+    seq_lens = torch.tensor([7, 5], dtype=torch.int32)
+    out = ops.attention(q, k, v, None, None, None, seq_lens, attn_mask=mask)
+    out.sum().backward()
+    assert all(t.grad.isfinite().all() for t in (q, k, v))
+    for b in range(B):
+        for i in range(T):
+            keys = [j for j in range(T) if mask[b, i, j] and j < int(seq_lens[b])]
+            for h in range(Hq):
+                if not keys:
+                    assert out[b, i, h].abs().max() == 0
+                    continue
+                kk, vv = k[b, keys, h // 2], v[b, keys, h // 2]
+                p = torch.softmax(q[b, i, h] @ kk.t() / D**0.5, -1)
+                torch.testing.assert_close(out[b, i, h], p @ vv)
+
+
+def test_expert_bias_balancing():
+    """ops.expert_loads counts each MoE call's expert choices (the router's, bias included), and
+    _balance moves each bias by `rate` towards the experts chosen less than the mean."""
+    c = PRESET.config
+    w = lively_model()
+    hidden = torch.randn(50, c.hidden_size, generator=torch.Generator().manual_seed(0))
+    layer = f"layers.{c.first_k_dense}."
+    routing = dict(scoring="sigmoid", num_groups=c.num_groups, topk_groups=c.topk_groups)
+    args = (hidden, w[layer + "router"], w[layer + "w13"], w[layer + "w2"], c.top_k)
+    kw = dict(
+        routing, renormalize=True, expert_bias=w[layer + "expert_bias"], routed_scaling=c.routed_scaling
+    )
+    loads: list = []
+    with ops.expert_loads(loads):
+        out = ops.moe(*args, **kw)
+    ops.moe(*args, **kw)  # outside the block: not recorded
+    _, experts = route(hidden, w[layer + "router"], c.top_k, **kw)
+    assert len(loads) == 1
+    assert torch.equal(loads[0], torch.bincount(experts.flatten(), minlength=c.num_experts))
+    expected = dk.moe(*args, **kw)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+    biases = [torch.zeros(4), torch.zeros(4)]
+    _balance(biases, torch.tensor([[1.0, 2.0, 3.0, 6.0], [3.0, 3.0, 3.0, 3.0]]), 0.5)
+    assert biases[0].tolist() == [0.5, 0.5, 0.0, -0.5] and biases[1].tolist() == [0.0] * 4
+
+
 def test_init_expert_bias_is_zero_and_untrained():
     weights = init_weights(PRESET, torch.Generator().manual_seed(0))
     biases = [n for n in weights if n.endswith("expert_bias")]
@@ -320,7 +370,7 @@ def test_train_llada2_writes_a_block_causal_checkpoint(tmp_path):
     llm = LLM(a, device="cpu")
     assert llm.model.config.family == LLADA2 and llm.model.config.block_causal
     assert llm.defaults["block_length"] == 32  # the trained block length, from generation_config.json
-    out = llm.generate(["add:12+34"], cache="none", decoder="fixed", steps_per_block=0)
+    out = llm.generate(["add:12+34"], decoder="fixed", steps_per_block=0)  # its paged cache
     assert len(out.token_ids) == 1 and out.stats["forwards"] >= 1
 
 
