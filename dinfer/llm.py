@@ -83,7 +83,7 @@ class LLM:
     """A diffusion LLM ready to generate: LLM("path/to/LLaDA-MoE-7B-A1B-Instruct").generate("Hi").
 
     model_path: a checkpoint folder, or the name of an embedded model ("tiny-llada-moe", the default
-    when None, or "tiny-llada").
+    when None, "tiny-llada" or "tiny-llada2").
     tensor_parallel_size: ranks of a tensor-parallel group (dinfer.parallel): attention heads, MLP
     channels, the vocabulary and (expert parallelism) the experts split across them. Under torchrun
     every process creates the LLM and joins (--nproc-per-node must equal it); otherwise this process

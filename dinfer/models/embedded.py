@@ -7,7 +7,7 @@ from typing import Optional
 from .tokenizer import read_json
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
-EMBEDDED = ("tiny-llada-moe", "tiny-llada")
+EMBEDDED = ("tiny-llada-moe", "tiny-llada", "tiny-llada2")
 DEFAULT = EMBEDDED[0]
 GENERATION_CONFIG = "generation_config.json"
 

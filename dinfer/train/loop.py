@@ -7,7 +7,9 @@ lower-variance form: l ~ U{1..L} of a sequence's L canvas tokens are masked, dra
 replacement, and the cross-entropy on them is weighted by L / l and divided by L. A fraction of the batches
 (`soft_fraction`) also sees what iteration smoothing feeds a model at inference: each masked row's
 input gets w * softmax(z) @ E added, z from a no-grad forward of the same input and w drawn from the
-smoothing schedule's range (self-conditioning). Everything is drawn from
+smoothing schedule's range (self-conditioning). A preset with a block_length trains with the
+block-diffusion objective instead (block.py, `block_loss_fn`): the same canvases, each block of
+them noised on its own under block-causal attention. Everything is drawn from
 seeded generators, so a run is reproducible for a given seed, step count and torch build.
 """
 
@@ -29,6 +31,7 @@ from ..models.checkpoint import expected_shapes, save_checkpoint
 from ..models.transformer import DiffusionLM, KVCache
 from ..tasks import sample
 from . import ops
+from .block import mask_blocks, two_copy_layout
 from .presets import BLOCK_LENGTH, GEN_LENGTH, PRESETS, TrainPreset
 from .tokenizer import ASSISTANT, BOS, save_tokenizer, special_ids
 
@@ -38,9 +41,13 @@ SOFT_WEIGHT = (SMOOTHING_WEIGHT[0], SMOOTHING_WEIGHT[2])  # the range of w_n at 
 def init_weights(preset: TrainPreset, gen: torch.Generator) -> Dict[str, torch.Tensor]:
     """torch's default init: norms at 1, embeddings N(0, 1), every other matrix N(0, 1 / (3 fan_in))
     (the variance of nn.Linear's uniform). At N(0, 0.02^2) the recall lookup did not form even with
-    the position scaffold (docs/training.md, recall probes rounds 7-8)."""
+    the position scaffold (docs/training.md, recall probes rounds 7-8). Expert biases start at 0 and
+    take no gradient (they only choose experts; `_balance` moves them)."""
     weights = {}
     for name, shape in expected_shapes(preset.config).items():
+        if name.endswith("expert_bias"):
+            weights[name] = torch.zeros(shape)
+            continue
         if name.endswith("norm"):
             w = torch.ones(shape)
         elif name == "embed":
@@ -86,10 +93,16 @@ class Batches:
             recall = task == "recall"
             prompt, answer = sample(task, self.rng, heldout=False, draw=recall_draw if recall else None)
             p, a = self.prompt_ids(prompt), self.tok.encode(answer).ids
-            fill_step = step - curriculum.fill_start() if recall else step
-            rows.append(
-                p + a + [self.eos] * self.rng.randint(1, self.max_fill(len(a), fill_step / self.steps))
-            )
+            if self.preset.block_length:
+                most = self.block_fill(len(p), len(a))
+                if recall and step < curriculum.fill_start():
+                    # short fills while recall's lookup forms, as under LLaDA's objective: with the
+                    # block fills from step 0 it had not formed by the scaffold's end (docs/training.md)
+                    most = min(most, 4)
+            else:
+                fill_step = step - curriculum.fill_start() if recall else step
+                most = self.max_fill(len(a), fill_step / self.steps)
+            rows.append(p + a + [self.eos] * self.rng.randint(1, most))
             starts.append(len(p))
             answer_lens.append(len(a))
             scaffold.append(recall_scaffold if recall else 0.0)
@@ -110,6 +123,16 @@ class Batches:
         ramp = min(max(progress, 0.0) / self.preset.fill_ramp, 1.0) if self.preset.fill_ramp > 0 else 1.0
         return max(1, round(min(4, full) + ramp * (full - min(4, full))))
 
+    def block_fill(self, prompt_len: int, answer_len: int) -> int:
+        """EOS after the answer under the block-diffusion objective: up to the end of the block after
+        the one that holds the first EOS, within max_canvas (no decoded canvas is longer). A block sees only itself and the blocks before it, so a
+        longer fill changes no answer block (nor their [MASK] runs, which `max_fill` paces for
+        bidirectional attention), and the first EOS ends the answer; the fills teach the EOS that
+        ends an answer, a block of EOS after it, and last blocks cut short at any length."""
+        bl = self.preset.block_length
+        first_eos = prompt_len + answer_len
+        return min((first_eos // bl + 2) * bl - first_eos, max(self.preset.max_canvas - answer_len, 1))
+
 
 def loss_fn(
     model: DiffusionLM,
@@ -121,10 +144,12 @@ def loss_fn(
     soft: bool = False,
     hits: dict = None,
     scaffold: torch.Tensor = None,
+    loads: list = None,
 ):
     """LLaDA's SFT loss of one batch; `hits`, if given, gets the flat indices of the masked rows
     ("rows") and whether each one's argmax is right ("hit"); `scaffold` ([B, T, H]), if given, is
-    added to the input embeddings (the curriculum's position table)."""
+    added to the input embeddings (the curriculum's position table); `loads`, if given, gets the
+    loss forward's expert load of each MoE layer (ops.expert_loads)."""
     B, T = tokens.shape
     c = model.config
     # The per-token form (mask each token with p ~ U(0, 1), weight 1/p) estimates the same bound, but
@@ -147,7 +172,7 @@ def loss_fn(
     if soft:
         emb = emb + _smoothing_inputs(model, emb, positions, lengths, rows, no_cache, gen, valid)
     # bf16 autocast: the host's bf16 GEMMs are ~4x its fp32 ones; master weights and the loss stay fp32.
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), ops.expert_loads(loads):
         logits = model.forward(emb, positions, no_cache, lengths, logits_rows=rows, ffn_rows=valid)
     ce = F.cross_entropy(logits.float(), tokens.flatten()[rows], reduction="none")
     if hits is not None:
@@ -156,15 +181,68 @@ def loss_fn(
     return (ce * weight).sum() / B
 
 
+def block_loss_fn(
+    model: DiffusionLM,
+    tokens,
+    canvas,
+    lengths,
+    canvas_len,
+    gen: torch.Generator,
+    block_length: int,
+    soft: bool = False,
+    hits: dict = None,
+    scaffold: Callable[[torch.Tensor], torch.Tensor] = None,
+    loads: list = None,
+):
+    """The block-diffusion loss of one batch (block.py): every canvas block noised on its own (l of
+    its L canvas tokens masked, weight L / l), all blocks in one forward of the two-copy layout under
+    its block-causal mask, cross-entropy on the masked noisy tokens; each sequence's sum is divided by
+    its canvas length L_seq and the batch's by B, so a token's weight is (L / l) / L_seq, as in
+    `loss_fn`. `hits`, if given, gets the masked rows as flat indices into the batch's [B, T] tokens
+    and whether each one's argmax is right; `scaffold`, if given, maps the layout's positions [B, W]
+    to what is added to its input embeddings [B, W, H] (the curriculum's position table); `loads`, if
+    given, gets the loss forward's expert load of each MoE layer (ops.expert_loads)."""
+    B, T = tokens.shape
+    c = model.config
+    layout = two_copy_layout(tokens, canvas, lengths, block_length, c.pad_id)
+    masked, block_weight = mask_blocks(layout, block_length, gen)
+    W = layout.tokens.shape[1]
+    inputs = torch.where(masked, torch.full_like(layout.tokens, c.mask_id), layout.tokens)
+    rows = masked.flatten().nonzero().flatten()
+    valid = layout.valid.flatten().nonzero().flatten()
+    no_cache = KVCache([None] * c.num_layers, [None] * c.num_layers)
+    emb = model.embed(inputs)
+    if scaffold is not None:
+        emb = emb + scaffold(layout.positions)
+    forward = dict(attn_mask=layout.mask)
+    if soft:
+        emb = emb + _smoothing_inputs(
+            model, emb, layout.positions, layout.widths, rows, no_cache, gen, valid, **forward
+        )
+    with torch.autocast("cpu", dtype=torch.bfloat16), ops.expert_loads(loads):
+        logits = model.forward(
+            emb, layout.positions, no_cache, layout.widths, logits_rows=rows, ffn_rows=valid, **forward
+        )
+    target = layout.tokens.flatten()[rows]
+    ce = F.cross_entropy(logits.float(), target, reduction="none")
+    if hits is not None:
+        seq = rows // W
+        hits.update(rows=seq * T + layout.positions.flatten()[rows], hit=logits.argmax(-1) == target)
+    weight = (block_weight / canvas_len[:, None]).flatten()[rows]
+    return (ce * weight).sum() / B
+
+
 def _smoothing_inputs(
-    model: DiffusionLM, emb, positions, lengths, rows, cache, gen, ffn_rows=None
+    model: DiffusionLM, emb, positions, lengths, rows, cache, gen, ffn_rows=None, attn_mask=None
 ) -> torch.Tensor:
     """[B, T, H]: w * softmax(z) @ E on the masked rows `rows` (zero elsewhere), the term iteration
     smoothing adds to the [MASK] embedding, from a no-grad forward of the same input (MLPs on
-    `ffn_rows` only, as in the loss's forward)."""
+    `ffn_rows` only and attention under `attn_mask`, as in the loss's forward)."""
     B, T, H = emb.shape
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        z = model.forward(emb, positions, cache, lengths, logits_rows=rows, ffn_rows=ffn_rows)
+        z = model.forward(
+            emb, positions, cache, lengths, logits_rows=rows, ffn_rows=ffn_rows, attn_mask=attn_mask
+        )
     lo, hi = SOFT_WEIGHT
     w = (lo + (hi - lo) * torch.rand(B, generator=gen)).repeat_interleave(T)[rows]
     expected = torch.softmax(z.float(), -1) @ model.embedding.detach().float()
@@ -199,8 +277,9 @@ def train(
     table = torch.randn(
         preset.config.max_positions, preset.config.hidden_size, generator=gen
     ).requires_grad_()
-    decay = [w for n, w in weights.items() if w.dim() >= 2 and n != "embed"]
-    rest = [w for n, w in weights.items() if not (w.dim() >= 2 and n != "embed")] + [table]
+    trained = {n: w for n, w in weights.items() if w.requires_grad}  # not the expert biases
+    decay = [w for n, w in trained.items() if w.dim() >= 2 and n != "embed"]
+    rest = [w for n, w in trained.items() if not (w.dim() >= 2 and n != "embed")] + [table]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": preset.weight_decay}, {"params": rest, "weight_decay": 0.0}],
         lr=preset.lr,
@@ -209,26 +288,45 @@ def train(
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, preset.warmup))
     t0, running = time.perf_counter(), None
     tally = {task: [0, 0] for task, _ in preset.task_weights}  # masked answer tokens: right, seen
+    biases = [weights[n] for n in weights if n.endswith("expert_bias")]  # one per MoE layer, in order
+    load_sum = torch.zeros(len(biases), preset.config.num_experts)  # expert load since the last log
     for step in range(steps):
         soft = preset.soft_fraction > 0 and torch.rand(1, generator=gen).item() < preset.soft_fraction
         hits = {}
         batch = batches(step)
         scaffold = None  # the position table's share of each row's inputs, while any row has one
-        if batches.scaffold.any():
-            scaffold = batches.scaffold[:, None, None] * table[None, : batch[0].shape[1]]
-        loss = loss_fn(model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold)
+        loads = [] if biases else None  # the expert load of the step's forward, for the balancing
+        if preset.block_length:
+            if batches.scaffold.any():  # the layout's columns at their absolute positions
+                scaffold = functools.partial(_position_table, table, batches.scaffold)
+            loss = block_loss_fn(
+                model, *batch, gen, preset.block_length, soft=soft, hits=hits, scaffold=scaffold, loads=loads
+            )
+        else:
+            if batches.scaffold.any():
+                scaffold = batches.scaffold[:, None, None] * table[None, : batch[0].shape[1]]
+            loss = loss_fn(model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold, loads=loads)
         _tally(tally, batches, hits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(weights.values()) + [table], 1.0)
         opt.step()
         lr_sched.step()
+        if loads is not None:
+            load = torch.stack(loads).float()  # [MoE layers, E], this step's main forward
+            load_sum += load
+            _balance(biases, load, preset.expert_bias_update)
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if (step + 1) % 100 == 0 or step + 1 == steps:
             accuracy = " ".join(f"{t} {right / max(seen, 1):.2f}" for t, (right, seen) in tally.items())
+            balance = ""
+            if biases:  # per MoE layer: the busiest expert's load over the mean
+                peak = load_sum.max(1).values / load_sum.mean(1).clamp(min=1)
+                balance = " | expert load max/mean: " + " ".join(f"{p:.2f}" for p in peak.tolist())
+                load_sum.zero_()
             log(
-                f"{name} step {step + 1}/{steps} loss {running:.4f} | masked answer tokens right: {accuracy} "
-                f"({time.perf_counter() - t0:.0f} s)"
+                f"{name} step {step + 1}/{steps} loss {running:.4f} | masked answer tokens right: {accuracy}"
+                f"{balance} ({time.perf_counter() - t0:.0f} s)"
             )
             tally = {task: [0, 0] for task in tally}
         if (step + 1) % save_every == 0 or step + 1 == steps:  # a usable checkpoint while training runs
@@ -247,6 +345,12 @@ def train(
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
             }
+            if preset.block_length:
+                record.update(
+                    objective="block diffusion",
+                    block_length=preset.block_length,
+                    expert_bias_update=preset.expert_bias_update,
+                )
             _save(out, preset, weights, record)
     return record
 
@@ -261,6 +365,20 @@ def _tally(tally: dict, batches: Batches, hits: dict) -> None:
         tally[batches.tasks[b]][1] += 1
 
 
+def _position_table(table: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B, W, H]: the position table's rows at `positions` [B, W], times each row's weight [B]."""
+    return weight[:, None, None] * table[positions]
+
+
+def _balance(biases: List[torch.Tensor], load: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free load balancing (DeepSeek-V3's, LLaDA2's expert bias): each MoE layer's bias
+    [E] moves by `rate` towards balanced load, bias_e += rate * sign(mean load - load_e); `load`
+    [layers, E] counts the tokens that chose each expert in the step's forward."""
+    with torch.no_grad():
+        for bias, n in zip(biases, load):
+            bias += rate * torch.sign(n.mean() - n)
+
+
 def _lr_factor(step: int, steps: int, warmup: int) -> float:
     """Linear warm-up, then a cosine from 1 down to 0.1 at the last step."""
     return min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
@@ -268,12 +386,18 @@ def _lr_factor(step: int, steps: int, warmup: int) -> float:
 
 def _save(out: str, preset: TrainPreset, weights, record: dict) -> None:
     c = preset.config
-    save_checkpoint(out, c, {n: w.detach() for n, w in weights.items()}, dtype=torch.bfloat16)
+    # bf16 weights; the expert bias in fp32, as the LLaDA2 release stores it (a bf16 bias would move
+    # near-ties of the routing away from what training chose)
+    tensors = {
+        n: w.detach().to(torch.float32 if n.endswith("expert_bias") else torch.bfloat16)
+        for n, w in weights.items()
+    }
+    save_checkpoint(out, c, tensors)
     with open(os.path.join(out, "generation_config.json"), "w", encoding="utf-8") as f:
         json.dump(
             {
                 "max_new_tokens": GEN_LENGTH,
-                "block_length": BLOCK_LENGTH,
+                "block_length": preset.block_length or BLOCK_LENGTH,
                 "eos_token_id": c.eos_id,
                 "pad_token_id": c.pad_id,
                 "mask_token_id": c.mask_id,

@@ -1,15 +1,27 @@
-"""The two embedded models: architecture, training schedule and generation defaults.
+"""The embedded models: architecture, training schedule and generation defaults.
 
-Both train on a 2-core CPU in under 45 minutes (shipped runs, one thread each with the other core
-busy: MoE 42 min, dense 34 min; docs/training.md, 2026-12-02) and ship in the package (bf16 weights,
-< 20 MB each): tiny-llada-moe (the default model; LLaDA-MoE: QK-norm, 8 experts,
-top-2, no renormalisation) and tiny-llada (the dense LLaDA block: SwiGLU MLP, no QK-norm).
+Each trains on a 2-core CPU in under 45 minutes on one thread (docs/training.md) and ships in the
+package (bf16 weights, < 20 MB each): tiny-llada-moe (the default model; LLaDA-MoE: QK-norm, 8
+experts, top-2, no renormalisation), tiny-llada (the dense LLaDA block: SwiGLU MLP, no QK-norm), both
+trained with LLaDA's objective over bidirectional attention, and tiny-llada2 (LLaDA2-MoE: fused QKV
+with GQA, QK-norm, partial RoPE, a dense first layer, sigmoid group-limited routing with an expert
+bias, a shared expert), trained with the block-diffusion objective (dinfer/train/block.py) under the
+block-causal attention it decodes with.
 """
 
 from dataclasses import dataclass
 from typing import Tuple
 
-from ..models.config import DENSE, DENSE_ARCH, MOE, MOE_ARCH, ModelConfig
+from ..models.config import (
+    DENSE,
+    DENSE_ARCH,
+    LLADA2,
+    LLADA2_ARCH,
+    LLADA2_BLOCK_LENGTH,
+    MOE,
+    MOE_ARCH,
+    ModelConfig,
+)
 from .curriculum import RECALL_CURRICULUM, RecallCurriculum
 from .tokenizer import EOS, MASK, special_ids, vocab_size
 
@@ -47,12 +59,19 @@ class TrainPreset:
     soft_fraction: float = 0.25  # batches that also train on iteration-smoothing inputs
     task_weights: Tuple[Tuple[str, float], ...] = TASK_WEIGHTS
     recall_curriculum: RecallCurriculum = RECALL_CURRICULUM
+    # > 0: the block-diffusion objective (block.py) in blocks of this length on the grid from
+    # position 0, the block length the model then decodes with (its generation_config.json); 0:
+    # LLaDA's objective over bidirectional attention.
+    block_length: int = 0
+    # Aux-loss-free balancing of the expert bias (models with one): after each step every MoE layer's
+    # bias moves by this much towards balanced expert load (bias_e += u * sign(mean load - load_e)).
+    expert_bias_update: float = 0.0
 
 
 def _config(family: str, **kw) -> ModelConfig:
     ids = special_ids()
     hidden, heads = 256, 8
-    common = dict(
+    fields = dict(
         hidden_size=hidden,
         num_layers=4,
         num_heads=heads,
@@ -70,7 +89,8 @@ def _config(family: str, **kw) -> ModelConfig:
         router_renormalize=False,
         expert_bias=False,
     )
-    return ModelConfig(family=family, **common, **kw)
+    fields.update(kw)
+    return ModelConfig(family=family, **fields)
 
 
 PRESETS = {
@@ -100,5 +120,33 @@ PRESETS = {
         # The dense model's sort needs the most (68% exact at a double share); it only serves the
         # quality bar, not the parallel-decoding benchmark, so chain gives add a quarter share.
         task_weights=_reweighted(add=1.25, sort=3.0, reverse=1.0, chain=0.75),
+    ),
+    "tiny-llada2": TrainPreset(
+        _config(
+            LLADA2,
+            num_kv_heads=2,  # GQA: 4 query heads per KV head, as the release's 16 / 4
+            rotary_dim=16,  # partial RoPE on half of each head, as the release's 64 of 128
+            rms_eps=1e-6,
+            intermediate_size=768,  # layer 0's dense MLP
+            first_k_dense=1,
+            num_experts=8,
+            top_k=2,
+            expert_intermediate_size=256,
+            shared_intermediate_size=256,  # one shared expert of the experts' width
+            qk_norm=True,
+            router_renormalize=True,  # the released code renormalises whenever top_k > 1
+            expert_bias=True,
+            router_scoring="sigmoid",
+            num_groups=4,
+            topk_groups=2,
+            routed_scaling=2.5,
+            # what loading the checkpoint gives (config.json has no block length); the model decodes
+            # with the preset's block_length, which its generation_config.json sets
+            block_length=LLADA2_BLOCK_LENGTH,
+            architectures=(LLADA2_ARCH,),
+        ),
+        steps=2400,
+        block_length=LLADA2_BLOCK_LENGTH,
+        expert_bias_update=1e-3,
     ),
 }

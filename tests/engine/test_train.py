@@ -75,7 +75,7 @@ def test_training_ops_match_kernel_ops(name):
         @staticmethod
         def attention(q, k, v, *args, **kwargs):
             o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             )
             return o.transpose(1, 2)
 
