@@ -18,6 +18,17 @@ start_block_align, the engine's default, starts it at the block boundary below t
 which on these models costs accuracy and tokens/forward alike; see docs/notes/results-log.md).
 Each runs with our kernels (backend "auto") and on the pure-torch references ("/torch"), and
 dinfer-full also at batch 8. Speedups are tokens/s over vanilla and over fast-dllm, both with kernels.
+
+A block-causal model (LLaDA2, e.g. --model tiny-llada2) decodes by block diffusion on the paged cache,
+blocks on the grid from position 0, with its own recipes (BLOCK_RECIPES; speedups over one-token):
+  one-token      one token per step (the fixed decoder), early stop
+  threshold      threshold 0.9, early stop
+  threshold-fwd  the same with the previous block's clean K/V from an extra forward, not fused
+  joint-quality  LLaDA2.1's JointThreshold, diffusers' Quality mode: tau 0.7, edits above 0.5,
+                 up to 16 post-edit forwards
+  joint-no-edit  the same tau 0.7 with editing off: what the edits alone change
+  joint-speed    Speed mode: tau 0.5, no edits
+and the threshold recipe at batch 8.
 Each row is timed --repeats times, in passes over all rows (so the host's drift lands on every row
 alike); its tokens/s is the median run's, and the JSON keeps every run's ("tps_runs").
 """
@@ -52,10 +63,30 @@ RECIPES = {
 }
 
 
+BLOCK_RECIPES = {
+    "one-token": dict(decoder="fixed", steps_per_block=0, unroll=1),
+    "threshold": dict(decoder="threshold", threshold=0.9, unroll=4),
+    "threshold-fwd": dict(decoder="threshold", threshold=0.9, clean_kv="forward", unroll=4),
+    "joint-quality": dict(
+        decoder="joint", threshold=0.7, edit_threshold=0.5, max_post_edit_steps=16, unroll=4
+    ),
+    "joint-no-edit": dict(decoder="joint", threshold=0.7, unroll=4),
+    "joint-speed": dict(decoder="joint", threshold=0.5, unroll=4),
+}
+
+
+def recipes(llm):
+    """The model's recipes, and the options every one of them shares."""
+    if llm.model.config.block_causal:
+        return BLOCK_RECIPES, dict(cache="paged", align_blocks=True)
+    return RECIPES, dict(align_blocks=False)
+
+
 def run_once(llm, row, args, first):
     """One timed evaluation of row (recipe, backend, batch); first: with evaluate's warm-up."""
     recipe, backend, batch = row
-    options = dict(RECIPES[recipe], align_blocks=False)
+    table, shared = recipes(llm)
+    options = dict(table[recipe], **shared)
     with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
         r = evaluate(
             llm, args.tasks, num_problems=args.num_problems, batch_size=batch, warmup=first, **options
@@ -84,8 +115,9 @@ def main(argv=None):
     if args.quick:
         args.num_problems = min(args.num_problems, 4)
     llm = common.engine_llm(args)
-    rows = [(recipe, backend, 1) for recipe in RECIPES for backend in ("auto", "torch")]
-    rows.append(("dinfer-full", "auto", 8))
+    table, _ = recipes(llm)
+    rows = [(recipe, backend, 1) for recipe in table for backend in ("auto", "torch")]
+    rows.append(("threshold" if llm.model.config.block_causal else "dinfer-full", "auto", 8))
 
     def once(row, i):
         r = run_once(llm, row, args, first=i == 0)
@@ -93,8 +125,9 @@ def main(argv=None):
         return r
 
     results = common.interleaved_medians(rows, once, common.repeats(args))
-
     get = {(r["recipe"], r["backend"], r["batch"]): r for r in results}
+    if llm.model.config.block_causal:
+        return finish_block_diffusion(llm, args, results, get)
     van, fast = get["vanilla", "auto", 1], get["fast-dllm", "auto", 1]
     for r in results:
         r["speedup_vs_vanilla"] = round(r["tokens_per_second"] / van["tokens_per_second"], 2)
@@ -142,6 +175,43 @@ def main(argv=None):
         plot(results, args.plot, os.path.basename(llm.path))
 
 
+def finish_block_diffusion(llm, args, results, get):
+    """The block-diffusion recipes' table: speedups over one token per step, what editing and the
+    fused clean K/V buy."""
+    base = get["one-token", "auto", 1]
+    for r in results:
+        r["speedup_vs_one_token"] = round(r["tokens_per_second"] / base["tokens_per_second"], 2)
+    thr, fwd = get["threshold", "auto", 1], get["threshold-fwd", "auto", 1]
+    quality, plain = get["joint-quality", "auto", 1], get["joint-no-edit", "auto", 1]
+    speed = get["joint-speed", "auto", 1]
+    points = lambda a, b: round(100 * (a["accuracy"] - b["accuracy"]), 1)
+    notes = [
+        f"threshold TPS / one-token: {thr['speedup_vs_one_token']}",
+        f"joint-quality accuracy - joint-no-edit, points (what editing buys): {points(quality, plain)}",
+        f"joint-quality TPF / joint-no-edit TPF (what editing costs): "
+        f"{round(quality['tokens_per_forward'] / plain['tokens_per_forward'], 2)}",
+        f"joint-speed accuracy - one-token, points: {points(speed, base)}; TPF "
+        f"{speed['tokens_per_forward']:.2f}",
+        f"threshold forwards saved by the fused clean K/V: {fwd['forwards'] - thr['forwards']} of "
+        f"{fwd['forwards']}",
+        f"batch 8 TPS / batch 1 TPS, threshold: "
+        f"{round(get['threshold', 'auto', 8]['tokens_per_second'] / thr['tokens_per_second'], 2)}",
+    ]
+    columns = [
+        ("recipe", "recipe", None),
+        ("backend", "backend", None),
+        ("batch", "batch", None),
+        ("accuracy", "accuracy", ".3f"),
+        ("TPF", "tokens_per_forward", ".2f"),
+        ("TPS", "tokens_per_second", ".1f"),
+        ("x one-token", "speedup_vs_one_token", ".2f"),
+        ("forwards", "forwards", None),
+    ]
+    common.finish_engine("e2e", args, results, common.markdown_table(results, columns), notes)
+    if args.plot:
+        plot(results, args.plot, os.path.basename(llm.path), BLOCK_RECIPES)
+
+
 def _row(r):
     return (
         f"{r['recipe']:<12} {r['backend']:<6} b{r['batch']}  acc {100 * r['accuracy']:5.1f}%  "
@@ -149,7 +219,7 @@ def _row(r):
     )
 
 
-def plot(results, path, model):
+def plot(results, path, model, recipes=RECIPES):
     try:
         import matplotlib
 
@@ -161,7 +231,7 @@ def plot(results, path, model):
     # Recipes often land on the same point (equal accuracy, close speeds), so a legend names them
     # rather than labels that would overprint: one colour per recipe, the marker says which run.
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    colours = {recipe: f"C{i}" for i, recipe in enumerate(RECIPES)}
+    colours = {recipe: f"C{i}" for i, recipe in enumerate(recipes)}
     for r in results:
         marker = "s" if r["batch"] > 1 else ("o" if r["backend"] == "auto" else "x")
         label = f"{r['recipe']}{'' if r['backend'] == 'auto' else ' (torch)'}" + (

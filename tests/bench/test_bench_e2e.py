@@ -35,3 +35,26 @@ def test_bench_e2e_quick_run(bench, tmp_path):
         f"{round(thr['forwards'] / thr['refreshes'], 2)}"
     )
     assert ceiling in payload["notes"]
+
+
+def test_bench_e2e_block_diffusion_recipes(bench, tmp_path):
+    """A block-causal model (the embedded tiny-llada2) runs the block-diffusion recipes on the paged
+    cache, and the notes compare editing with the same threshold without it."""
+    out = tmp_path / "e2e.json"
+    bench.main(["--model", "tiny-llada2", "--tasks", "add", "--quick", "--device", "cpu", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    rows = {(r["recipe"], r["backend"], r["batch"]): r for r in payload["results"]}
+    want = {(name, backend, 1) for name in bench.BLOCK_RECIPES for backend in ("auto", "torch")}
+    assert set(rows) == want | {("threshold", "auto", 8)}
+    for r in rows.values():
+        assert r["options"]["cache"] == "paged" and r["options"]["align_blocks"] is True
+        assert r["forwards"] >= 1 and 0.0 <= r["accuracy"] <= 1.0 and r["tokens_per_second"] > 0
+    one, thr, fwd = (
+        rows["one-token", "auto", 1],
+        rows["threshold", "auto", 1],
+        rows["threshold-fwd", "auto", 1],
+    )
+    assert one["speedup_vs_one_token"] == 1.0 and one["forwards"] > thr["forwards"]
+    # the clean K/V from an extra forward (at each block after the first) never changes the tokens
+    assert fwd["forwards"] >= thr["forwards"] and fwd["accuracy"] == thr["accuracy"]
+    assert any(n.startswith("joint-quality accuracy - joint-no-edit") for n in payload["notes"])
