@@ -219,7 +219,16 @@ class Server:
         defaults = self.llm.defaults
         given = {
             k: getattr(body, k)
-            for k in ("block_length", "threshold", "decoder", "cache", "temperature", "seed")
+            for k in (
+                "block_length",
+                "threshold",
+                "decoder",
+                "cache",
+                "edit_threshold",
+                "max_post_edit_steps",
+                "temperature",
+                "seed",
+            )
             if getattr(body, k) is not None
         }
         try:

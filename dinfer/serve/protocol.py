@@ -5,7 +5,8 @@ Requests are strict: a field of the wrong JSON type (a string where a number goe
 integer) or a field the server does not know is refused, naming the field, rather than coerced or
 ignored. OpenAI fields a diffusion model has no use for are accepted only at their neutral value
 (n = 1, top_p = 1, penalties 0, no logprobs, ...), so a client that asks for more is told. The dLLM
-extras (block_length, threshold, decoder, cache) are typed here and checked by the config classes
+extras (block_length, threshold, decoder, cache, and the joint decoder's edit_threshold and
+max_post_edit_steps) are typed here and checked by the config classes
 (dinfer.params), as the CLI's options are.
 """
 
@@ -106,6 +107,12 @@ class GenerationRequest(Body):
     threshold: Optional[float] = Field(None, description="commit threshold in [0, 1]")
     decoder: Optional[str] = Field(None, description=f"decoding strategy: {', '.join(DECODERS)}")
     cache: Optional[str] = Field(None, description=f"KV cache mode: {', '.join(CACHE_MODES)}")
+    edit_threshold: Optional[float] = Field(
+        None, description="decoder 'joint': rewrite generated tokens above this confidence (<= 0: off)"
+    )
+    max_post_edit_steps: Optional[int] = Field(
+        None, description="decoder 'joint': forwards that only edit after a block's last [MASK]"
+    )
 
     @field_validator("n")
     @classmethod

@@ -179,6 +179,11 @@ def test_max_tokens_stop_strings_and_sampling(server, client, llm):
         model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], extra_body=options
     )
     assert r.choices[0].message.content == llm.generate(PROMPTS[0], **options).texts[0]
+    joint = dict(decoder="joint", threshold=0.7, edit_threshold=0.5, max_post_edit_steps=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], extra_body=joint
+    )
+    assert r.choices[0].message.content == llm.generate(PROMPTS[1], **joint).texts[0]
 
 
 def test_conversations_take_the_chat_template(server, client, llm):
@@ -308,6 +313,9 @@ BAD = [
     (CHAT, chat(threshold=1.5), 400, "threshold", "must be in"),
     (CHAT, chat(block_length=0), 400, "block_length", "must be in"),
     (CHAT, chat(block_length=True), 400, "block_length", "valid integer"),
+    (CHAT, chat(edit_threshold=0.5), 400, "edit_threshold", "only the joint decoder"),
+    (CHAT, chat(decoder="joint", edit_threshold="x"), 400, "edit_threshold", "valid number"),
+    (CHAT, chat(decoder="joint", max_post_edit_steps=-1), 400, "max_post_edit_steps", "must be in"),
     (CHAT, chat(n=2), 400, "n", "only n = 1"),
     (CHAT, chat(stop=5), 400, "stop", "a string or a list of strings"),
     (CHAT, chat(stop=[""]), 400, "stop", "empty stop string"),
