@@ -50,4 +50,5 @@ def test_drawn_problems_are_recall_problems_of_the_stage(step):
 def test_presets_run_the_curriculum_within_their_steps():
     for preset in PRESETS.values():
         c = preset.recall_curriculum
-        assert c.scaffold_full < c.scaffold_gone <= c.alone <= c.grow[0] < c.grow[1] < preset.steps / 2
+        # the tables reach the suite's sizes by mid-training: at least half the steps see the full suite
+        assert c.scaffold_full < c.scaffold_gone <= c.alone <= c.grow[0] < c.grow[1] <= preset.steps / 2
