@@ -158,21 +158,26 @@ def main(argv=None):
             full8["tokens_per_second"] / full["tokens_per_second"], 2
         ),
     }
-    columns = [
+    speedups = [("x vanilla", "speedup_vs_vanilla", ".2f"), ("x fast-dllm", "speedup_vs_fast_dllm", ".2f")]
+    columns = table_columns(speedups)
+    notes = [f"{k}: {v}" for k, v in checks.items()]
+    common.finish_engine("e2e", args, results, common.markdown_table(results, columns), notes)
+    if args.plot:
+        plot(results, args.plot, os.path.basename(llm.path))
+
+
+def table_columns(speedups):
+    """The results table's columns: the run, its accuracy and speed, `speedups`, its forwards."""
+    return [
         ("recipe", "recipe", None),
         ("backend", "backend", None),
         ("batch", "batch", None),
         ("accuracy", "accuracy", ".3f"),
         ("TPF", "tokens_per_forward", ".2f"),
         ("TPS", "tokens_per_second", ".1f"),
-        ("x vanilla", "speedup_vs_vanilla", ".2f"),
-        ("x fast-dllm", "speedup_vs_fast_dllm", ".2f"),
+        *speedups,
         ("forwards", "forwards", None),
     ]
-    notes = [f"{k}: {v}" for k, v in checks.items()]
-    common.finish_engine("e2e", args, results, common.markdown_table(results, columns), notes)
-    if args.plot:
-        plot(results, args.plot, os.path.basename(llm.path))
 
 
 def finish_block_diffusion(llm, args, results, get):
@@ -197,16 +202,7 @@ def finish_block_diffusion(llm, args, results, get):
         f"batch 8 TPS / batch 1 TPS, threshold: "
         f"{round(get['threshold', 'auto', 8]['tokens_per_second'] / thr['tokens_per_second'], 2)}",
     ]
-    columns = [
-        ("recipe", "recipe", None),
-        ("backend", "backend", None),
-        ("batch", "batch", None),
-        ("accuracy", "accuracy", ".3f"),
-        ("TPF", "tokens_per_forward", ".2f"),
-        ("TPS", "tokens_per_second", ".1f"),
-        ("x one-token", "speedup_vs_one_token", ".2f"),
-        ("forwards", "forwards", None),
-    ]
+    columns = table_columns([("x one-token", "speedup_vs_one_token", ".2f")])
     common.finish_engine("e2e", args, results, common.markdown_table(results, columns), notes)
     if args.plot:
         plot(results, args.plot, os.path.basename(llm.path), BLOCK_RECIPES)
