@@ -13,7 +13,7 @@ with their own inputs and baselines, limited to one shape each:
   rope         bench_norm_rope  70 rows of 8 heads x 32
 Columns: µs per call of the host kernel; × ref = the torch reference's time / ours, timed in the same
 benchmark run (> 1: the host kernel is faster; "auto" should pick it only then, see
-kernels/csrc/cpu_isa/dispatch.cpp and, for moe's dtype and shape, kernels/dinfer_kernels/_backend.py MOE_HOST_WINS),
+csrc/cpu_isa/dispatch.cpp and, for moe's dtype and shape, dinfer_kernels/_backend.py MOE_HOST_WINS),
 next to what "auto" picks for that call ("auto cpu" / "auto torch"); for decode also ÷ max = ours / one logits.max(-1) pass and × dInfer =
 dInfer's eager threshold decode / ours.
 """

@@ -7,7 +7,7 @@ grouped GEMM and dinfer_kernels.moe.
 
 LLaDA-MoE shape by default (E = 64, top-8, H = 2048, I = 1024, softmax router in fp32, no
 renormalisation); --small (default on the CPU) shrinks it to E = 8, H = 256, I = 128. Methods:
-  torch loop       kernels/dinfer_kernels/reference/moe.py: one pair of GEMMs per touched expert (host syncs
+  torch loop       dinfer_kernels/reference/moe.py: one pair of GEMMs per touched expert (host syncs
                    on the routing, so timed with do_bench, never in a CUDA graph)
   grouped_mm       torch routing + sort, torch._grouped_mm over w13, silu*mul, torch._grouped_mm over
                    w2, weighted index_add (GPU, bf16, SM80+; skipped where unavailable)
@@ -19,7 +19,7 @@ rate of the dtype (a square torch matmul). Columns: median time, GB/s over the e
 actually read (touched experts x 3*H*I*itemsize), % of the copy bandwidth, TFLOP/s over the routed
 rows (6*T*k*H*I), % of the matmul rate, speedup vs the torch loop, max |diff| vs the torch loop
 relative to its max |value|, (ours) whether two runs are bit-identical, and on the CPU what
-backend="auto" picks for the shape (kernels/dinfer_kernels/_backend.py MOE_HOST_WINS, per ISA and dtype).
+backend="auto" picks for the shape (dinfer_kernels/_backend.py MOE_HOST_WINS, per ISA and dtype).
 """
 
 import sys

@@ -29,9 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for _path in (ROOT, ROOT / "kernels"):  # run from a checkout without installing: engine, kernels
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(ROOT) not in sys.path:  # run from a checkout without installing: both packages sit at the root
+    sys.path.insert(0, str(ROOT))
 
 try:
     import nvtx

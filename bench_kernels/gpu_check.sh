@@ -49,8 +49,8 @@ mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
-# Both packages from the checkout, uninstalled: the engine at the root, the kernels in kernels/.
-export PYTHONPATH="$REPO/kernels:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# Both packages from the checkout, uninstalled: dinfer and dinfer_kernels sit at the root.
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 LOG="$OUT_DIR/gpu_check.log"
 STEPS="$OUT_DIR/steps.tsv"
 : >"$LOG"
@@ -132,9 +132,9 @@ cp "$OUT_DIR/versions.log" "$OUT_DIR/environment.txt" 2>/dev/null
 build() {
   run_step build "${BUILD_TIMEOUT_S:-200}" env DINFER_CUDA=1 DINFER_WERROR=0 \
     DINFER_CUDA_ARCHS="${DINFER_CUDA_ARCHS:-90a}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" env -C kernels "$PY" setup.py build_ext --inplace
-  if [ -f kernels/dinfer_kernels/build_log.txt ]; then
-    cp kernels/dinfer_kernels/build_log.txt "$OUT_DIR/build_log.txt"
-    grep -E "spill|bytes stack frame" kernels/dinfer_kernels/build_log.txt | sort | uniq -c | sort -rn | head -30 \
+  if [ -f dinfer_kernels/build_log.txt ]; then
+    cp dinfer_kernels/build_log.txt "$OUT_DIR/build_log.txt"
+    grep -E "spill|bytes stack frame" dinfer_kernels/build_log.txt | sort | uniq -c | sort -rn | head -30 \
       >"$OUT_DIR/ptxas.txt"
   fi
 }

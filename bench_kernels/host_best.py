@@ -12,7 +12,7 @@ box take from us does not count, their cache and memory traffic still does). Rat
 same run. decode: dinfer_kernels.decode_step(backend="cpu") per ISA on bench_decode's logits
 (N = 32, V = 157184) against one logits.max(-1) pass and dInfer's eager threshold decode. moe:
 dinfer_kernels.moe(backend="cpu") per ISA against the torch reference, and what backend="auto" picks
-with that ISA (kernels/dinfer_kernels/_backend.py MOE_HOST_WINS); shapes "small<T>" = E 8, H 256, I 128 and
+with that ISA (dinfer_kernels/_backend.py MOE_HOST_WINS); shapes "small<T>" = E 8, H 256, I 128 and
 "big<T>" = LLaDA-MoE's E 64, H 2048, I 1024, top-8, T tokens.
 """
 

@@ -198,7 +198,7 @@ def load_bench(name):
 def build_cpp_examples(build, *cmake_args, cuda_archs=None):
     """Builds the C++ programs of tests/cpp as a C++ runtime would: the torch-free kernels (every ISA's
     host kernels and the dispatcher; the CUDA kernels for `cuda_archs`, e.g. "90a", when given, else
-    none) configured, built and installed from kernels/ into a prefix, then tests/cpp found against
+    none) configured, built and installed from the root CMakeLists.txt into a prefix, then tests/cpp found against
     that prefix by find_package(dinfer_kernels). `cmake_args` go to both configures (a cross
     toolchain). {name: path} of examples/*_example.cpp, and with CUDA of cuda/*_example.cu."""
     cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
@@ -216,7 +216,7 @@ def build_cpp_examples(build, *cmake_args, cuda_archs=None):
         [
             cmake,
             "-S",
-            str(ROOT / "kernels"),
+            str(ROOT),
             "-B",
             str(build / "kernels"),
             *common,

@@ -1,4 +1,4 @@
-"""The host kernels' ISA layer (kernels/csrc/cpu_isa/, dinfer_kernels/cpu_isa.h): the choice at import and
+"""The host kernels' ISA layer (csrc/cpu_isa/, dinfer_kernels/cpu_isa.h): the choice at import and
 its switch, that no function of the extension executes instructions its ISA does not allow (the
 disassembly, function by function), and the C++ examples under QEMU on CPUs without AVX-512 or AVX."""
 
@@ -127,7 +127,7 @@ def violation(isa, insns):
 
 def owner(name):
     """The ISA copy a function belongs to: its namespace dinfer_kernels::isa_<name>, or the suffix
-    .isa_<name> kernels/csrc/cpu_isa/isolate_isa.py gives the symbols it localises."""
+    .isa_<name> csrc/cpu_isa/isolate_isa.py gives the symbols it localises."""
     m = re.search(r"isa_(generic|avx2|avx512bf16|avx512)\b", name)
     return m.group(1) if m else None
 

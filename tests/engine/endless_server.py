@@ -9,7 +9,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.join(ROOT, "kernels"), ROOT]
+sys.path.insert(0, ROOT)
 
 from dinfer import LLM  # noqa: E402
 from dinfer.cli import _parser  # noqa: E402

@@ -40,7 +40,7 @@ class ServerProcess:
 
     def __init__(self, args, startup_timeout: float = 180.0, env=None):
         self.port = free_port()
-        env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join([str(ROOT / "kernels"), str(ROOT)]))
+        env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT))
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
         self.proc = subprocess.Popen(
             [sys.executable, *args, "--port", str(self.port)],

@@ -1,5 +1,5 @@
 """backend="auto" on the host per dtype and shape: the MoE choice follows the measured table of
-kernels/dinfer_kernels/_backend.py (MOE_HOST_WINS), and dinfer_kernels.moe passes it the call's dtype and
+dinfer_kernels/_backend.py (MOE_HOST_WINS), and dinfer_kernels.moe passes it the call's dtype and
 shape. What the table says, not timings: the timings behind it are in docs/notes/results-log.md."""
 
 import pytest

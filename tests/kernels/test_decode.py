@@ -1,4 +1,4 @@
-"""Every decode_step backend against the reference (kernels/dinfer_kernels/reference/decode.py).
+"""Every decode_step backend against the reference (dinfer_kernels/reference/decode.py).
 
 Backend implementations are called directly with poisoned, caller-allocated outputs so an unwritten
 element fails; the public op is tested in test_decode_api.py.

@@ -42,7 +42,7 @@ def build(so, *flags):
             "-Wextra",
             "-Werror",
             *flags,
-            f"-I{ROOT / 'kernels/csrc/include'}",
+            f"-I{ROOT / 'csrc/include'}",
             *map(str, SOURCES),
             "-o",
             str(so),
@@ -63,7 +63,7 @@ def _ptr(t):
 
 
 def emulated_decode_step(lib):
-    """The internal decode_step signature of kernels/dinfer_kernels/{cpu,cuda}/decode.py, on host tensors."""
+    """The internal decode_step signature of dinfer_kernels/{cpu,cuda}/decode.py, on host tensors."""
     f = lib.dinfer_decode_step_cuda_on_host
     i64, i32, u32, flt, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
     f.argtypes = [

@@ -1,5 +1,5 @@
 """dinfer_kernels.moe: every available backend against the float64 reference
-(kernels/dinfer_kernels/reference/moe.py), plus the routing spec against a token-by-token formula.
+(dinfer_kernels/reference/moe.py), plus the routing spec against a token-by-token formula.
 
 Backends are called directly with a NaN-poisoned, caller-allocated output (an unwritten element
 fails), and through the public op. Without a GPU the Triton kernels run in the interpreter

@@ -3,7 +3,7 @@
 tests/kernels/ptx_emu/ is a model of the PTX the CUDA kernels use (ldmatrix x1/x2/x4 and .trans,
 mma.sync.m16n8k16 bf16/fp16 -> fp32, cp.async groups and barriers, shared-memory banks), written
 from the PTX ISA's fragment tables. It is driven by the kernels' own offset and fragment formulas
-(kernels/csrc/include/dinfer_kernels/detail/mma_layout.h, which attention.cu and moe.cu call) through the
+(csrc/include/dinfer_kernels/detail/mma_layout.h, which attention.cu and moe.cu call) through the
 kernels' loop nests, for every tile configuration they use: the attention forward tile (D = 64 and
 128: Q K^T, then P V with .trans loads of V) and the four MoE GEMM configurations. Each tile
 product must equal the fp64 matmul exactly (inputs are small integers), with no hazard and no bank
@@ -83,7 +83,7 @@ def emulated(tmp_path_factory):
             "-Wall",
             "-Wextra",
             "-Werror",
-            f"-I{ROOT / 'kernels/csrc/include'}",
+            f"-I{ROOT / 'csrc/include'}",
             f"-I{EMU}",
             str(EMU / "tile_products.cpp"),
             "-o",

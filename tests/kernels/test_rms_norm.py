@@ -1,4 +1,4 @@
-"""rms_norm backends against the reference (kernels/dinfer_kernels/reference/rms_norm.py): every host backend
+"""rms_norm backends against the reference (dinfer_kernels/reference/rms_norm.py): every host backend
 on fresh random inputs, awkward shapes and strided views, with the precision-tied tolerance; then the
 compiled entry point on its own (poisoned outputs, in place, thread-count independence, errors that
 name the argument). Without a GPU Triton runs in

@@ -1,4 +1,4 @@
-"""rope backends against the reference (kernels/dinfer_kernels/reference/rope.py): every host backend on fresh
+"""rope backends against the reference (dinfer_kernels/reference/rope.py): every host backend on fresh
 random inputs, awkward shapes, partial rotary dims, far positions and strided views, with the
 precision-tied tolerance (and, for the host kernel, bit equality: its table is the reference's own
 fp32 math); then the compiled entry point on its own (poisoned outputs, in place, thread-count

@@ -1,4 +1,4 @@
-"""The Triton soft_embedding against the reference (kernels/dinfer_kernels/reference/soft_embedding.py).
+"""The Triton soft_embedding against the reference (dinfer_kernels/reference/soft_embedding.py).
 
 The backend function is called directly with a NaN-poisoned, caller-allocated output, so an unwritten
 element fails. Without a GPU it runs in the Triton interpreter (conftest sets TRITON_INTERPRET), so

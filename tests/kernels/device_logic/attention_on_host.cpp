@@ -1,4 +1,4 @@
-// The attention kernels' scheduling and split combine (kernels/csrc/attention/attention.cu) executed on the
+// The attention kernels' scheduling and split combine (csrc/attention/attention.cu) executed on the
 // host: the key walk of every split of one (sequence, kv head, query block) work unit, with the
 // launcher's plan and the forward kernel's loop over attention_math::find_tile, the epilogue's
 // per-row combine (attention_math::splits_lse2 / split_share / combine_columns) run lane by lane by the SIMT

@@ -1,4 +1,4 @@
-// The CUDA decode step (kernels/csrc/decode/decode.cu) executed on the host, thread by thread: the same
+// The CUDA decode step (csrc/decode/decode.cu) executed on the host, thread by thread: the same
 // grid (one CTA per (row, split), one per sequence), the same per-thread functions
 // (decode_split.h), the kernel's shuffle-down reduction tree lane by lane, and the finalize phases
 // in barrier order. Only the hardware approximations differ: fast_exp2 / fast_log2 are exp2f / log2f

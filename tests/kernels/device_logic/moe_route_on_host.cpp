@@ -1,4 +1,4 @@
-// The routing and alignment of the CUDA MoE kernel (route_kernel in kernels/csrc/moe/moe.cu, from given router
+// The routing and alignment of the CUDA MoE kernel (route_kernel in csrc/moe/moe.cu, from given router
 // logits) executed on the host: the kernel's own moe_route.h code, every CTA's 256 threads run as
 // fibers by the SIMT emulator (simt_host.h), the CTAs in a caller-chosen order (on the GPU any CTA
 // may finish last and align). Built and loaded by tests/kernels/test_device_logic.py through ctypes.

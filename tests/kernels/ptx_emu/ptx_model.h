@@ -1,7 +1,7 @@
 // A lane-level model of the PTX the tensor-core kernels use, written from the PTX ISA's own
 // descriptions (sections "Warp-level matrix load instruction: ldmatrix", "Matrix Fragments for
 // mma.m16n8k16 with floating point type", "Data Movement and Conversion Instructions: cp.async")
-// and deliberately NOT from kernels/csrc/include/dinfer_kernels/detail/mma_layout.h, whose formulas it
+// and deliberately NOT from csrc/include/dinfer_kernels/detail/mma_layout.h, whose formulas it
 // tests. Warp-collective instructions take the 32 lanes' operands at once.
 //
 // Shared memory is b16 elements tracked in 16-byte chunks. cp.async writes land only when the

@@ -1,0 +1,64 @@
+// Fused mixture-of-experts layer (router + top-k + grouped expert GEMMs + weighted combine):
+// torch-free launchers, CUDA (moe_cuda) and host (moe_cpu).
+//
+// The contract (shapes, dtypes, rounding points, tie rules) is the pure-torch reference
+// dinfer_kernels/reference/moe.py; every pointer below mirrors one of its arguments. All arrays are
+// dense row-major on one device; nothing here synchronises or allocates, so the call can be
+// captured in a CUDA graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "dinfer_kernels/types.h"
+
+namespace dinfer_kernels {
+
+enum class MoeScoring : int32_t { kSoftmax = 0, kSigmoid = 1 };
+
+// Limits of the CUDA kernels (the bindings check them and name the argument); the host kernel has none.
+constexpr int64_t kMoeMaxExperts = 512;  // E: the router keeps 16 scores per lane of a warp
+constexpr int32_t kMoeMaxTopK = 32;  // top_k: one chosen expert per lane
+
+struct MoeParams {
+  // ---- inputs -------------------------------------------------------------------------------
+  const void* hidden = nullptr;  // [T, H] in `dtype`
+  ScalarType dtype = ScalarType::kBFloat16;  // of hidden, w13, w2 and out
+  int64_t num_tokens = 0;  // T
+  int64_t hidden_size = 0;  // H
+  // Router: exactly one of router_weight / router_logits is set.
+  const void* router_weight = nullptr;  // [E, H] in router_dtype (fp32 or `dtype`)
+  ScalarType router_dtype = ScalarType::kFloat32;
+  const float* router_logits = nullptr;  // [T, E] fp32: precomputed logits
+  const void* w13 = nullptr;  // [E, 2I, H]: rows [0, I) gate, [I, 2I) up
+  const void* w2 = nullptr;  // [E, H, I]
+  int64_t num_experts = 0;  // E
+  int64_t inter_size = 0;  // I
+  int32_t top_k = 1;
+  bool renormalize = false;
+  MoeScoring scoring = MoeScoring::kSoftmax;
+  const float* expert_bias = nullptr;  // [E] fp32 or null: added to the selection scores
+  int32_t num_groups = 1;  // grouped top-k (sigmoid scoring) when > 1; divides E
+  int32_t topk_groups = 1;  // groups kept, 1 <= topk_groups <= num_groups
+  float routed_scaling = 1.0f;  // multiplies the final routing weights
+  int32_t expert_begin = 0;  // e0: only experts in [e0, e1) contribute
+  int32_t expert_end = 0;  // e1
+  // ---- output (caller-allocated) ----------------------------------------------------------------
+  void* out = nullptr;  // [T, H] in `dtype`
+};
+
+// Bytes of device workspace moe_cuda needs for these sizes (any dtype, any expert range).
+size_t moe_cuda_workspace_bytes(int64_t num_tokens, int64_t num_experts, int32_t top_k, int64_t hidden_size,
+                                int64_t inter_size);
+
+// Launches the routing, the two grouped GEMMs and the combine on `stream`. Never synchronises.
+// Returns 0 (cudaSuccess) or the cudaError_t of the first failing call.
+int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Host launcher over host arrays: math in fp32 (g, u and W2 a kept in fp32; a rounded to the dtype),
+// the k slots of a token summed in expert order. Runs on num_threads OpenMP threads (0: OpenMP's
+// default) when the call is large enough; the result does not depend on the thread count. Allocates
+// its scratch (host memory), needs no workspace.
+void moe_cpu(const MoeParams& p, int num_threads);
+
+}  // namespace dinfer_kernels

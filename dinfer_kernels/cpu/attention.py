@@ -1,0 +1,62 @@
+"""attention on the host through the compiled C++ kernel (csrc/attention/attention_cpu.cpp).
+
+Outputs are caller-allocated; contract: dinfer_kernels/reference/attention.py. Runs on torch's
+intra-op thread count, like the torch backend it replaces on the host.
+"""
+
+import torch
+
+from .._backend import compiled
+from . import capsules
+
+HEAD_DIMS = None  # any: the kernel loops over the head dim
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in DTYPES
+
+
+def attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    positions,
+    seq_lens,
+    block_table,
+    kv_num_blocks,
+    kv_indices,
+    out,
+    lse,
+    block_mass,
+    *,
+    write_back: bool,
+    q_block: int,
+    kv_block: int,
+    scale: float,
+) -> None:
+    arrays = capsules(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        positions,
+        seq_lens,
+        out,
+        lse,
+        block_mass,
+        kv_num_blocks,
+        kv_indices,
+        block_table,
+    )
+    compiled().attention(
+        *arrays,
+        write_back=bool(write_back),
+        q_block=int(q_block),
+        kv_block=int(kv_block),
+        scale=float(scale),
+        num_threads=torch.get_num_threads(),
+    )

@@ -1,0 +1,58 @@
+"""moe on the host through the compiled C++ kernel (csrc/moe/moe_cpu.cpp).
+
+Inputs are laid out as the compiled kernels take them (_moe_layout: no-ops in the usual case); the
+contract is dinfer_kernels/reference/moe.py. Runs on torch's intra-op thread count.
+"""
+
+import torch
+
+from .._backend import compiled
+from .._moe_layout import compiled_layout
+from . import capsules
+
+
+def moe(
+    hidden,
+    router_weight,
+    router_logits,
+    w13,
+    w2,
+    expert_bias,
+    out,
+    *,
+    top_k: int,
+    renormalize: bool,
+    scoring: str,
+    num_groups: int,
+    topk_groups: int,
+    routed_scaling: float,
+    e0: int,
+    e1: int,
+) -> None:
+    """Writes out [T, H] (contiguous, hidden's dtype)."""
+    if hidden.shape[0] == 0 or hidden.shape[1] == 0:
+        return
+    hidden, router_weight, router_logits, w13, w2, expert_bias = compiled_layout(
+        hidden, router_weight, router_logits, w13, w2, expert_bias
+    )
+    hidden, router_weight, router_logits, w13, w2, expert_bias, out = capsules(
+        hidden, router_weight, router_logits, w13, w2, expert_bias, out
+    )
+    compiled().moe(
+        hidden,
+        router_weight,
+        router_logits,
+        w13,
+        w2,
+        top_k,
+        bool(renormalize),
+        scoring,
+        expert_bias,
+        num_groups,
+        topk_groups,
+        float(routed_scaling),
+        e0,
+        e1,
+        out,
+        num_threads=torch.get_num_threads(),
+    )

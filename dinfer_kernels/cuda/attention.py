@@ -1,0 +1,71 @@
+"""attention on a GPU through the compiled CUDA kernels (csrc/attention/attention.cu).
+
+The workspace comes from torch's caching allocator (capture-safe) and the kernels run on the current
+stream, so the call can sit inside a CUDA graph. Outputs are caller-allocated; contract:
+dinfer_kernels/reference/attention.py.
+"""
+
+import torch
+
+from .._backend import compiled
+
+HEAD_DIMS = (64, 128)  # the kernels' tile widths
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in DTYPES and head_dim in HEAD_DIMS
+
+
+def attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    positions,
+    seq_lens,
+    block_table,
+    kv_num_blocks,
+    kv_indices,
+    out,
+    lse,
+    block_mass,
+    *,
+    write_back: bool,
+    q_block: int,
+    kv_block: int,
+    scale: float,
+) -> None:
+    ext = compiled()
+    B, W, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    S = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    max_blocks = -1 if kv_indices is None else kv_indices.shape[-1]
+    nbytes = ext.attention_workspace_bytes(
+        B, W, Hq, Hkv, D, S, q_block, kv_block, max_blocks, bool(write_back), block_mass is not None
+    )
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    with torch.cuda.device(q.device):  # launches go to the current device
+        ext.attention(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            positions,
+            seq_lens,
+            out,
+            lse,
+            block_mass,
+            kv_num_blocks,
+            kv_indices,
+            block_table,
+            write_back=bool(write_back),
+            q_block=int(q_block),
+            kv_block=int(kv_block),
+            scale=float(scale),
+            workspace=workspace,
+            stream=stream,
+        )

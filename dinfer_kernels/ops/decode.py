@@ -1,0 +1,408 @@
+"""dinfer_kernels.decode_step: the public fused decode step, registered as the torch.library op
+`dinfer::decode_step` (fake impl included), so it works under torch.compile(fullgraph=True) and inside
+CUDA-graph capture (cuda / triton backends: no host sync, outputs allocated by the caching allocator).
+
+Contract: dinfer_kernels/reference/decode.py.
+"""
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from .. import _backend, _checks, _dispatch
+from ..reference.decode import DEFAULTS, RULES, DecodeOutput, decode_step_reference
+
+RULE_CODES = {name: code for code, name in enumerate(RULES)}
+
+
+class CreditState(NamedTuple):
+    """Sparse credit slots of a batch of block positions: ids [N, K] int32 (-1 empty), vals [N, K] fp32.
+
+    Allocate once per batch shape; call reset_() (or reset_(rows)) when a block starts. Nothing grows
+    with the request: K slots per position, whatever the number of iterations.
+    """
+
+    ids: torch.Tensor
+    vals: torch.Tensor
+
+    @staticmethod
+    def empty(num_rows: int, slots: int = 16, device="cpu") -> "CreditState":
+        _checks.integer("num_rows", num_rows, 0)
+        _checks.integer("slots", slots, 0, 1025)
+        return CreditState(
+            torch.full((num_rows, slots), -1, dtype=torch.int32, device=device),
+            torch.zeros((num_rows, slots), dtype=torch.float32, device=device),
+        )
+
+    def reset_(self, rows: Optional[torch.Tensor] = None) -> "CreditState":
+        """Clears every slot, or only those of `rows` (an index or bool tensor)."""
+        if rows is None:
+            self.ids.fill_(-1)
+            self.vals.zero_()
+        else:
+            self.ids[rows] = -1
+            self.vals[rows] = 0.0
+        return self
+
+    def check(self, vocab: int) -> "CreditState":
+        """Refuses slots no decode step leaves (a hand-built state), with a ValueError naming `credit`
+        and the row and slot: ids outside [-1, vocab), a value that is NaN, infinite or negative, an
+        empty slot (-1) holding a value, one id in two slots of a row. Such slots give NaN
+        confidences or confidences above 1. Reads the values (a sync on a GPU)."""
+        ids, vals = self
+        checks = (
+            (
+                (ids < -1) | (ids >= vocab),
+                lambda n, j: (
+                    f"credit.ids: slot id {int(ids[n, j])} at row {n}, slot {j} is outside [-1, {vocab})"
+                ),
+            ),
+            (
+                ~torch.isfinite(vals) | (vals < 0),
+                lambda n, j: (
+                    f"credit.vals: value {float(vals[n, j])} at row {n}, slot {j} must be finite and >= 0"
+                ),
+            ),
+            (
+                (ids == -1) & (vals != 0),
+                lambda n, j: (
+                    f"credit.vals: the empty slot at row {n}, slot {j} holds {float(vals[n, j])} (must be 0)"
+                ),
+            ),
+        )
+        for bad, message in checks:
+            if bool(bad.any()):
+                n, j = (int(i) for i in bad.nonzero()[0])
+                raise ValueError(message(n, j))
+        if ids.shape[1] > 1:
+            s = ids.sort(-1).values
+            dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+            if bool(dup.any()):
+                n, j = (int(i) for i in dup.nonzero()[0])
+                raise ValueError(f"credit.ids: token id {int(s[n, j])} is in two slots of row {n}")
+        return self
+
+
+@_dispatch.op("decode_step", mutates_args=("tokens", "credit_ids", "credit_vals"))
+def _decode_step_op(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    threshold: torch.Tensor,
+    num_commit: torch.Tensor,
+    credit_ids: torch.Tensor,
+    credit_vals: torch.Tensor,
+    mask_id: int,
+    rule: int,
+    low_threshold: float,
+    temperature: float,
+    seed: int,
+    offset: int,
+    credit_alpha: float,
+    credit_beta: float,
+    credit_gamma: float,
+    row_keys: Optional[torch.Tensor],
+    editable: Optional[torch.Tensor],
+    edit_threshold: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N = logits.shape[0]
+    dev = logits.device
+    if backend == "torch":
+        use_credit = credit_ids.shape[1] > 0
+        out = decode_step_reference(
+            logits,
+            tokens,
+            seq_offsets,
+            mask_id,
+            rule=RULES[rule],
+            threshold=threshold,
+            low_threshold=low_threshold,
+            num_commit=num_commit,
+            temperature=temperature,
+            seed=seed,
+            offset=offset,
+            credit_ids=credit_ids if use_credit else None,
+            credit_vals=credit_vals if use_credit else None,
+            credit_alpha=credit_alpha,
+            credit_beta=credit_beta,
+            credit_gamma=credit_gamma,
+            row_keys=row_keys,
+            editable=editable,
+            edit_threshold=None if edit_threshold == float("inf") else edit_threshold,
+        )
+        candidate, confidence, commit, nonfinite = (t.clone() for t in out)
+        return candidate, confidence, commit, nonfinite
+    candidate = torch.empty(N, dtype=torch.int64, device=dev)
+    confidence = torch.empty(N, dtype=torch.float32, device=dev)
+    commit = torch.empty(N, dtype=torch.bool, device=dev)
+    nonfinite = torch.empty(N, dtype=torch.bool, device=dev)
+    _backend.impl("decode_step", backend)(
+        logits,
+        tokens,
+        seq_offsets,
+        threshold,
+        num_commit,
+        credit_ids,
+        credit_vals,
+        candidate,
+        confidence,
+        commit,
+        nonfinite,
+        mask_id=mask_id,
+        rule=rule,
+        low_threshold=low_threshold,
+        temperature=temperature,
+        seed=seed,
+        offset=offset,
+        credit_alpha=credit_alpha,
+        credit_beta=credit_beta,
+        credit_gamma=credit_gamma,
+        row_keys=row_keys,
+        editable=editable,
+        edit_threshold=edit_threshold,
+    )
+    return candidate, confidence, commit, nonfinite
+
+
+@_decode_step_op.register_fake
+def _(
+    logits,
+    tokens,
+    seq_offsets,
+    threshold,
+    num_commit,
+    credit_ids,
+    credit_vals,
+    mask_id,
+    rule,
+    low_threshold,
+    temperature,
+    seed,
+    offset,
+    credit_alpha,
+    credit_beta,
+    credit_gamma,
+    row_keys,
+    editable,
+    edit_threshold,
+    backend,
+):
+    N = logits.shape[0]
+    f = lambda dt: logits.new_empty((N,), dtype=dt)
+    return f(torch.int64), f(torch.float32), f(torch.bool), f(torch.bool)
+
+
+def _per_sequence(name, value, B, dtype, device):
+    """A float/int broadcast to [B], or a [B] tensor checked and converted (no host sync)."""
+    if isinstance(value, torch.Tensor):
+        _checks.tensor(name, value, device=device)
+        if value.dim() == 0:
+            value = value.reshape(1).expand(B)
+        _checks.shape(name, value, [B])
+        return value.to(dtype).contiguous()
+    if dtype == torch.int32:
+        _checks.integer(name, value, 0)
+    else:
+        _checks.number(name, value)
+    return torch.full((B,), value, dtype=dtype, device=device)
+
+
+def decode_step(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    mask_id: int,
+    *,
+    rule: str = "threshold",
+    threshold: Union[float, torch.Tensor] = DEFAULTS.threshold,
+    low_threshold: float = DEFAULTS.low_threshold,
+    num_commit: Union[int, torch.Tensor, None] = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    credit: Optional[CreditState] = None,
+    credit_alpha: float = DEFAULTS.credit_alpha,
+    credit_beta: float = DEFAULTS.credit_beta,
+    credit_gamma: float = DEFAULTS.credit_gamma,
+    row_keys: Optional[torch.Tensor] = None,
+    editable: Optional[torch.Tensor] = None,
+    edit_threshold: Optional[float] = None,
+    backend: str = "auto",
+    validate: Optional[bool] = None,
+) -> DecodeOutput:
+    """One diffusion decode step over a ragged batch of block positions (see the reference docstring).
+
+    logits [N, V] fp32/fp16/bf16 (last dim contiguous); tokens [N] int64, updated in place;
+    seq_offsets [B+1] int32; threshold: tau (threshold) or tau_high (hierarchical), float or [B];
+    num_commit: k per sequence for rule="fixed" (int or [B] int32); credit: a CreditState (updated in
+    place) or None; row_keys: [N] int64 noise keys of the rows (low 32 bits; default: the row
+    index), so a caller can key sampling on something stabler than a row's place in the batch.
+    rule="joint" (LLaDA2.1's JointThreshold): the threshold rule on masked rows, plus rewrites of
+    the `editable` rows ([N] bool; None: all) whose candidate differs from their token with
+    confidence > edit_threshold; edit_threshold None or <= 0 turns editing off (diffusers'
+    convention).
+    Returns DecodeOutput(candidate, confidence, commit, nonfinite): nonfinite[n]
+    tells that row n's raw logits hold a NaN or +-inf (a broken model; the step itself still
+    commits, see the reference's step 5).
+
+    validate: check tensor *values* (token range, offsets, the credit state: CreditState.check).
+    Default: on host tensors only, since on a GPU it would synchronise (and is impossible under
+    capture); the kernels never read out of bounds whatever the values are.
+    """
+    N, V = _checks.logits_matrix("logits", logits)
+    dev = logits.device
+    args = _checked_args(
+        N,
+        V,
+        dev,
+        tokens,
+        seq_offsets,
+        mask_id,
+        rule,
+        threshold,
+        low_threshold,
+        num_commit,
+        temperature,
+        seed,
+        offset,
+        credit,
+        credit_alpha,
+        credit_beta,
+        credit_gamma,
+        row_keys,
+        editable,
+        edit_threshold,
+    )
+    seq_offsets, mask_id, code, seed, offset, thr, k, ids, vals, row_keys, editable, edit_at = args
+    backend = _backend.resolve(backend, dev, "decode_step")
+    _checks.disjoint(
+        {"tokens": tokens, "credit.ids": ids, "credit.vals": vals},
+        {
+            "logits": logits,
+            "seq_offsets": seq_offsets,
+            "threshold": thr,
+            "num_commit": k,
+            "row_keys": row_keys,
+            "editable": editable,
+        },
+    )
+
+    if (_checks.data_checks_possible(logits) if validate is None else validate) and backend != "cpu":
+        _check_values(tokens, seq_offsets, thr, k, ids, vals, N, V)  # the host kernel checks them itself
+    out = _decode_step_op(
+        logits,
+        tokens,
+        seq_offsets,
+        thr,
+        k,
+        ids,
+        vals,
+        mask_id,
+        code,
+        float(low_threshold),
+        float(temperature),
+        seed,
+        offset,
+        float(credit_alpha),
+        float(credit_beta),
+        float(credit_gamma),
+        row_keys,
+        editable,
+        edit_at,
+        backend,
+    )
+    return DecodeOutput(*out)
+
+
+def _checked_args(
+    N,
+    V,
+    dev,
+    tokens,
+    seq_offsets,
+    mask_id,
+    rule,
+    threshold,
+    low_threshold,
+    num_commit,
+    temperature,
+    seed,
+    offset,
+    credit,
+    credit_alpha,
+    credit_beta,
+    credit_gamma,
+    row_keys,
+    editable,
+    edit_threshold,
+):
+    """decode_step's arguments for N rows of a V-token vocabulary on `dev`, checked (the errors name
+    the argument) and normalised: (seq_offsets, mask_id, rule code, seed, offset, threshold [B],
+    num_commit [B], credit ids, credit vals, row_keys, editable, edit threshold (+inf: off))."""
+    _checks.tensor("tokens", tokens, (torch.int64,), ndim=1, device=dev)
+    _checks.shape("tokens", tokens, [N])
+    _checks.contiguous("tokens", tokens)
+    _checks.tensor("seq_offsets", seq_offsets, (torch.int32,), ndim=1, device=dev)
+    if seq_offsets.numel() < 1:
+        raise ValueError("seq_offsets: expected [B + 1] offsets with B >= 0")
+    seq_offsets = seq_offsets.contiguous()
+    B = seq_offsets.numel() - 1
+    mask_id = _checks.integer("mask_id", mask_id, 0, V)
+    if rule not in RULE_CODES:
+        raise ValueError(f"rule: expected one of {sorted(RULE_CODES)}, got {rule!r}")
+    code = RULE_CODES[rule]
+    _checks.number("low_threshold", low_threshold)
+    _checks.number("temperature", temperature, lo=0.0)
+    seed = _checks.integer("seed", seed, 0, 2**32)
+    offset = _checks.integer("offset", offset, 0, 2**32)
+    _checks.number("credit_alpha", credit_alpha, lo=0.0)
+    _checks.number("credit_beta", credit_beta, lo=0.0, hi=1.0)
+    _checks.number("credit_gamma", credit_gamma, lo=0.0)
+    if code == 2 and num_commit is None:
+        raise ValueError("num_commit: required for rule='fixed'")
+    thr = _per_sequence("threshold", threshold, B, torch.float32, dev)
+    k = _per_sequence("num_commit", 0 if num_commit is None else num_commit, B, torch.int32, dev)
+    if credit is None:
+        ids = torch.empty((N, 0), dtype=torch.int32, device=dev)
+        vals = torch.empty((N, 0), dtype=torch.float32, device=dev)
+    else:
+        if not isinstance(credit, CreditState):
+            raise TypeError(f"credit: expected a CreditState or None, got {type(credit).__name__}")
+        ids, vals = credit
+        _checks.tensor("credit.ids", ids, (torch.int32,), ndim=2, device=dev)
+        _checks.tensor("credit.vals", vals, (torch.float32,), ndim=2, device=dev)
+        _checks.shape("credit.ids", ids, [N, ids.shape[1]])
+        _checks.shape("credit.vals", vals, [N, ids.shape[1]])
+        _checks.contiguous("credit.ids", ids)
+        _checks.contiguous("credit.vals", vals)
+    if row_keys is not None:
+        _checks.tensor("row_keys", row_keys, (torch.int64,), ndim=1, device=dev)
+        _checks.shape("row_keys", row_keys, [N])
+        row_keys = row_keys.contiguous()
+    if rule != "joint" and (editable is not None or edit_threshold is not None):
+        given = "editable" if editable is not None else "edit_threshold"
+        raise ValueError(f"{given}: only rule='joint' edits tokens, got rule={rule!r}")
+    if editable is not None:
+        _checks.tensor("editable", editable, (torch.bool,), ndim=1, device=dev)
+        _checks.shape("editable", editable, [N])
+        editable = editable.contiguous()
+    if edit_threshold is not None:
+        _checks.number("edit_threshold", edit_threshold)
+    # +inf: off (no confidence exceeds it); None and <= 0 mean off (diffusers' convention)
+    edit_at = float("inf") if edit_threshold is None or edit_threshold <= 0 else float(edit_threshold)
+    return seq_offsets, mask_id, code, seed, offset, thr, k, ids, vals, row_keys, editable, edit_at
+
+
+def _check_values(tokens, seq_offsets, thr, k, ids, vals, N, V):
+    """The value checks of validate=True (they read the tensors: a sync on a GPU)."""
+    _checks.token_range("tokens", tokens, V)
+    if int(seq_offsets[0]) != 0 or int(seq_offsets[-1]) != N or bool((seq_offsets.diff() < 0).any()):
+        raise ValueError(
+            f"seq_offsets: must be non-decreasing from 0 to N={N}, got {seq_offsets.tolist()[:8]}..."
+        )
+    if bool(torch.isnan(thr).any()):
+        raise ValueError("threshold: must not be NaN")
+    if bool((k < 0).any()):
+        raise ValueError("num_commit: must be >= 0")
+    CreditState(ids, vals).check(V)
