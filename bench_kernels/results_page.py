@@ -1,14 +1,18 @@
-"""Writes bench_kernels/RESULTS.md from the benchmarks' JSON in bench_kernels/results/, so that the page
-states exactly what the data holds.
+"""Writes bench_kernels/RESULTS.md, and the headline table of the README, from the benchmarks' JSON in
+bench_kernels/results/, so that both state exactly what the data holds.
 
-    python bench_kernels/results_page.py            # rewrites RESULTS.md
-    python bench_kernels/results_page.py --check    # exits 1 if RESULTS.md differs from what the JSON gives
+    python bench_kernels/results_page.py            # rewrites RESULTS.md and the README's headline table
+    python bench_kernels/results_page.py --check    # exits 1 if either differs from what the JSON gives
 
 Every *.json in the folder is one run of a bench_*.py script (the payload of common.finish(), or the
 partial one common.record() leaves when a run is cut short). The page has one section per benchmark,
 and in it one subsection per JSON file: machine, date, commit and command from the file's `env`, then
 the tables and notes the benchmark printed. A GPU check's JSON (bench_kernels/gpu_check.sh writes
 OUT_DIR/bench_<name>.json) joins the page once it is copied into the folder: its `env` names the GPU.
+
+The README's headline is a few rows picked from those files (E2E_HEADLINE, KERNEL_HEADLINE), written
+between the README's HEADLINE_BEGIN and HEADLINE_END lines; a picked row missing from its file is an
+error naming the file, so the headline cannot silently drop a number.
 """
 
 import argparse
@@ -24,6 +28,7 @@ import common
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 PAGE = HERE / "RESULTS.md"
+README = HERE.parent / "README.md"
 SOFTWARE = (("Python", "python"), ("torch", "torch"), ("triton", "triton"))
 
 HEADER = """# Measured results
@@ -139,26 +144,222 @@ def render(results_dir=RESULTS_DIR, page_dir=HERE):
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if the page differs from what the JSON gives")
-    p.add_argument("--results", type=Path, default=RESULTS_DIR, help="the folder of JSON files")
-    p.add_argument("--page", type=Path, default=PAGE, help="the page to write or check")
-    args = p.parse_args(argv)
-    text = render(args.results, args.page.resolve().parent)
-    if not args.check:
-        args.page.write_text(text)
-        print(f"wrote {args.page}")
-        return 0
-    current = args.page.read_text() if args.page.exists() else ""
+HEADLINE_BEGIN = (
+    "<!-- headline: written by python bench_kernels/results_page.py from bench_kernels/results/*.json -->"
+)
+HEADLINE_END = "<!-- end of headline -->"
+
+# End to end on the host: (file, recipe, batch, the recipe its tokens/s is compared with); each row is
+# the `auto` backend's (our kernels where they were measured faster), at the model's default dtype.
+E2E_HEADLINE = (
+    ("e2e_cpu.json", "vanilla", 1, "vanilla"),
+    ("e2e_cpu.json", "dinfer-full", 1, "vanilla"),
+    ("e2e_cpu.json", "dinfer-full", 8, "vanilla"),
+    ("e2e_cpu_llada2.json", "one-token", 1, "one-token"),
+    ("e2e_cpu_llada2.json", "threshold", 1, "one-token"),
+    ("e2e_cpu_llada2.json", "threshold", 8, "one-token"),
+)
+
+# Kernels on a GPU: (file, op, case, the fields that pick the case, the baseline's (method, backend),
+# our method); our row is shown for the cuda and the triton backend. Each baseline is the strongest
+# the benchmark runs at that case (decode: dInfer's rule under torch.compile, as dInfer ships it).
+KERNEL_HEADLINE = (
+    (
+        "decode_h200.json",
+        "decode_step",
+        "32 rows x 157184 vocab",
+        {"N": 32},
+        ("dinfer-compiled", "inductor"),
+        "ours-threshold",
+    ),
+    (
+        "moe_h200.json",
+        "moe",
+        "32 tokens, 64 experts, top-8",
+        {"T": 32},
+        ("torch._grouped_mm", "eager"),
+        "ours moe",
+    ),
+    (
+        "attention_h200.json",
+        "attention",
+        "96-row window, 4096 keys",
+        {"W": 96, "S": 4096, "density": 1.0},
+        ("sdpa+merge", "torch"),
+        "ours wb",
+    ),
+    (
+        "attention_h200.json",
+        "attention",
+        "2048-row prefill",
+        {"W": 2048, "S": 2048, "density": 1.0},
+        ("sdpa+merge", "torch"),
+        "ours wb",
+    ),
+    (
+        "norm_rope_h200.json",
+        "rms_norm",
+        "70 rows x 2048",
+        {"op": "rms_norm", "rows": 70},
+        ("torch fused", "eager"),
+        "ours",
+    ),
+    (
+        "norm_rope_h200.json",
+        "rope",
+        "70 rows, 16 heads x 128",
+        {"op": "rope", "rows": 70},
+        ("torch fused", "eager"),
+        "ours",
+    ),
+    (
+        "soft_embedding_h200.json",
+        "soft_embedding",
+        "64 rows x 157184 vocab",
+        {"M": 64},
+        ("torch softmax+matmul", "eager"),
+        "ours soft_embedding",
+    ),
+)
+
+
+def pick(path, data, **fields):
+    """The one result of a run whose fields have these values; an error naming the file otherwise."""
+    found = [r for r in data.get("results", []) if all(r.get(k) == v for k, v in fields.items())]
+    if len(found) != 1:
+        raise ValueError(f"{path.name}: {len(found)} results with {fields}, the headline needs exactly one")
+    return found[0]
+
+
+def where(env):
+    """The machine, date and commit cells of a headline row."""
+    return {
+        "machine": machine(env),
+        "date": str(env.get("date", "?"))[:10],
+        "commit": short_commit(env.get("commit")),
+    }
+
+
+def e2e_rows(results_dir):
+    rows = []
+    for name, recipe, batch, baseline in E2E_HEADLINE:
+        path = Path(results_dir) / name
+        data = json.loads(path.read_text())
+        r = pick(path, data, recipe=recipe, batch=batch, backend="auto")
+        base = pick(path, data, recipe=baseline, batch=1, backend="auto")
+        rows.append(
+            {
+                "model": data["env"].get("model"),
+                "recipe": recipe,
+                "batch": batch,
+                "accuracy": r["accuracy"],
+                "tpf": r["tokens_per_forward"],
+                "tps": r["tokens_per_second"],
+                "speedup": f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}x {baseline}",
+                **where(data["env"]),
+            }
+        )
+    return rows
+
+
+def kernel_rows(results_dir):
+    rows = []
+    for name, op, case, fields, (base_method, base_backend), ours in KERNEL_HEADLINE:
+        path = Path(results_dir) / name
+        data = json.loads(path.read_text())
+        base = pick(path, data, method=base_method, backend=base_backend, **fields)
+        row = {
+            "op": op,
+            "case": f"{case}, {data['args']['dtype']}",
+            "baseline": base_method,
+            "base_us": base["us"],
+        }
+        ratios = []
+        for backend in ("cuda", "triton"):
+            # a GPU check without nvcc (or without triton) has no row for that backend: "-"
+            ran = any(r.get("method") == ours and r.get("backend") == backend for r in data["results"])
+            us = pick(path, data, method=ours, backend=backend, **fields)["us"] if ran else None
+            row[f"{backend}_us"] = us
+            ratios.append("-" if us is None else f"{base['us'] / us:.2f}x")
+        rows.append({**row, "speedup": " / ".join(ratios), **where(data["env"])})
+    return rows
+
+
+def headline(results_dir=RESULTS_DIR):
+    """The README's headline tables, from the JSON of results_dir."""
+    place = [("machine", "machine", None), ("date", "date", None), ("commit", "commit", None)]
+    e2e = common.markdown_table(
+        e2e_rows(results_dir),
+        [
+            ("model", "model", None),
+            ("recipe", "recipe", None),
+            ("batch", "batch", None),
+            ("accuracy", "accuracy", ".3f"),
+            ("tokens/forward", "tpf", ".2f"),
+            ("tokens/s", "tps", ".1f"),
+            ("tokens/s speed-up", "speedup", None),
+            *place,
+        ],
+    )
+    kernels = common.markdown_table(
+        kernel_rows(results_dir),
+        [
+            ("op", "op", None),
+            ("case", "case", None),
+            ("baseline", "baseline", None),
+            ("baseline µs", "base_us", ".1f"),
+            ("cuda µs", "cuda_us", ".1f"),
+            ("triton µs", "triton_us", ".1f"),
+            ("speed-up (cuda / triton)", "speedup", None),
+            *place,
+        ],
+    )
+    return f"{HEADLINE_BEGIN}\n{e2e}\n\n{kernels}\n{HEADLINE_END}"
+
+
+def with_headline(readme_text, table):
+    """readme_text with what stands between its headline markers replaced by table."""
+    start, end = readme_text.find(HEADLINE_BEGIN), readme_text.find(HEADLINE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"the README has no headline markers ({HEADLINE_BEGIN!r} ... {HEADLINE_END!r})")
+    return readme_text[:start] + table + readme_text[end + len(HEADLINE_END) :]
+
+
+def differs(path, current, text, results_dir):
+    """Prints how path differs from what the JSON gives; True when it does."""
     if current == text:
-        return 0
+        return False
     diff = difflib.unified_diff(
-        current.splitlines(), text.splitlines(), f"{args.page} (as it is)", "(from the JSON)", lineterm=""
+        current.splitlines(), text.splitlines(), f"{path} (as it is)", "(from the JSON)", lineterm=""
     )
     print("\n".join(list(diff)[:60]))
-    print(f"{args.page} differs from {args.results}: run python bench_kernels/results_page.py")
-    return 1
+    print(f"{path} differs from {results_dir}: run python bench_kernels/results_page.py")
+    return True
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 if the page or the README differs from what the JSON gives",
+    )
+    p.add_argument("--results", type=Path, default=RESULTS_DIR, help="the folder of JSON files")
+    p.add_argument("--page", type=Path, default=PAGE, help="the page to write or check")
+    p.add_argument("--readme", type=Path, default=README, help="the README whose headline to write or check")
+    args = p.parse_args(argv)
+    text = render(args.results, args.page.resolve().parent)
+    readme = args.readme.read_text()
+    new_readme = with_headline(readme, headline(args.results))
+    if not args.check:
+        args.page.write_text(text)
+        args.readme.write_text(new_readme)
+        print(f"wrote {args.page} and the headline of {args.readme}")
+        return 0
+    current = args.page.read_text() if args.page.exists() else ""
+    page_differs = differs(args.page, current, text, args.results)
+    readme_differs = differs(args.readme, readme, new_readme, args.results)
+    return int(page_differs or readme_differs)
 
 
 if __name__ == "__main__":

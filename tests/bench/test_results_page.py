@@ -1,7 +1,9 @@
-"""bench_kernels/results_page.py: RESULTS.md is what the JSON in bench_kernels/results/ gives, and the
-generator renders a run's machine, date, commit, command and tables from its JSON."""
+"""bench_kernels/results_page.py: RESULTS.md and the README's headline table are what the JSON in
+bench_kernels/results/ gives, and the generator renders a run's machine, date, commit, command and
+tables from its JSON."""
 
 import json
+import shutil
 
 import pytest
 from conftest import load_bench
@@ -74,11 +76,67 @@ def test_a_gpu_run_joins_its_benchmark_first_and_a_cut_run_shows_its_cases(page,
     assert "| ours | 0.25 | x |" in text
 
 
+def results_with_readme(page, tmp_path):
+    """A copy of the results folder (the headline's files are in it) and a README with empty markers."""
+    results = tmp_path / "results"
+    shutil.copytree(page.RESULTS_DIR, results)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{page.HEADLINE_BEGIN}\n{page.HEADLINE_END}\n\nafter\n")
+    return results, readme
+
+
 def test_check_fails_on_a_page_that_drifted(page, tmp_path, capsys):
-    (tmp_path / "decode_cpu.json").write_text(json.dumps(payload("decode", CPU_ENV, tables=["t"])))
+    results, readme = results_with_readme(page, tmp_path)
+    (results / "decode_cpu.json").write_text(json.dumps(payload("decode", CPU_ENV, tables=["t"])))
     md = tmp_path / "RESULTS.md"
-    assert page.main(["--results", str(tmp_path), "--page", str(md)]) == 0
-    assert page.main(["--check", "--results", str(tmp_path), "--page", str(md)]) == 0
+    args = ["--results", str(results), "--page", str(md), "--readme", str(readme)]
+    assert page.main(args) == 0
+    assert page.main(["--check", *args]) == 0
     md.write_text(md.read_text() + "a number typed in by hand\n")
-    assert page.main(["--check", "--results", str(tmp_path), "--page", str(md)]) == 1
+    assert page.main(["--check", *args]) == 1
     assert "differs" in capsys.readouterr().out
+
+
+def test_readme_headline_is_what_the_generator_makes(page):
+    readme = page.README.read_text()
+    start, end = readme.index(page.HEADLINE_BEGIN), readme.index(page.HEADLINE_END)
+    assert readme[start : end + len(page.HEADLINE_END)] == page.headline()
+
+
+def test_headline_is_written_between_the_markers_and_checked(page, tmp_path, capsys):
+    results, readme = results_with_readme(page, tmp_path)
+    args = ["--results", str(results), "--page", str(tmp_path / "RESULTS.md"), "--readme", str(readme)]
+    assert page.main(args) == 0
+    text = readme.read_text()
+    assert text.startswith("# title\n\n") and text.endswith("\n\nafter\n")
+    assert page.headline(results) in text
+    # a row of the headline, from the JSON: the dinfer-full recipe at batch 1 against vanilla
+    e2e = json.loads((results / "e2e_cpu.json").read_text())
+    full, vanilla = (
+        next(r for r in e2e["results"] if r["recipe"] == name and r["batch"] == 1 and r["backend"] == "auto")
+        for name in ("dinfer-full", "vanilla")
+    )
+    speedup = full["tokens_per_second"] / vanilla["tokens_per_second"]
+    env = e2e["env"]
+    assert (
+        f"| {env['model']} | dinfer-full | 1 | {full['accuracy']:.3f} | {full['tokens_per_forward']:.2f} "
+        f"| {full['tokens_per_second']:.1f} | {speedup:.2f}x vanilla | {env['cpu']} | {env['date'][:10]} "
+        f"| {env['commit'][:7]}"
+    ) in text
+    readme.write_text(text.replace(f"{full['tokens_per_second']:.1f}", "9999.9"))
+    assert page.main(["--check", *args]) == 1
+    assert "README.md differs" in capsys.readouterr().out
+
+
+def test_headline_names_the_file_a_picked_row_is_missing_from(page, tmp_path):
+    results, _ = results_with_readme(page, tmp_path)
+    e2e = json.loads((results / "e2e_cpu.json").read_text())
+    e2e["results"] = [r for r in e2e["results"] if r["recipe"] != "dinfer-full"]
+    (results / "e2e_cpu.json").write_text(json.dumps(e2e))
+    with pytest.raises(ValueError, match="e2e_cpu.json: 0 results"):
+        page.headline(results)
+
+
+def test_readme_without_markers_is_refused(page):
+    with pytest.raises(ValueError, match="headline markers"):
+        page.with_headline("# a README\n", "table")

@@ -1,5 +1,5 @@
 """`dinfer serve` through the official `openai` client and raw HTTP: answers equal to LLM.generate's
-at T = 0, OpenAI's streaming format, the README's examples, malformed requests refused with a 4xx
+at T = 0, OpenAI's streaming format, the usage docs' examples, malformed requests refused with a 4xx
 naming the field (the server healthy after each), and property-based requests over the request
 models that never get a 5xx.
 
@@ -239,10 +239,10 @@ def test_models_health_metrics_and_openapi(server, client):
         assert field in chat, field
 
 
-def test_the_readme_examples_work(server):
-    """The README's Serve section: its curl and Python examples, run against this server."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
+def test_the_usage_docs_serve_examples_work(server):
+    """docs/usage.md's Serve section: its curl and Python examples, run against this server."""
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    section = usage.split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
     shell = [b for lang, b in blocks if lang == "bash" and "curl" in b]
     python = [b for lang, b in blocks if lang == "python"]
