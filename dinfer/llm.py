@@ -17,7 +17,9 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from . import parallel
 from .decoders import DECODERS, DecoderConfig
 from .generate import GenerationConfig, generate
 from .models.checkpoint import load_weights
@@ -125,15 +127,13 @@ class LLM:
 
     def _start_parallel(self, config, world, ep_mode, join, device, dtype, defaults) -> None:
         """Joins (or starts) the tensor-parallel group and loads this rank's shard."""
-        from . import parallel
-
         parallel.ShardPlan(
             config, world, 0, ep_mode
         )  # sizes that do not divide fail before any process starts
         if join is None and not parallel.under_torchrun():
             args = dict(model_path=self.path, device=device, dtype=dtype, tensor_parallel_size=world)
             self._workers = parallel.launch.Workers(
-                world, dict(args, expert_parallel=ep_mode, **defaults), None
+                world, _run_rank, (dict(args, expert_parallel=ep_mode, **defaults),), None
             )
             join = (0, self._workers.init_method, None)
         self._torchrun = join is None
@@ -160,8 +160,6 @@ class LLM:
             self._workers.close()
             self._workers = None
         elif self._torchrun and self.comm is not None:
-            import torch.distributed as dist
-
             self.comm.barrier(group=self.comm.control)
             dist.destroy_process_group()
             self.comm = None
@@ -279,6 +277,27 @@ class LLM:
     def _until_eos(self, ids: List[int]) -> List[int]:
         eos = self.model.config.eos_id
         return ids[: ids.index(eos)] if eos in ids else ids
+
+
+def _run_rank(rank: int, world: int, init_method: str, timeout_s, started, llm_args: dict) -> None:
+    """A spawned rank (parallel.launch.Workers): says it started, loads its shard, then runs every
+    LLM call rank 0 broadcasts until rank 0 closes the group."""
+    started.send(True)
+    started.close()
+    llm = LLM(**llm_args, _join=(rank, init_method, timeout_s))
+    comm = llm.comm
+    while True:
+        msg = comm.broadcast_object(None, group=comm.control)
+        if msg is None:
+            break
+        method, args, kwargs = msg
+        try:
+            getattr(llm, method)(*args, **kwargs)
+        except parallel.ParallelError:
+            raise
+        except Exception:  # rank 0 hit (and reported) the same error on the same arguments
+            pass
+    dist.destroy_process_group()
 
 
 def cut_at_stop(tokenizer: Tokenizer, ids: List[int], stops: Sequence[str]):
