@@ -295,22 +295,44 @@ def _writable(path: str, option: str) -> None:
 
 def _read_prompts(args: argparse.Namespace) -> List[str]:
     prompts = list(args.prompt or [])
+    for i, p in enumerate(prompts):
+        try:
+            p.encode("utf-8")  # argv's undecodable bytes arrive as lone surrogates
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"prompt: --prompt {i + 1} is not UTF-8 text (at character {e.start + 1})"
+            ) from None
     if args.prompts_file is not None or args.prompt is None:
         name = args.prompts_file or "-"
         if name == "-":
             if sys.stdin.isatty():
                 print("dinfer: reading prompts from stdin, one per line (Ctrl-D to end)", file=sys.stderr)
-            text = sys.stdin.read()
+            raw = getattr(sys.stdin, "buffer", None)  # None: a text stream put in its place
+            text = _utf8_text(raw.read(), "stdin") if raw is not None else sys.stdin.read()
         else:
             try:
-                with open(name, encoding="utf-8") as f:
-                    text = f.read()
+                with open(name, "rb") as f:
+                    data = f.read()
             except OSError as e:
                 raise ValueError(f"prompts-file: cannot read {name!r} ({e.strerror})") from e
+            text = _utf8_text(data, f"prompts-file {name!r}")
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError("prompts: none given (--prompt, --prompts-file, or one per line on stdin)")
     return prompts
+
+
+def _utf8_text(data: bytes, source: str) -> str:
+    """`data` decoded as UTF-8, or a ValueError naming `source` and the line of the first bad byte
+    (stdin's own decoding would pass it on as a lone surrogate the tokenizer cannot take)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(
+            f"{source}: line {line} is not UTF-8 text (byte 0x{data[e.start]:02x} at byte {column} of the line)"
+        ) from None
 
 
 class _Printer:

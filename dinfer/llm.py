@@ -116,7 +116,10 @@ class LLM:
         self.dtype = _dtype(dtype, self.device)
         config = ModelConfig.from_dir(path)
         self.defaults = {**checkpoint_defaults(path, config), **defaults}
-        check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
+        self._given = set(defaults)  # the options the caller set (the rest: the checkpoint's or ours)
+        self._config_file = os.path.join(path, "config.json")
+        cfg = generation_config(**self.defaults)
+        check_windows(cfg, config.max_positions, self._given, self._config_file)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
         self.tokenizer = Tokenizer(path, config=config)  # checked against the model config
         self.rank, self.comm, self._workers, self._torchrun = 0, None, None, False
@@ -179,7 +182,7 @@ class LLM:
     ) -> GenerateResult:
         """Generate for a prompt or a list of prompts (strings, or token-id lists taken as they are).
 
-        chat: wrap string prompts in the checkpoint's chat template (when it has one).
+        chat: wrap string prompts in the checkpoint's chat template (a ValueError when it has none).
         batch_size: the most prompts decoded at once (default: all); when one finishes, the next
             waiting prompt takes its place at the next block boundary (continuous batching).
         on_finish: on_finish(i, text) as soon as prompt i is finished, while others still run
@@ -204,7 +207,10 @@ class LLM:
             )
         given = dict(options, gen_length=gen_length, block_length=block_length, decoder=decoder, cache=cache)
         cfg = generation_config(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
-        check_windows(cfg, self.model.config.max_positions)  # before any buffer is sized by them
+        user = set(self._given) | {k for k, v in given.items() if v is not None}
+        check_windows(
+            cfg, self.model.config.max_positions, user, self._config_file
+        )  # before any buffer is sized by them
         Bool()("chat", chat)
         if batch_size is not None:
             Int(1)("batch_size", batch_size)
@@ -245,6 +251,13 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:  # a chat template would hide it: the model would answer an empty turn
                 raise ValueError(f"{name}: empty prompt")
+            if chat and self.tokenizer.chat_template is None:
+                # Without it a prompt reaches a chat model bare, and it answers nothing at all.
+                raise ValueError(
+                    f"chat: the checkpoint {self.path} has no chat template (no tokenizer_config.json "
+                    f"with a chat_template, no chat_template.jinja); pass chat=False (--no-chat) to use "
+                    f"prompts as they are"
+                )
             text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
             try:
                 return self.tokenizer.encode(text)
