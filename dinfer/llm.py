@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import signal
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Union
 
@@ -155,15 +156,17 @@ class LLM:
             return obj
         return self.comm.broadcast_object(obj, group=self.comm.control)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stops the workers this LLM spawned (tensor_parallel_size > 1 outside torchrun), or, under
         torchrun, leaves the group once every rank is done: a rank that exits with its process group
-        alive can abort in gloo's teardown while another still talks to it."""
+        alive can abort in gloo's teardown while another still talks to it. wait=False: at once (this
+        rank failed or was interrupted; the others' next collective then fails)."""
         if self._workers is not None:
-            self._workers.close()
+            self._workers.close(wait)
             self._workers = None
         elif self._torchrun and self.comm is not None:
-            self.comm.barrier(group=self.comm.control)
+            if wait:
+                self.comm.barrier(group=self.comm.control)
             dist.destroy_process_group()
             self.comm = None
 
@@ -295,21 +298,26 @@ class LLM:
 def _run_rank(rank: int, world: int, init_method: str, timeout_s, started, llm_args: dict) -> None:
     """A spawned rank (parallel.launch.Workers): says it started, loads its shard, then runs every
     LLM call rank 0 broadcasts until rank 0 closes the group."""
+    # Ctrl-C reaches every process of the terminal's group: rank 0 handles it, and ends this rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     started.send(True)
     started.close()
-    llm = LLM(**llm_args, _join=(rank, init_method, timeout_s))
-    comm = llm.comm
-    while True:
-        msg = comm.broadcast_object(None, group=comm.control)
-        if msg is None:
-            break
-        method, args, kwargs = msg
-        try:
-            getattr(llm, method)(*args, **kwargs)
-        except parallel.ParallelError:
-            raise
-        except Exception:  # rank 0 hit (and reported) the same error on the same arguments
-            pass
+    try:
+        llm = LLM(**llm_args, _join=(rank, init_method, timeout_s))
+        comm = llm.comm
+        while True:
+            msg = comm.broadcast_object(None, group=comm.control)
+            if msg is None:
+                break
+            method, args, kwargs = msg
+            try:
+                getattr(llm, method)(*args, **kwargs)
+            except parallel.ParallelError:
+                raise
+            except Exception:  # rank 0 hit (and reported) the same error on the same arguments
+                pass
+    except parallel.ParallelError:
+        raise SystemExit(1) from None  # rank 0 failed or left first, and reports it
     dist.destroy_process_group()
 
 

@@ -149,13 +149,14 @@ class Workers:
         """Every worker runs llm.<method>(*args, **kwargs) (broadcast from rank 0)."""
         self.comm.broadcast_object((method, args, kwargs), group=self.comm.control)
 
-    def close(self) -> None:
-        if self.comm is not None:
+    def close(self, wait: bool = True) -> None:
+        """Tells the workers to stop and waits for them (wait=False, or none told: kills them)."""
+        comm, self.comm = self.comm, None
+        if comm is not None and wait:
             try:
-                self.comm.broadcast_object(None, group=self.comm.control)
+                comm.broadcast_object(None, group=comm.control)
             except ParallelError:
                 pass  # a worker already gone: nothing left to stop
-            self.comm = None
             for p in self.procs:
                 p.join(timeout=30)
         for p in self.procs:
