@@ -25,7 +25,9 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Dict, List, Optional
 
 from .decoders import DECODERS
@@ -237,7 +239,12 @@ def _parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
         "--output",
         help="also write the JSON result to this file (and the table to FILE.md), rewritten after each task",
     )
-    e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    e.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal, so no bar lands in a log file)",
+    )
     _model_options(e, "1")
     _generation_options(e, d)
     s = commands.add_parser(
@@ -295,22 +302,44 @@ def _writable(path: str, option: str) -> None:
 
 def _read_prompts(args: argparse.Namespace) -> List[str]:
     prompts = list(args.prompt or [])
+    for i, p in enumerate(prompts):
+        try:
+            p.encode("utf-8")  # argv's undecodable bytes arrive as lone surrogates
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"prompt: --prompt {i + 1} is not UTF-8 text (at character {e.start + 1})"
+            ) from None
     if args.prompts_file is not None or args.prompt is None:
         name = args.prompts_file or "-"
         if name == "-":
             if sys.stdin.isatty():
                 print("dinfer: reading prompts from stdin, one per line (Ctrl-D to end)", file=sys.stderr)
-            text = sys.stdin.read()
+            raw = getattr(sys.stdin, "buffer", None)  # None: a text stream put in its place
+            text = _utf8_text(raw.read(), "stdin") if raw is not None else sys.stdin.read()
         else:
             try:
-                with open(name, encoding="utf-8") as f:
-                    text = f.read()
+                with open(name, "rb") as f:
+                    data = f.read()
             except OSError as e:
                 raise ValueError(f"prompts-file: cannot read {name!r} ({e.strerror})") from e
+            text = _utf8_text(data, f"prompts-file {name!r}")
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError("prompts: none given (--prompt, --prompts-file, or one per line on stdin)")
     return prompts
+
+
+def _utf8_text(data: bytes, source: str) -> str:
+    """`data` decoded as UTF-8, or a ValueError naming `source` and the line of the first bad byte
+    (stdin's own decoding would pass it on as a lone surrogate the tokenizer cannot take)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(
+            f"{source}: line {line} is not UTF-8 text (byte 0x{data[e.start]:02x} at byte {column} of the line)"
+        ) from None
 
 
 class _Printer:
@@ -377,11 +406,14 @@ def _generate(args: argparse.Namespace, state: dict) -> None:
             on_finish=printer,
             **_options(args),
         )
+    except BaseException:
+        llm.close(wait=False)  # failing or interrupted: the other ranks are too, or gone
+        raise
     finally:
         bar.close()
         if output is not None:
             output.close()
-        llm.close()
+    llm.close()
     if not main:
         return
     if args.json:
@@ -437,12 +469,14 @@ def _eval(args: argparse.Namespace, state: dict) -> None:
             num_problems=args.num_problems,
             batch_size=batch_size,
             problem_seed=args.problem_seed,
-            progress=args.progress and main,
+            progress=(sys.stderr.isatty() if args.progress is None else args.progress) and main,
             on_task=save,
             **options,
         )
-    finally:
-        llm.close()
+    except BaseException:
+        llm.close(wait=False)
+        raise
+    llm.close()
     if main:
         print(json.dumps(result, indent=2) if args.json else markdown_table(result, title=title))
 
@@ -496,13 +530,35 @@ def _serve(args: argparse.Namespace, state: dict) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser(argv).parse_args(argv)  # argparse itself exits 2 on a bad command line
+    # At most one KeyboardInterrupt, whatever arrives after it: torchrun sends its workers a second
+    # SIGINT on top of the terminal's, which would otherwise land in the cleanup of the first (a
+    # traceback per rank). Not where SIGINT is ignored (a background job) or off the main thread.
+    previous = signal.getsignal(signal.SIGINT)
+    handle = threading.current_thread() is threading.main_thread() and previous is not signal.SIG_IGN
+    if handle:
+        signal.signal(signal.SIGINT, _interrupt_once)
     state: dict = {}
     try:
-        {"generate": _generate, "eval": _eval, "serve": _serve}[args.command](args, state)
+        return _run(argv, state)
     except KeyboardInterrupt:
-        print(_interrupted(args, state), file=sys.stderr)
+        args = state.get("args")
+        if _main_rank():  # the other ranks stop with it, silently: their answers were rank 0's
+            print("dinfer: interrupted" if args is None else _interrupted(args, state), file=sys.stderr)
         return 130
+    finally:
+        if handle:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_once(signum, frame) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _run(argv: Optional[List[str]], state: dict) -> int:
+    args = state["args"] = _parser(argv).parse_args(argv)  # argparse itself exits 2 on a bad command line
+    try:
+        {"generate": _generate, "eval": _eval, "serve": _serve}[args.command](args, state)
     except Exception as e:  # a user-facing command: the message, not a traceback
         rank = "" if _main_rank() else f"rank {os.environ['RANK']}: "
         print(f"dinfer: {rank}error: {e}", file=sys.stderr)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import signal
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from . import parallel
 from .decoders import DECODERS, DecoderConfig
 from .generate import GenerationConfig, generate
 from .models.checkpoint import load_weights
@@ -114,7 +117,10 @@ class LLM:
         self.dtype = _dtype(dtype, self.device)
         config = ModelConfig.from_dir(path)
         self.defaults = {**checkpoint_defaults(path, config), **defaults}
-        check_windows(generation_config(**self.defaults), config.max_positions)  # before the weights load
+        self._given = set(defaults)  # the options the caller set (the rest: the checkpoint's or ours)
+        self._config_file = os.path.join(path, "config.json")
+        cfg = generation_config(**self.defaults)
+        check_windows(cfg, config.max_positions, self._given, self._config_file)  # before the weights load
         # The tokenizer before the weights: a missing tokenizer.json fails before a long load.
         self.tokenizer = Tokenizer(path, config=config)  # checked against the model config
         self.rank, self.comm, self._workers, self._torchrun = 0, None, None, False
@@ -125,15 +131,13 @@ class LLM:
 
     def _start_parallel(self, config, world, ep_mode, join, device, dtype, defaults) -> None:
         """Joins (or starts) the tensor-parallel group and loads this rank's shard."""
-        from . import parallel
-
         parallel.ShardPlan(
             config, world, 0, ep_mode
         )  # sizes that do not divide fail before any process starts
         if join is None and not parallel.under_torchrun():
             args = dict(model_path=self.path, device=device, dtype=dtype, tensor_parallel_size=world)
             self._workers = parallel.launch.Workers(
-                world, dict(args, expert_parallel=ep_mode, **defaults), None
+                world, _run_rank, (dict(args, expert_parallel=ep_mode, **defaults),), None
             )
             join = (0, self._workers.init_method, None)
         self._torchrun = join is None
@@ -152,17 +156,17 @@ class LLM:
             return obj
         return self.comm.broadcast_object(obj, group=self.comm.control)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stops the workers this LLM spawned (tensor_parallel_size > 1 outside torchrun), or, under
         torchrun, leaves the group once every rank is done: a rank that exits with its process group
-        alive can abort in gloo's teardown while another still talks to it."""
+        alive can abort in gloo's teardown while another still talks to it. wait=False: at once (this
+        rank failed or was interrupted; the others' next collective then fails)."""
         if self._workers is not None:
-            self._workers.close()
+            self._workers.close(wait)
             self._workers = None
         elif self._torchrun and self.comm is not None:
-            import torch.distributed as dist
-
-            self.comm.barrier(group=self.comm.control)
+            if wait:
+                self.comm.barrier(group=self.comm.control)
             dist.destroy_process_group()
             self.comm = None
 
@@ -181,7 +185,7 @@ class LLM:
     ) -> GenerateResult:
         """Generate for a prompt or a list of prompts (strings, or token-id lists taken as they are).
 
-        chat: wrap string prompts in the checkpoint's chat template (when it has one).
+        chat: wrap string prompts in the checkpoint's chat template (a ValueError when it has none).
         batch_size: the most prompts decoded at once (default: all); when one finishes, the next
             waiting prompt takes its place at the next block boundary (continuous batching).
         on_finish: on_finish(i, text) as soon as prompt i is finished, while others still run
@@ -206,7 +210,10 @@ class LLM:
             )
         given = dict(options, gen_length=gen_length, block_length=block_length, decoder=decoder, cache=cache)
         cfg = generation_config(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
-        check_windows(cfg, self.model.config.max_positions)  # before any buffer is sized by them
+        user = set(self._given) | {k for k, v in given.items() if v is not None}
+        check_windows(
+            cfg, self.model.config.max_positions, user, self._config_file
+        )  # before any buffer is sized by them
         Bool()("chat", chat)
         if batch_size is not None:
             Int(1)("batch_size", batch_size)
@@ -247,6 +254,13 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:  # a chat template would hide it: the model would answer an empty turn
                 raise ValueError(f"{name}: empty prompt")
+            if chat and self.tokenizer.chat_template is None:
+                # Without it a prompt reaches a chat model bare, and it answers nothing at all.
+                raise ValueError(
+                    f"chat: the checkpoint {self.path} has no chat template (no tokenizer_config.json "
+                    f"with a chat_template, no chat_template.jinja); pass chat=False (--no-chat) to use "
+                    f"prompts as they are"
+                )
             text = self.tokenizer.apply_chat_template(prompt) if chat else prompt
             try:
                 return self.tokenizer.encode(text)
@@ -279,6 +293,32 @@ class LLM:
     def _until_eos(self, ids: List[int]) -> List[int]:
         eos = self.model.config.eos_id
         return ids[: ids.index(eos)] if eos in ids else ids
+
+
+def _run_rank(rank: int, world: int, init_method: str, timeout_s, started, llm_args: dict) -> None:
+    """A spawned rank (parallel.launch.Workers): says it started, loads its shard, then runs every
+    LLM call rank 0 broadcasts until rank 0 closes the group."""
+    # Ctrl-C reaches every process of the terminal's group: rank 0 handles it, and ends this rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    started.send(True)
+    started.close()
+    try:
+        llm = LLM(**llm_args, _join=(rank, init_method, timeout_s))
+        comm = llm.comm
+        while True:
+            msg = comm.broadcast_object(None, group=comm.control)
+            if msg is None:
+                break
+            method, args, kwargs = msg
+            try:
+                getattr(llm, method)(*args, **kwargs)
+            except parallel.ParallelError:
+                raise
+            except Exception:  # rank 0 hit (and reported) the same error on the same arguments
+                pass
+    except parallel.ParallelError:
+        raise SystemExit(1) from None  # rank 0 failed or left first, and reports it
+    dist.destroy_process_group()
 
 
 def cut_at_stop(tokenizer: Tokenizer, ids: List[int], stops: Sequence[str]):

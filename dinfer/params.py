@@ -134,13 +134,21 @@ def check(cfg, rules: dict, names: Optional[dict] = None) -> None:
 # -------------------------------------------------------------------------------- needs the model
 
 
-def check_windows(cfg, max_positions: int) -> None:
+def check_windows(cfg, max_positions: int, given=None, config_file: Optional[str] = None) -> None:
     """The vicinity window's look-behind and look-ahead reach at most the model's positions: every
-    sequence's buffer keeps after_look spare columns, and its cache rows, whatever the cache mode."""
+    sequence's buffer keeps after_look spare columns, and its cache rows, whatever the cache mode.
+    `given`: the options the user set (None: all); a default that does not fit is the model config's
+    fault (`config_file`), not an option's the user never set."""
     for name in ("prefix_look", "after_look"):
         v = getattr(cfg, name)
-        if v > max_positions:
+        if v <= max_positions:
+            continue
+        if given is None or name in given:
             raise ValueError(f"{name}: must be <= the model's {max_positions} positions, got {v}")
+        raise ValueError(
+            f"{config_file or 'the model config'}: the model has {max_positions} positions, fewer than "
+            f"the {v} of {name}'s default (the vicinity window): too few for a prompt and its answer"
+        )
 
 
 def run_bytes(config, dtype: torch.dtype, kv_rows: int, forward_rows: int, logit_rows: int) -> int:

@@ -19,6 +19,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import sys
 from types import ModuleType
 from typing import Callable, Optional
 
@@ -57,7 +58,19 @@ _EXTENSION_HAS_MOE = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "moe")
 _EXTENSION_HAS_ISAS = _EXTENSION is not None and hasattr(_EXTENSION, "cpu_isa")
 # Kept here, as the fast-op set is, so that resolving a backend calls nothing compiled (torch.compile
 # traces the ops' resolve; set_cpu_isa updates both).
-_isa = _EXTENSION.cpu_isa() if _EXTENSION_HAS_ISAS else None
+try:
+    _isa = _EXTENSION.cpu_isa() if _EXTENSION_HAS_ISAS else None
+except ValueError as _bad_isa:
+    # A setting of the environment, not a bug: a program that does not catch it (the dinfer and
+    # python -m dinfer_kernels commands) ends with its one line, not a traceback through every import.
+    def _one_line(kind, exc, tb, previous=sys.excepthook, bad=_bad_isa):
+        if exc is bad:
+            print(f"dinfer_kernels: error: {exc}", file=sys.stderr)
+        else:
+            previous(kind, exc, tb)
+
+    sys.excepthook = _one_line
+    raise
 _host_fast_ops = frozenset(_EXTENSION.cpu_isa_fast_ops() if _EXTENSION_HAS_ISAS else _EXTENSION_HOST_OPS)
 
 
