@@ -269,7 +269,7 @@ def plan(quick=False, devices=None):
             if (
                 device == "cpu"
                 and _backend.triton_version()
-                and "triton" in _backend.IMPLEMENTED[op]
+                and "triton" in _backend.implemented(op)
                 and "triton" not in _backend.available_backends(device, op)
             ):
                 skipped.append(
