@@ -209,18 +209,20 @@ def build_cases(N, V, args, device, notes):
 
 def joint_reference(state, edit_threshold):
     """The tokens after one joint step of the torch reference (on the host) from the joint state."""
-    from dinfer_kernels.reference import decode_step_reference
+    from dinfer_kernels.reference import decode_params, decode_step_reference
 
     tokens = state["tokj_init"][0].cpu().clone()
     decode_step_reference(
         state["logits"][0].cpu(),
         tokens,
         state["offsets"].cpu(),
-        state["mask_id"],
-        rule="joint",
-        threshold=torch.full((1,), state["tau"]),
-        editable=state["editable"].cpu(),
-        edit_threshold=edit_threshold,
+        decode_params(
+            state["mask_id"],
+            rule="joint",
+            threshold=torch.full((1,), state["tau"]),
+            editable=state["editable"].cpu(),
+            edit_threshold=edit_threshold,
+        ),
     )
     return tokens
 

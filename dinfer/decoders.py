@@ -25,7 +25,6 @@ from typing import Optional, Tuple
 import torch
 
 import dinfer_kernels as dk
-from dinfer_kernels.reference.decode import DEFAULTS
 
 from .params import Int, OneOf, OrNone, Real, check
 
@@ -36,13 +35,13 @@ DECODERS = ("threshold", "credit", "hierarchical", "fixed", "joint")
 @dataclass(frozen=True)
 class DecoderConfig:
     name: str = "threshold"
-    threshold: float = DEFAULTS.threshold  # tau, or tau_high for hierarchical
-    low_threshold: float = DEFAULTS.low_threshold  # tau_low for hierarchical
+    threshold: float = dk.DECODE_DEFAULTS.threshold  # tau, or tau_high for hierarchical
+    low_threshold: float = dk.DECODE_DEFAULTS.low_threshold  # tau_low for hierarchical
     steps_per_block: int = 0  # fixed: steps per block (0: one token per step)
     credit_slots: int = 16
-    credit_alpha: float = DEFAULTS.credit_alpha
-    credit_beta: float = DEFAULTS.credit_beta
-    credit_gamma: float = DEFAULTS.credit_gamma
+    credit_alpha: float = dk.DECODE_DEFAULTS.credit_alpha
+    credit_beta: float = dk.DECODE_DEFAULTS.credit_beta
+    credit_gamma: float = dk.DECODE_DEFAULTS.credit_gamma
     temperature: float = 0.0
     seed: int = 0
     edit_threshold: Optional[float] = None  # joint: rewrite above this confidence (None / <= 0: off)

@@ -43,7 +43,6 @@ from typing import Callable, List, Optional
 import torch
 
 import dinfer_kernels as dk
-from dinfer_kernels.reference import rng
 
 from . import kv_paged, kv_refresh
 from .batch import check_prompt, span
@@ -156,7 +155,7 @@ class BlockState:
         self.editable = (self.valid & (pos >= batch.prompt_len[:, None])).flatten()
         self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
         self.iters = sched.iters[self.rows]  # [B] iterations each sequence was active (schedules)
-        self.request_keys = sched.keys[self.rows]  # [B] sampling keys (rng.sequence_key)
+        self.request_keys = sched.keys[self.rows]  # [B] sampling keys (dk.sequence_key)
         # [B] the request's forward (its own count, from 1) whose logits first held a NaN or +-inf
         # in a valid row of this block; -1: none yet.
         self.nonfinite_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
@@ -204,13 +203,13 @@ class BlockState:
 
 
 def request_keys_of(prompts: List[List[int]]) -> List[int]:
-    """The sampling key of each prompt: its content (rng.sequence_key) and its rank among the earlier
+    """The sampling key of each prompt: its content (dk.sequence_key) and its rank among the earlier
     copies of the same prompt in the run."""
     seen: dict = {}
     keys = []
     for p in prompts:
         ids = tuple(int(t) for t in p)
-        keys.append(rng.sequence_key(ids, seen.get(ids, 0)))
+        keys.append(dk.sequence_key(ids, seen.get(ids, 0)))
         seen[ids] = seen.get(ids, 0) + 1
     return keys
 
@@ -391,7 +390,7 @@ class Generator:
             active = ~st.decoder.settled
             keys = None
             if cfg.decoder.temperature > 0:
-                keys = rng.request_row_keys(st.request_keys, st.block_pos, st.iters).flatten()
+                keys = dk.request_row_keys(st.request_keys, st.block_pos, st.iters).flatten()
             out = st.decoder(logits, tokens, st.iters, keys, st.editable)
             bad = (out.nonfinite.view(B, bl) & st.valid).any(1)
             st.nonfinite_at.copy_(torch.where(bad & (st.nonfinite_at < 0), st.iters + 1, st.nonfinite_at))

@@ -29,7 +29,7 @@ class Request(NamedTuple):
     id: int
     prompt: List[int]
     gen_length: int
-    key: int  # its sampling key (rng.sequence_key)
+    key: int  # its sampling key (dinfer_kernels.sequence_key)
     threshold: float  # its commit threshold (tau)
 
 

@@ -9,7 +9,15 @@ Ops (each a torch.library custom op with backend="auto"|"cuda"|"triton"|"cpu"|"t
   moe             routed mixture of experts (router, top-k, SwiGLU experts, weighted combine)
   decode_step_vocab_parallel, soft_embedding_vocab_parallel
                   the two over a vocabulary split across a torch.distributed group (plain functions)
-Contracts: dinfer_kernels/reference/.
+Contracts: dinfer_kernels/reference/ (the pure-torch references, the spec of every op).
+
+What a caller of decode_step needs besides the ops, so that nothing outside the package reads
+dinfer_kernels.reference:
+  DECODE_RULES     decode_step's commit rules ("threshold", "hierarchical", "fixed", "joint")
+  DECODE_DEFAULTS  the rule parameters' defaults (threshold, low_threshold, credit_alpha / beta / gamma)
+  sequence_key     a prompt's uint32 sampling key (its tokens, and its rank among equal prompts)
+  request_row_keys decode_step's row_keys from request keys, positions and iteration counts, so that a
+                   request's samples never depend on the batch it runs in
 """
 
 from ._backend import available_backends, prefer_backend
@@ -21,13 +29,18 @@ from .ops.rms_norm import rms_norm
 from .ops.rope import rope
 from .ops.soft_embedding import soft_embedding
 from .ops.vocab_parallel import decode_step_vocab_parallel, soft_embedding_vocab_parallel
+from .reference.decode import DEFAULTS as DECODE_DEFAULTS
+from .reference.decode import RULES as DECODE_RULES
 from .reference.decode import DecodeOutput
+from .reference.rng import request_row_keys, sequence_key
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask",
     "CreditState",
+    "DECODE_DEFAULTS",
+    "DECODE_RULES",
     "DecodeOutput",
     "attention",
     "available_backends",
@@ -35,8 +48,10 @@ __all__ = [
     "decode_step_vocab_parallel",
     "moe",
     "prefer_backend",
+    "request_row_keys",
     "rms_norm",
     "rope",
+    "sequence_key",
     "soft_embedding",
     "soft_embedding_vocab_parallel",
     "__version__",

@@ -1,10 +1,14 @@
-"""Which backends exist in this install, and the `backend=` switch every op shares.
+"""Which backends exist in this install, and the `backend=` switch every op shares: one resolver,
+resolve(), turns every op's backend= into the backend that runs the call.
 
 Backends: "cuda" (compiled CUDA kernels), "triton", "cpu" (compiled C++ kernels), "torch" (the pure-torch
-reference; runs anywhere, not CUDA-graph capturable). "auto" picks the fastest available for the
-tensor's device: cuda > triton > torch on a GPU; on the host cpu > torch for the ops whose host kernel
-beats the reference with the ISA in use (cpu_fast_ops()), torch for the others; for moe also only in the
-dtypes and shapes where it was measured faster (MOE_HOST_WINS, moe_host_wins()).
+reference; runs anywhere, not CUDA-graph capturable). A kernel backend implements the ops it has a
+module for (dinfer_kernels/<backend>/<op>.py: found, not listed) and takes the inputs that module's
+SUPPORTS allows (the supports hook, unsupported()). "auto" picks the fastest available backend that
+takes the call's inputs: cuda > triton > torch on a GPU; on the host cpu > torch for the ops whose
+host kernel beats the reference with the ISA in use (cpu_fast_ops()), torch for the others; for moe
+also only in the dtypes and shapes where it was measured faster (MOE_HOST_WINS, moe_host_wins()).
+prefer_backend() overrides "auto" for every op whose call the preferred backend can run.
 
 The host kernels exist once per x86-64 ISA in the extension; cpu_isa() names the copy in use (the best
 the CPU runs, or the DINFER_CPU_ISA environment variable's), set_cpu_isa() switches it for the whole
@@ -19,9 +23,12 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import pkgutil
 import sys
 from types import ModuleType
 from typing import Callable, Optional
+
+import torch
 
 BACKENDS = ("auto", "cuda", "triton", "cpu", "torch")
 
@@ -43,23 +50,11 @@ def _find_triton():
 _EXTENSION = _load_extension()
 _TRITON_VERSION = _find_triton()
 _EXTENSION_HAS_CUDA = _EXTENSION is not None and _EXTENSION.built_with_cuda()
-# Kernels came with their own build steps: an op's host kernel is only usable once _C lists it (a
-# build from an older tree lacks the newer ones, and lists nothing: there, a binding meant a host
-# kernel, except moe's); the CUDA attention also needs its workspace query.
-if _EXTENSION is not None and hasattr(_EXTENSION, "host_kernels"):
-    _EXTENSION_HOST_OPS = set(_EXTENSION.host_kernels())
-else:
-    _EXTENSION_HOST_OPS = {op for op in ("decode_step", "attention") if hasattr(_EXTENSION, op)}
-_EXTENSION_HAS_ATTENTION = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "attention_workspace_bytes")
-# Likewise the CUDA MoE kernels (csrc/moe): only usable once _C exports them.
-_EXTENSION_HAS_MOE = _EXTENSION_HAS_CUDA and hasattr(_EXTENSION, "moe")
-# The host kernels' ISA: asking now makes a bad DINFER_CPU_ISA fail the import, naming the variable
-# (a build from before the per-ISA layer has one copy, fast for every op it has).
-_EXTENSION_HAS_ISAS = _EXTENSION is not None and hasattr(_EXTENSION, "cpu_isa")
+# The host kernels' ISA: asking now makes a bad DINFER_CPU_ISA fail the import, naming the variable.
 # Kept here, as the fast-op set is, so that resolving a backend calls nothing compiled (torch.compile
 # traces the ops' resolve; set_cpu_isa updates both).
 try:
-    _isa = _EXTENSION.cpu_isa() if _EXTENSION_HAS_ISAS else None
+    _isa = _EXTENSION.cpu_isa() if _EXTENSION is not None else None
 except ValueError as _bad_isa:
     # A setting of the environment, not a bug: a program that does not catch it (the dinfer and
     # python -m dinfer_kernels commands) ends with its one line, not a traceback through every import.
@@ -71,7 +66,7 @@ except ValueError as _bad_isa:
 
     sys.excepthook = _one_line
     raise
-_host_fast_ops = frozenset(_EXTENSION.cpu_isa_fast_ops() if _EXTENSION_HAS_ISAS else _EXTENSION_HOST_OPS)
+_host_fast_ops = frozenset(_EXTENSION.cpu_isa_fast_ops() if _EXTENSION is not None else ())
 
 
 def compiled():
@@ -96,15 +91,15 @@ def cpu_isa():
 
 def cpu_isas():
     """The ISAs of the host kernels this CPU runs, lowest first ([] without the extension)."""
-    return list(_EXTENSION.cpu_isas_supported()) if _EXTENSION_HAS_ISAS else []
+    return list(_EXTENSION.cpu_isas_supported()) if _EXTENSION is not None else []
 
 
 def set_cpu_isa(isa: str):
     """Runs every later host-kernel call with `isa`'s copy, in the whole process (not while another
     thread runs a host kernel). ValueError for an unknown ISA or one this CPU does not run."""
     global _host_fast_ops, _isa
-    if not _EXTENSION_HAS_ISAS:
-        raise ValueError("isa: this install has no per-ISA host kernels")
+    if _EXTENSION is None:
+        raise ValueError("isa: this install has no host kernels (dinfer_kernels._C was not built)")
     _EXTENSION.set_cpu_isa(isa)
     _isa = _EXTENSION.cpu_isa()
     _host_fast_ops = frozenset(_EXTENSION.cpu_isa_fast_ops())
@@ -154,23 +149,39 @@ def moe_host_wins(dtype, rows_per_expert: float, weight_bytes: int, isa: Optiona
     return limit is not None and rows_per_expert <= limit
 
 
-# Which backends implement each op, fastest first.
-IMPLEMENTED = {
-    "decode_step": ("cuda", "triton", "cpu", "torch"),
-    "soft_embedding": ("triton", "torch"),
-    "rms_norm": ("triton", "cpu", "torch"),
-    "rope": ("triton", "cpu", "torch"),
-    "attention": ("cuda", "triton", "cpu", "torch"),
-    "moe": ("cuda", "triton", "cpu", "torch"),
-}
+# The kernel backends, fastest first: each is a package dinfer_kernels/<backend>/ holding one module per
+# op it implements. "torch", the reference, implements every op.
+KERNEL_BACKENDS = ("cuda", "triton", "cpu")
 # The module of an op in each kernel backend's package, where it is not named after the op.
 _MODULES = {"decode_step": "decode"}
+
+
+def _find_kernels() -> dict[str, tuple[str, ...]]:
+    """{op: the kernel backends with a module for it, fastest first}, from the modules that exist
+    (none is imported: Triton loads only when used)."""
+    ops_of = {module: op for op, module in _MODULES.items()}
+    here = os.path.dirname(os.path.abspath(__file__))
+    found: dict[str, tuple[str, ...]] = {}
+    for backend in KERNEL_BACKENDS:
+        for info in pkgutil.iter_modules([os.path.join(here, backend)]):
+            if not info.name.startswith("_"):
+                op = ops_of.get(info.name, info.name)
+                found[op] = found.get(op, ()) + (backend,)
+    return found
+
+
+_KERNELS = _find_kernels()
+
+
+def implemented(op: str) -> tuple[str, ...]:
+    """The backends that implement `op`, fastest first: those with a module for it, then "torch"."""
+    return _KERNELS.get(op, ()) + ("torch",)
 
 
 def module(op: str, backend: str) -> ModuleType:
     """dinfer_kernels/<backend>/<op's module>.py, the kernel backend `backend` of `op` (ValueError
     for "torch", the op's reference, and for a backend that does not implement `op`)."""
-    if backend == "torch" or backend not in IMPLEMENTED[op]:
+    if backend not in _KERNELS.get(op, ()):
         raise ValueError(f"backend: {backend!r} does not implement {op}")
     from . import cpu, cuda, triton  # torch.compile traces import statements (not importlib)
 
@@ -184,24 +195,46 @@ def impl(op: str, backend: str) -> Callable[..., None]:
     return getattr(module(op, backend), op)
 
 
+def _runs_on(backend: str, kind: str) -> bool:
+    """Whether `backend` runs in this install on tensors of the device type `kind`."""
+    if backend == "cpu":
+        return kind == "cpu" and _EXTENSION is not None
+    if backend == "cuda":
+        return kind == "cuda" and _EXTENSION_HAS_CUDA
+    if backend == "triton":
+        return _TRITON_VERSION is not None and (kind == "cuda" or (kind == "cpu" and triton_interpreted()))
+    return True  # torch
+
+
 def available_backends(device, op: str = "decode_step") -> list[str]:
     """Backends that can run `op` on tensors of `device`, fastest first."""
-    import torch
-
     kind = torch.device(device).type
-    usable = {"torch"}
-    if kind == "cpu" and op in _EXTENSION_HOST_OPS:
-        usable.add("cpu")
-    if (
-        _EXTENSION_HAS_CUDA
-        and kind == "cuda"
-        and (op != "attention" or _EXTENSION_HAS_ATTENTION)
-        and (op != "moe" or _EXTENSION_HAS_MOE)
-    ):
-        usable.add("cuda")
-    if _TRITON_VERSION is not None and (kind == "cuda" or (kind == "cpu" and triton_interpreted())):
-        usable.add("triton")
-    return [b for b in IMPLEMENTED[op] if b in usable]
+    return [b for b in implemented(op) if _runs_on(b, kind)]
+
+
+def _shown(value) -> str:
+    """An input's value or a list of them as an error message says them (float32, not torch.float32)."""
+    if isinstance(value, (tuple, list, frozenset, set)):
+        return ", ".join(map(_shown, value))
+    return str(value).replace("torch.", "")
+
+
+def unsupported(op: str, backend: str, call: dict) -> Optional[Exception]:
+    """The supports hook: None when `backend` takes the inputs `call` describes, else the error that
+    says why, naming the input. A kernel backend module may declare SUPPORTS = {input: the values it
+    takes}; each input the op describes (its keyword arguments to resolve, e.g. attention's
+    "q.dtype", "q.head_dim", "attn_mask") must be one of them. Inputs it does not declare, or that the
+    call does not describe, it takes all of; "torch", the reference, takes every input."""
+    if backend == "torch":
+        return None
+    for name, allowed in getattr(module(op, backend), "SUPPORTS", {}).items():
+        if name in call and call[name] not in allowed:
+            kind = TypeError if isinstance(call[name], torch.dtype) else ValueError
+            return kind(
+                f"{name}: {_shown(call[name])} is not supported by the {backend} backend of {op} "
+                f"(supported: {_shown(allowed)}; backend='torch', the reference, takes any)"
+            )
+    return None
 
 
 _preferred: Optional[str] = None  # set by prefer_backend()
@@ -210,7 +243,8 @@ _preferred: Optional[str] = None  # set by prefer_backend()
 @contextlib.contextmanager
 def prefer_backend(backend: str):
     """Inside the block, backend="auto" resolves to `backend` for every op that `backend` can run
-    (others keep their usual choice): e.g. prefer_backend("torch") runs a model on the references."""
+    with the call's inputs (others keep their usual choice): e.g. prefer_backend("torch") runs a
+    model on the references."""
     global _preferred
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -221,21 +255,21 @@ def prefer_backend(backend: str):
         _preferred = before
 
 
-def _host_wins(op, work) -> bool:
-    """Whether the host kernel of `op` (in cpu_fast_ops()) also wins for this call's dtype and shape,
-    `work` (the op's keyword arguments to resolve; none: the op-level answer)."""
-    if op == "moe" and work:
-        return moe_host_wins(work["dtype"], work["rows_per_expert"], work["weight_bytes"])
+def _host_wins(op, call) -> bool:
+    """Whether the host kernel of `op` (in cpu_fast_ops()) also wins for this call's dtype and shape
+    (moe: `call` gives them; without them, the op-level answer)."""
+    if op == "moe" and "rows_per_expert" in call:
+        return moe_host_wins(call["dtype"], call["rows_per_expert"], call["weight_bytes"])
     return True
 
 
-def auto_backends(device, op: str, **work) -> list[str]:
+def auto_backends(device, op: str, **call) -> list[str]:
     """The backends "auto" may pick for `op` on `device`, fastest first: the available ones less the
     Triton interpreter (a correctness tool on the host) and a host kernel slower than the reference
-    (for this call's dtype and shape where `work` gives them: moe's dtype, rows_per_expert and
+    (for this call's dtype and shape where `call` gives them: moe's dtype, rows_per_expert and
     weight_bytes, see moe_host_wins)."""
     host = str(device).startswith("cpu")
-    slow_host = op not in _host_fast_ops or not _host_wins(op, work)
+    slow_host = op not in _host_fast_ops or not _host_wins(op, call)
     return [
         b
         for b in available_backends(device, op)
@@ -243,18 +277,23 @@ def auto_backends(device, op: str, **work) -> list[str]:
     ]
 
 
-def resolve(backend: str, device, op: str, **work) -> str:
-    """Validates `backend` and turns "auto" into a concrete backend for `device` (and, on the host,
-    for the call's dtype and shape in `work`, see auto_backends)."""
+def resolve(backend: str, device, op: str, **call) -> str:
+    """The backend that runs this call of `op` on `device`: `backend` when it is available and takes
+    the inputs `call` describes (else an error naming what it lacks); for "auto", the preferred
+    backend (prefer_backend) if it can, else the fastest backend that can (auto_backends: on the
+    host, also for the call's dtype and shape), the reference at worst. Every op resolves here."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     avail = available_backends(device, op)
-    if backend == "auto" and _preferred is not None and _preferred in avail:
-        return _preferred
     if backend == "auto":
-        return auto_backends(device, op, **work)[0]
+        if _preferred in avail and unsupported(op, _preferred, call) is None:
+            return _preferred
+        return next(b for b in auto_backends(device, op, **call) if unsupported(op, b, call) is None)
     if backend not in avail:
         raise ValueError(
             f"backend: {backend!r} cannot run {op} on {device} in this install (available: {avail})"
         )
+    error = unsupported(op, backend, call)
+    if error is not None:
+        raise error
     return backend

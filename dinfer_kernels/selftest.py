@@ -31,7 +31,7 @@ from .ops.rms_norm import rms_norm
 from .ops.rope import rope
 from .ops.soft_embedding import soft_embedding
 from .reference.attention import attention_reference
-from .reference.decode import decode_step_reference
+from .reference.decode import decode_params, decode_step_reference
 from .reference.moe import moe_reference
 from .reference.rms_norm import rms_norm_reference
 from .reference.rope import rope_reference
@@ -95,18 +95,14 @@ def _decode(backend, device, dtype, N, V):
         tok_b, tok_s, tok_t = tokens.clone(), tokens.clone(), tokens.clone()
         out = decode_step(logits, tok_b, offsets, mask_id, rule=rule, threshold=0.3, backend=backend, **edits)
         same = decode_step_reference(
-            logits, tok_s, offsets, mask_id, rule=rule, threshold=thr, num_commit=k, **edits
+            logits, tok_s, offsets, decode_params(mask_id, rule=rule, threshold=thr, num_commit=k, **edits)
         )
         truth = decode_step_reference(
             logits,
             tok_t,
             offsets,
-            mask_id,
-            rule=rule,
-            threshold=thr,
-            num_commit=k,
+            decode_params(mask_id, rule=rule, threshold=thr, num_commit=k, **edits),
             compute_dtype=F64,
-            **edits,
         )
         outs.append(out.confidence)
         sames.append(same.confidence)
@@ -269,7 +265,7 @@ def plan(quick=False, devices=None):
             if (
                 device == "cpu"
                 and _backend.triton_version()
-                and "triton" in _backend.IMPLEMENTED[op]
+                and "triton" in _backend.implemented(op)
                 and "triton" not in _backend.available_backends(device, op)
             ):
                 skipped.append(

@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dinfer_kernels.reference import rng
+import dinfer_kernels as dk
 
 from ..engine import Engine, QueueFull
 from ..generate import GenerationConfig, check_for_model
@@ -302,7 +302,7 @@ class Server:
         # off the event loop: a long prompt's template and tokenization take a while
         ids = await run_in_threadpool(self.prompt_ids, *prompt)
         cfg, max_tokens = self.config(body, max_tokens, len(ids))
-        key = rng.sequence_key(ids) if cfg.decoder.temperature > 0 else 0  # LLM.generate's, alone
+        key = dk.sequence_key(ids) if cfg.decoder.temperature > 0 else 0  # LLM.generate's, alone
         job = _Job(asyncio.get_running_loop())
         try:
             job.rid = self.engine.submit(ids, cfg, job.events, key)

@@ -9,12 +9,9 @@ import torch
 from .._backend import compiled
 from . import capsules
 
-HEAD_DIMS = None  # any: the kernel loops over the head dim
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def supports(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype in DTYPES
+# What this backend takes (dinfer_kernels/_backend.py's supports hook): any head dim (the kernel
+# loops over it); a dense attn_mask only the torch reference takes.
+SUPPORTS = {"q.dtype": (torch.float16, torch.bfloat16, torch.float32), "attn_mask": (None,)}
 
 
 def attention(

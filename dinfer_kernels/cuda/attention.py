@@ -9,12 +9,9 @@ import torch
 
 from .._backend import compiled
 
-HEAD_DIMS = (64, 128)  # the kernels' tile widths
-DTYPES = (torch.float16, torch.bfloat16)
-
-
-def supports(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype in DTYPES and head_dim in HEAD_DIMS
+# What this backend takes (dinfer_kernels/_backend.py's supports hook): the head dims are the kernels'
+# tile widths; a dense attn_mask only the torch reference takes.
+SUPPORTS = {"q.dtype": (torch.float16, torch.bfloat16), "q.head_dim": (64, 128), "attn_mask": (None,)}
 
 
 def attention(

@@ -4,14 +4,13 @@ write_back=True), optionally restricted to listed key blocks (BlockMask) and ret
 log-sum-exp and the per-key-block attention mass. Contract: dinfer_kernels/reference/attention.py.
 
 Backends: torch (the reference; the only one that takes a dense attn_mask), triton and cuda (D in
-{64, 128}; cuda: fp16/bf16) and cpu (host arrays, any D, fp32/fp16/bf16). backend="auto" picks
-torch when attn_mask is given or no kernel backend can take the inputs. Every kernel backend module
-`dinfer_kernels/{triton,cuda,cpu}/attention.py` exposes
+{64, 128}; cuda: fp16/bf16) and cpu (host arrays, any D, fp32/fp16/bf16). backend="auto" (as every
+op's, dinfer_kernels/_backend.py resolve) picks torch when attn_mask is given or no kernel backend can
+take the inputs. Every kernel backend module `dinfer_kernels/{triton,cuda,cpu}/attention.py` exposes
 
     attention(q, k, v, k_cache, v_cache, positions, seq_lens, block_table, kv_num_blocks, kv_indices,
               out, lse, block_mass, *, write_back, q_block, kv_block, scale) -> None
-    supports(dtype, head_dim) -> bool     whether it serves q of that dtype and head dim
-    HEAD_DIMS                             the head dims it serves (None: any)
+    SUPPORTS   the inputs it takes: "q.dtype", "q.head_dim", "attn_mask" (the resolver's supports hook)
 
 with caller-allocated outputs (lse / block_mass None = not wanted; kv_num_blocks / kv_indices None =
 every key block, and then q_block / kv_block are only tiling hints; block_table None = contiguous
@@ -141,43 +140,6 @@ def _cache_len(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> in
     return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
-def _pick_backend(
-    backend: str,
-    dev: torch.device,
-    dtype: torch.dtype,
-    D: int,
-    attn_mask: Optional[torch.Tensor],
-) -> str:
-    """backend, checked against what the call needs, or for "auto" the first backend that serves it
-    (each kernel backend's supports(); only the torch one takes a dense attn_mask)."""
-    if backend == "auto":
-        if attn_mask is not None:
-            return "torch"
-        for b in _backend.auto_backends(dev, "attention"):
-            if b == "torch" or _backend.module("attention", b).supports(dtype, D):
-                return b
-        return "torch"
-    backend = _backend.resolve(backend, dev, "attention")
-    if backend == "torch":
-        return backend
-    if attn_mask is not None:
-        raise ValueError(
-            f"attn_mask: a dense mask is only supported by the torch backend, got "
-            f"backend={backend!r} (express it as a block_mask, or use 'torch')"
-        )
-    kernel = _backend.module("attention", backend)
-    if not kernel.supports(dtype, D):
-        if kernel.HEAD_DIMS is not None and D not in kernel.HEAD_DIMS:
-            raise ValueError(
-                f"q: head dim {D} is not supported by the {backend} backend "
-                f"(supported: {kernel.HEAD_DIMS}; the torch backend takes any)"
-            )
-        raise TypeError(
-            f"q: dtype {str(dtype).replace('torch.', '')} is not supported by the {backend} backend"
-        )
-    return backend
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -274,7 +236,12 @@ def attention(
         "block_mask.kv_indices": block_mask and block_mask.kv_indices,
     }
     _checks.disjoint(caches if write_back else {}, reads)
-    backend = _pick_backend(backend, dev, q.dtype, D, attn_mask)
+    backend = _backend.resolve(
+        backend,
+        dev,
+        "attention",
+        **{"q.dtype": q.dtype, "q.head_dim": D, "attn_mask": None if attn_mask is None else "a dense mask"},
+    )
 
     if _checks.data_checks_possible(q) if validate is None else validate:
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= S):

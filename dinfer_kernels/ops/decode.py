@@ -10,9 +10,18 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .. import _backend, _checks, _dispatch
-from ..reference.decode import DEFAULTS, RULES, DecodeOutput, decode_step_reference
-
-RULE_CODES = {name: code for code, name in enumerate(RULES)}
+from ..reference.decode import (
+    DEFAULTS,
+    RULES,
+    CreditParams,
+    DecodeOutput,
+    DecodeParams,
+    EditParams,
+    RuleParams,
+    SamplingParams,
+    decode_params,
+    decode_step_reference,
+)
 
 
 class CreditState(NamedTuple):
@@ -83,111 +92,58 @@ class CreditState(NamedTuple):
         return self
 
 
+# The torch.library boundary: the op takes the DecodeParams flat, in its field order (its schema needs
+# one typed argument each), and groups them again for the reference and the backends.
 @_dispatch.op("decode_step", mutates_args=("tokens", "credit_ids", "credit_vals"))
 def _decode_step_op(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     seq_offsets: torch.Tensor,
-    threshold: torch.Tensor,
-    num_commit: torch.Tensor,
     credit_ids: torch.Tensor,
     credit_vals: torch.Tensor,
     mask_id: int,
-    rule: int,
+    rule: str,
+    threshold: torch.Tensor,
     low_threshold: float,
+    num_commit: torch.Tensor,
     temperature: float,
     seed: int,
     offset: int,
+    row_keys: Optional[torch.Tensor],
     credit_alpha: float,
     credit_beta: float,
     credit_gamma: float,
-    row_keys: Optional[torch.Tensor],
     editable: Optional[torch.Tensor],
-    edit_threshold: float,
+    edit_threshold: Optional[float],
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    N = logits.shape[0]
-    dev = logits.device
+    params = DecodeParams(
+        mask_id,
+        RuleParams(rule, threshold, low_threshold, num_commit),
+        SamplingParams(temperature, seed, offset, row_keys),
+        CreditParams(credit_alpha, credit_beta, credit_gamma),
+        EditParams(editable, edit_threshold),
+    )
     if backend == "torch":
-        use_credit = credit_ids.shape[1] > 0
-        out = decode_step_reference(
-            logits,
-            tokens,
-            seq_offsets,
-            mask_id,
-            rule=RULES[rule],
-            threshold=threshold,
-            low_threshold=low_threshold,
-            num_commit=num_commit,
-            temperature=temperature,
-            seed=seed,
-            offset=offset,
-            credit_ids=credit_ids if use_credit else None,
-            credit_vals=credit_vals if use_credit else None,
-            credit_alpha=credit_alpha,
-            credit_beta=credit_beta,
-            credit_gamma=credit_gamma,
-            row_keys=row_keys,
-            editable=editable,
-            edit_threshold=None if edit_threshold == float("inf") else edit_threshold,
-        )
+        out = decode_step_reference(logits, tokens, seq_offsets, params, credit_ids, credit_vals)
         candidate, confidence, commit, nonfinite = (t.clone() for t in out)
         return candidate, confidence, commit, nonfinite
-    candidate = torch.empty(N, dtype=torch.int64, device=dev)
-    confidence = torch.empty(N, dtype=torch.float32, device=dev)
-    commit = torch.empty(N, dtype=torch.bool, device=dev)
-    nonfinite = torch.empty(N, dtype=torch.bool, device=dev)
+    N = logits.shape[0]
+    new = lambda dtype: torch.empty(N, dtype=dtype, device=logits.device)
+    candidate, confidence, commit, nonfinite = (
+        new(torch.int64),
+        new(torch.float32),
+        new(torch.bool),
+        new(torch.bool),
+    )
     _backend.impl("decode_step", backend)(
-        logits,
-        tokens,
-        seq_offsets,
-        threshold,
-        num_commit,
-        credit_ids,
-        credit_vals,
-        candidate,
-        confidence,
-        commit,
-        nonfinite,
-        mask_id=mask_id,
-        rule=rule,
-        low_threshold=low_threshold,
-        temperature=temperature,
-        seed=seed,
-        offset=offset,
-        credit_alpha=credit_alpha,
-        credit_beta=credit_beta,
-        credit_gamma=credit_gamma,
-        row_keys=row_keys,
-        editable=editable,
-        edit_threshold=edit_threshold,
+        logits, tokens, seq_offsets, credit_ids, credit_vals, candidate, confidence, commit, nonfinite, params
     )
     return candidate, confidence, commit, nonfinite
 
 
 @_decode_step_op.register_fake
-def _(
-    logits,
-    tokens,
-    seq_offsets,
-    threshold,
-    num_commit,
-    credit_ids,
-    credit_vals,
-    mask_id,
-    rule,
-    low_threshold,
-    temperature,
-    seed,
-    offset,
-    credit_alpha,
-    credit_beta,
-    credit_gamma,
-    row_keys,
-    editable,
-    edit_threshold,
-    backend,
-):
+def _(logits, *args):
     N = logits.shape[0]
     f = lambda dt: logits.new_empty((N,), dtype=dt)
     return f(torch.int64), f(torch.float32), f(torch.bool), f(torch.bool)
@@ -252,94 +208,59 @@ def decode_step(
     """
     N, V = _checks.logits_matrix("logits", logits)
     dev = logits.device
-    args = _checked_args(
-        N,
-        V,
-        dev,
-        tokens,
-        seq_offsets,
+    params = decode_params(
         mask_id,
-        rule,
-        threshold,
-        low_threshold,
-        num_commit,
-        temperature,
-        seed,
-        offset,
-        credit,
-        credit_alpha,
-        credit_beta,
-        credit_gamma,
-        row_keys,
-        editable,
-        edit_threshold,
+        rule=rule,
+        threshold=threshold,
+        low_threshold=low_threshold,
+        num_commit=num_commit,
+        temperature=temperature,
+        seed=seed,
+        offset=offset,
+        row_keys=row_keys,
+        credit_alpha=credit_alpha,
+        credit_beta=credit_beta,
+        credit_gamma=credit_gamma,
+        editable=editable,
+        edit_threshold=edit_threshold,
     )
-    seq_offsets, mask_id, code, seed, offset, thr, k, ids, vals, row_keys, editable, edit_at = args
+    seq_offsets, ids, vals, params = _checked(N, V, dev, tokens, seq_offsets, credit, params)
     backend = _backend.resolve(backend, dev, "decode_step")
     _checks.disjoint(
         {"tokens": tokens, "credit.ids": ids, "credit.vals": vals},
         {
             "logits": logits,
             "seq_offsets": seq_offsets,
-            "threshold": thr,
-            "num_commit": k,
-            "row_keys": row_keys,
-            "editable": editable,
+            "threshold": params.rule.threshold,
+            "num_commit": params.rule.num_commit,
+            "row_keys": params.sampling.row_keys,
+            "editable": params.edit.editable,
         },
     )
 
     if (_checks.data_checks_possible(logits) if validate is None else validate) and backend != "cpu":
-        _check_values(tokens, seq_offsets, thr, k, ids, vals, N, V)  # the host kernel checks them itself
+        _check_values(tokens, seq_offsets, params, ids, vals, N, V)  # the host kernel checks them itself
     out = _decode_step_op(
         logits,
         tokens,
         seq_offsets,
-        thr,
-        k,
         ids,
         vals,
-        mask_id,
-        code,
-        float(low_threshold),
-        float(temperature),
-        seed,
-        offset,
-        float(credit_alpha),
-        float(credit_beta),
-        float(credit_gamma),
-        row_keys,
-        editable,
-        edit_at,
+        params.mask_id,
+        *params.rule,
+        *params.sampling,
+        *params.credit,
+        *params.edit,
         backend,
     )
     return DecodeOutput(*out)
 
 
-def _checked_args(
-    N,
-    V,
-    dev,
-    tokens,
-    seq_offsets,
-    mask_id,
-    rule,
-    threshold,
-    low_threshold,
-    num_commit,
-    temperature,
-    seed,
-    offset,
-    credit,
-    credit_alpha,
-    credit_beta,
-    credit_gamma,
-    row_keys,
-    editable,
-    edit_threshold,
-):
-    """decode_step's arguments for N rows of a V-token vocabulary on `dev`, checked (the errors name
-    the argument) and normalised: (seq_offsets, mask_id, rule code, seed, offset, threshold [B],
-    num_commit [B], credit ids, credit vals, row_keys, editable, edit threshold (+inf: off))."""
+def _checked(N, V, dev, tokens, seq_offsets, credit, params: DecodeParams):
+    """decode_step's inputs for N rows of a V-token vocabulary on `dev`, checked (the errors name the
+    argument) and normalised: (seq_offsets, credit ids, credit vals, params), where params holds
+    threshold [B] fp32, num_commit [B] int32, the row keys and editable rows contiguous, Python
+    numbers, and edit.threshold None when editing is off."""
     _checks.tensor("tokens", tokens, (torch.int64,), ndim=1, device=dev)
     _checks.shape("tokens", tokens, [N])
     _checks.contiguous("tokens", tokens)
@@ -348,21 +269,21 @@ def _checked_args(
         raise ValueError("seq_offsets: expected [B + 1] offsets with B >= 0")
     seq_offsets = seq_offsets.contiguous()
     B = seq_offsets.numel() - 1
-    mask_id = _checks.integer("mask_id", mask_id, 0, V)
-    if rule not in RULE_CODES:
-        raise ValueError(f"rule: expected one of {sorted(RULE_CODES)}, got {rule!r}")
-    code = RULE_CODES[rule]
-    _checks.number("low_threshold", low_threshold)
-    _checks.number("temperature", temperature, lo=0.0)
-    seed = _checks.integer("seed", seed, 0, 2**32)
-    offset = _checks.integer("offset", offset, 0, 2**32)
-    _checks.number("credit_alpha", credit_alpha, lo=0.0)
-    _checks.number("credit_beta", credit_beta, lo=0.0, hi=1.0)
-    _checks.number("credit_gamma", credit_gamma, lo=0.0)
-    if code == 2 and num_commit is None:
+    mask_id = _checks.integer("mask_id", params.mask_id, 0, V)
+    rule, sampling, cred, edit = params.rule, params.sampling, params.credit, params.edit
+    if rule.name not in RULES:
+        raise ValueError(f"rule: expected one of {sorted(RULES)}, got {rule.name!r}")
+    _checks.number("low_threshold", rule.low_threshold)
+    _checks.number("temperature", sampling.temperature, lo=0.0)
+    seed = _checks.integer("seed", sampling.seed, 0, 2**32)
+    offset = _checks.integer("offset", sampling.offset, 0, 2**32)
+    _checks.number("credit_alpha", cred.alpha, lo=0.0)
+    _checks.number("credit_beta", cred.beta, lo=0.0, hi=1.0)
+    _checks.number("credit_gamma", cred.gamma, lo=0.0)
+    if rule.name == "fixed" and rule.num_commit is None:
         raise ValueError("num_commit: required for rule='fixed'")
-    thr = _per_sequence("threshold", threshold, B, torch.float32, dev)
-    k = _per_sequence("num_commit", 0 if num_commit is None else num_commit, B, torch.int32, dev)
+    thr = _per_sequence("threshold", rule.threshold, B, torch.float32, dev)
+    k = _per_sequence("num_commit", 0 if rule.num_commit is None else rule.num_commit, B, torch.int32, dev)
     if credit is None:
         ids = torch.empty((N, 0), dtype=torch.int32, device=dev)
         vals = torch.empty((N, 0), dtype=torch.float32, device=dev)
@@ -376,26 +297,36 @@ def _checked_args(
         _checks.shape("credit.vals", vals, [N, ids.shape[1]])
         _checks.contiguous("credit.ids", ids)
         _checks.contiguous("credit.vals", vals)
+    row_keys = sampling.row_keys
     if row_keys is not None:
         _checks.tensor("row_keys", row_keys, (torch.int64,), ndim=1, device=dev)
         _checks.shape("row_keys", row_keys, [N])
         row_keys = row_keys.contiguous()
-    if rule != "joint" and (editable is not None or edit_threshold is not None):
+    editable = edit.editable
+    if rule.name != "joint" and (editable is not None or edit.threshold is not None):
         given = "editable" if editable is not None else "edit_threshold"
-        raise ValueError(f"{given}: only rule='joint' edits tokens, got rule={rule!r}")
+        raise ValueError(f"{given}: only rule='joint' edits tokens, got rule={rule.name!r}")
     if editable is not None:
         _checks.tensor("editable", editable, (torch.bool,), ndim=1, device=dev)
         _checks.shape("editable", editable, [N])
         editable = editable.contiguous()
-    if edit_threshold is not None:
-        _checks.number("edit_threshold", edit_threshold)
-    # +inf: off (no confidence exceeds it); None and <= 0 mean off (diffusers' convention)
-    edit_at = float("inf") if edit_threshold is None or edit_threshold <= 0 else float(edit_threshold)
-    return seq_offsets, mask_id, code, seed, offset, thr, k, ids, vals, row_keys, editable, edit_at
+    if edit.threshold is not None:
+        _checks.number("edit_threshold", edit.threshold)
+    # None and <= 0 mean off (diffusers' convention)
+    edit_at = None if edit.threshold is None or edit.threshold <= 0 else float(edit.threshold)
+    params = DecodeParams(
+        mask_id,
+        RuleParams(rule.name, thr, float(rule.low_threshold), k),
+        SamplingParams(float(sampling.temperature), seed, offset, row_keys),
+        CreditParams(float(cred.alpha), float(cred.beta), float(cred.gamma)),
+        EditParams(editable, edit_at),
+    )
+    return seq_offsets, ids, vals, params
 
 
-def _check_values(tokens, seq_offsets, thr, k, ids, vals, N, V):
+def _check_values(tokens, seq_offsets, params, ids, vals, N, V):
     """The value checks of validate=True (they read the tensors: a sync on a GPU)."""
+    thr, k = params.rule.threshold, params.rule.num_commit
     _checks.token_range("tokens", tokens, V)
     if int(seq_offsets[0]) != 0 or int(seq_offsets[-1]) != N or bool((seq_offsets.diff() < 0).any()):
         raise ValueError(

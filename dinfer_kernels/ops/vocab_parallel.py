@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from .. import _checks
 from ..reference import vocab_parallel as ref
-from ..reference.decode import DEFAULTS, RULES
-from .decode import CreditState, _check_values, _checked_args
+from ..reference.decode import DEFAULTS, decode_params
+from .decode import CreditState, _check_values, _checked
 
 
 def _gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -100,44 +100,30 @@ def decode_step_vocab_parallel(
     checks that the ranks' shards tile the vocabulary."""
     N, Vr, vocab_start, vocab_size, rank, world = _shard(logits, vocab_start, vocab_size, group)
     dev = logits.device
-    args = _checked_args(
-        N,
-        vocab_size,
-        dev,
-        tokens,
-        seq_offsets,
+    params = decode_params(
         mask_id,
-        rule,
-        threshold,
-        low_threshold,
-        num_commit,
-        temperature,
-        seed,
-        offset,
-        credit,
-        credit_alpha,
-        credit_beta,
-        credit_gamma,
-        row_keys,
-        editable,
-        edit_threshold,
-    )
-    seq_offsets, mask_id, code, seed, offset, thr, k, ids, vals, row_keys, editable, edit_at = args
-    check = _checks.data_checks_possible(logits) if validate is None else validate
-    if check:
-        _check_values(tokens, seq_offsets, thr, k, ids, vals, N, vocab_size)
-    K = ids.shape[1]
-    record = torch.empty(N + 1, ref.RECORD_FIELDS + K, dtype=torch.float32, device=dev)
-    record[:N] = ref.shard_record(
-        logits,
-        vocab_start,
-        mask_id,
-        temperature=float(temperature),
+        rule=rule,
+        threshold=threshold,
+        low_threshold=low_threshold,
+        num_commit=num_commit,
+        temperature=temperature,
         seed=seed,
         offset=offset,
         row_keys=row_keys,
-        credit_ids=ids if K else None,
+        credit_alpha=credit_alpha,
+        credit_beta=credit_beta,
+        credit_gamma=credit_gamma,
+        editable=editable,
+        edit_threshold=edit_threshold,
     )
+    seq_offsets, ids, vals, params = _checked(N, vocab_size, dev, tokens, seq_offsets, credit, params)
+    check = _checks.data_checks_possible(logits) if validate is None else validate
+    if check:
+        _check_values(tokens, seq_offsets, params, ids, vals, N, vocab_size)
+    K = ids.shape[1]
+    credit_ids, credit_vals = (ids, vals) if K else (None, None)
+    record = torch.empty(N + 1, ref.RECORD_FIELDS + K, dtype=torch.float32, device=dev)
+    record[:N] = ref.shard_record(logits, vocab_start, params, credit_ids)
     header = record[N].view(torch.int32)
     header.zero_()
     header[:3] = torch.tensor([vocab_start, Vr, N], dtype=torch.int32)
@@ -146,28 +132,8 @@ def decode_step_vocab_parallel(
     records = records.view(world, N + 1, -1)
     if check:
         _check_tiling(records[:, N, :3].view(torch.int32).cpu(), vocab_size, N)
-    return ref.finish_step(
-        ref.merge_records(records[:, :N]),
-        tokens,
-        seq_offsets,
-        mask_id,
-        vocab_size,
-        rule=RULES[code],
-        threshold=thr,
-        low_threshold=float(low_threshold),
-        num_commit=k,
-        temperature=float(temperature),
-        seed=seed,
-        offset=offset,
-        credit_ids=ids if K else None,
-        credit_vals=vals if K else None,
-        credit_alpha=float(credit_alpha),
-        credit_beta=float(credit_beta),
-        credit_gamma=float(credit_gamma),
-        row_keys=row_keys,
-        editable=editable,
-        edit_threshold=None if edit_at == float("inf") else edit_at,
-    )
+    merged = ref.merge_records(records[:, :N])
+    return ref.finish_step(merged, tokens, seq_offsets, vocab_size, params, credit_ids, credit_vals)
 
 
 def soft_embedding_vocab_parallel(

@@ -82,7 +82,8 @@ Semantics (all math in fp32 unless compute_dtype says otherwise)
 Outputs: DecodeOutput(candidate [N] int64, confidence [N] fp32, commit [N] bool, nonfinite [N] bool).
 """
 
-from typing import NamedTuple
+import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -102,6 +103,92 @@ class RuleDefaults(NamedTuple):
 # The rule parameters' defaults, written once: the op's, the reference's and the engine's
 # DecoderConfig's (dInfer's LLaDA-MoE settings; the credit constants are its CreditDecoding's).
 DEFAULTS = RuleDefaults(threshold=0.8, low_threshold=0.6, credit_alpha=0.7, credit_beta=0.8, credit_gamma=0.2)
+
+
+class RuleParams(NamedTuple):
+    """Which rows commit (step 4)."""
+
+    name: str = "threshold"  # one of RULES
+    threshold: Optional[torch.Tensor] = None  # [B] fp32: tau, or tau_high (hierarchical); None: 1
+    low_threshold: float = DEFAULTS.low_threshold  # tau_low (hierarchical)
+    num_commit: Optional[torch.Tensor] = None  # [B] int32: k (fixed); None: 0
+
+    @property
+    def code(self) -> int:
+        """The rule as the compiled and Triton kernels take it: its place in RULES."""
+        return RULES.index(self.name)
+
+
+class SamplingParams(NamedTuple):
+    """How the candidates are drawn (step 3): argmax at temperature 0, else Gumbel-max with rng.py's
+    noise keyed by (seed, offset, row key, token)."""
+
+    temperature: float = 0.0
+    seed: int = 0
+    offset: int = 0
+    row_keys: Optional[torch.Tensor] = None  # [N] int64 (low 32 bits); None: the row index
+
+
+class CreditParams(NamedTuple):
+    """Credit decoding's constants (steps 2 and 3)."""
+
+    alpha: float = DEFAULTS.credit_alpha
+    beta: float = DEFAULTS.credit_beta
+    gamma: float = DEFAULTS.credit_gamma
+
+
+class EditParams(NamedTuple):
+    """The joint rule's token-to-token edits (step 4)."""
+
+    editable: Optional[torch.Tensor] = None  # [N] bool; None: every row
+    threshold: Optional[float] = None  # None: editing off
+
+    @property
+    def kernel_threshold(self) -> float:
+        """The threshold as the kernels take it: +inf (no confidence exceeds it) when editing is off."""
+        return math.inf if self.threshold is None else self.threshold
+
+
+class DecodeParams(NamedTuple):
+    """Every input of the step but the logits, the tokens, the row offsets and the credit slots (module
+    docstring), grouped. dinfer_kernels.decode_step builds it once, checked, and passes it whole to
+    the reference and to every backend; only the torch.library op between them takes it flat, in
+    this field order (mask_id, *rule, *sampling, *credit, *edit)."""
+
+    mask_id: int
+    rule: RuleParams = RuleParams()
+    sampling: SamplingParams = SamplingParams()
+    credit: CreditParams = CreditParams()
+    edit: EditParams = EditParams()
+
+
+def decode_params(
+    mask_id,
+    *,
+    rule="threshold",
+    threshold=None,
+    low_threshold=DEFAULTS.low_threshold,
+    num_commit=None,
+    temperature=0.0,
+    seed=0,
+    offset=0,
+    row_keys=None,
+    credit_alpha=DEFAULTS.credit_alpha,
+    credit_beta=DEFAULTS.credit_beta,
+    credit_gamma=DEFAULTS.credit_gamma,
+    editable=None,
+    edit_threshold=None,
+) -> DecodeParams:
+    """DecodeParams from decode_step's keyword arguments (the same names; nothing is checked)."""
+    return DecodeParams(
+        mask_id,
+        RuleParams(rule, threshold, low_threshold, num_commit),
+        SamplingParams(temperature, seed, offset, row_keys),
+        CreditParams(credit_alpha, credit_beta, credit_gamma),
+        EditParams(editable, edit_threshold),
+    )
+
+
 FLT_MAX = torch.finfo(torch.float32).max
 AT_LEAST_ONE_EPS = 1e-5
 
@@ -180,26 +267,13 @@ def decode_step_reference(
     logits,
     tokens,
     seq_offsets,
-    mask_id,
-    *,
-    rule="threshold",
-    threshold=None,
-    low_threshold=DEFAULTS.low_threshold,
-    num_commit=None,
-    temperature=0.0,
-    seed=0,
-    offset=0,
+    params: DecodeParams,
     credit_ids=None,
     credit_vals=None,
-    credit_alpha=DEFAULTS.credit_alpha,
-    credit_beta=DEFAULTS.credit_beta,
-    credit_gamma=DEFAULTS.credit_gamma,
-    row_keys=None,
-    editable=None,
-    edit_threshold=None,
     compute_dtype=torch.float32,
 ) -> DecodeOutput:
-    """The spec (module docstring). Mutates tokens and the credit slots in place.
+    """The spec (module docstring): one step with `params` (DecodeParams; decode_params builds it
+    from decode_step's keyword arguments). Mutates tokens and the credit slots in place.
 
     compute_dtype=torch.float64 gives the high-precision truth used to size test tolerances.
     """
@@ -207,6 +281,7 @@ def decode_step_reference(
     dev = logits.device
     nonfinite = ~torch.isfinite(logits).all(dim=-1)
     z = sanitize_logits(logits, compute_dtype)
+    mask_id, sampling, credit = params.mask_id, params.sampling, params.credit
     masked = tokens == mask_id
 
     m, s = _max_sumexp(z)
@@ -215,18 +290,19 @@ def decode_step_reference(
     p_top = torch.where(dead, torch.zeros_like(m), 1.0 / s)
 
     if credit_ids is not None and credit_ids.shape[1] > 0:
-        boost = p_top.to(torch.float32) ** credit_gamma
-        update_credit(credit_ids, credit_vals, a, boost, masked & ~dead, credit_beta, V)
+        boost = p_top.to(torch.float32) ** credit.gamma
+        update_credit(credit_ids, credit_vals, a, boost, masked & ~dead, credit.beta, V)
         dense = torch.zeros(N, V, dtype=torch.float32, device=dev)
         live = credit_ids >= 0
         rows = torch.arange(N, device=dev)[:, None].expand_as(credit_ids)
         dense[rows[live], credit_ids[live].long()] = credit_vals[live]
-        zf = z + credit_alpha * torch.log1p(dense.to(compute_dtype))
+        zf = z + credit.alpha * torch.log1p(dense.to(compute_dtype))
     else:
         zf = z
 
-    if temperature > 0:
-        score = zf / temperature + rng.gumbel(seed, offset, N, V, dev, row_keys).to(compute_dtype)
+    if sampling.temperature > 0:
+        noise = rng.gumbel(sampling.seed, sampling.offset, N, V, dev, sampling.row_keys)
+        score = zf / sampling.temperature + noise.to(compute_dtype)
     else:
         score = zf
     cand = torch.argmax(score, dim=-1)
@@ -248,25 +324,7 @@ def decode_step_reference(
     fb_conf = torch.where(fb_valid, prob(fb), torch.full_like(conf, float("-inf")))
     fb = torch.where(fb_valid, fb, torch.full_like(fb, default_token(mask_id)))
 
-    commit = commit_rows(
-        cand,
-        conf,
-        fb,
-        fb_conf,
-        fb_valid,
-        dead,
-        masked,
-        tokens,
-        seq_offsets,
-        mask_id,
-        V,
-        rule,
-        threshold,
-        low_threshold,
-        num_commit,
-        editable,
-        edit_threshold,
-    )
+    commit = commit_rows(cand, conf, fb, fb_conf, fb_valid, dead, masked, tokens, seq_offsets, V, params)
     return DecodeOutput(
         cand.to(torch.int64),
         conf.to(torch.float32),
@@ -275,33 +333,17 @@ def decode_step_reference(
     )
 
 
-def commit_rows(
-    cand,
-    conf,
-    fb,
-    fb_conf,
-    fb_valid,
-    dead,
-    masked,
-    tokens,
-    seq_offsets,
-    mask_id,
-    vocab,
-    rule,
-    threshold,
-    low_threshold,
-    num_commit,
-    editable,
-    edit_threshold,
-):
+def commit_rows(cand, conf, fb, fb_conf, fb_valid, dead, masked, tokens, seq_offsets, vocab, params):
     """Steps 4-6 from the per-row results of steps 0-3: candidate / confidence [N] (dead rows: the
     mask token, 0), the fallback token, its probability (-inf where none) and whether it exists,
-    the dead and masked rows. Applies the rule and the progress guarantee per sequence (a row that
+    the dead and masked rows, and the step's DecodeParams. Applies the rule and the progress guarantee per sequence (a row that
     commits its fallback gets it as candidate and confidence, in place), the joint rule's edits,
     writes tokens in place, and returns the commit mask. Shared by every reference form of the step
     (the whole vocabulary, and the vocabulary-parallel one of reference/vocab_parallel.py)."""
     N, dev = cand.numel(), cand.device
     B = seq_offsets.numel() - 1
+    mask_id, rule, edit = params.mask_id, params.rule, params.edit
+    threshold, num_commit = rule.threshold, rule.num_commit
     eligible = masked & (cand != mask_id) & ~dead
     c_all = torch.where(eligible, conf, torch.full_like(conf, float("-inf")))
     commit = torch.zeros(N, dtype=torch.bool, device=dev)
@@ -315,7 +357,7 @@ def commit_rows(
         k = int(num_commit[b]) if num_commit is not None else 0
         sl = slice(lo, hi)
         commit[sl] = commit_sequence(
-            c_all[sl].cpu(), eligible[sl].cpu(), masked[sl].cpu(), rule, tau, low_threshold, k
+            c_all[sl].cpu(), eligible[sl].cpu(), masked[sl].cpu(), rule.name, tau, rule.low_threshold, k
         ).to(dev)
         if masked[sl].any() and not eligible[sl].any() and (vocab > 1 or fb_valid[sl][masked[sl]].any()):
             cands = torch.where(
@@ -328,8 +370,8 @@ def commit_rows(
             cand[r] = fb[r]
             conf[r] = fb_conf[r].clamp(min=0.0)  # 0 for the default token
 
-    if rule == "joint" and edit_threshold is not None:
-        edit = ~masked & ~dead & (cand != mask_id) & (cand != tokens) & (conf > edit_threshold)
-        commit |= edit if editable is None else edit & editable
+    if rule.name == "joint" and edit.threshold is not None:
+        edits = ~masked & ~dead & (cand != mask_id) & (cand != tokens) & (conf > edit.threshold)
+        commit |= edits if edit.editable is None else edits & edit.editable
     tokens.copy_(torch.where(commit, cand, tokens))
     return commit

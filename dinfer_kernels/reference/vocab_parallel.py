@@ -43,7 +43,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 
 from . import rng
-from .decode import DEFAULTS, DecodeOutput, _max_sumexp, commit_rows, default_token, sanitize_logits
+from .decode import DecodeOutput, DecodeParams, _max_sumexp, commit_rows, default_token, sanitize_logits
 
 NO_INDEX = 2**31 - 1  # "no element": loses every tie (decode_math::kNoIndex)
 # Record columns: floats, then int32 bit patterns, then the K slot logits.
@@ -72,16 +72,12 @@ def _ints(record: torch.Tensor) -> torch.Tensor:
 def shard_record(
     logits: torch.Tensor,
     vocab_start: int,
-    mask_id: int,
-    *,
-    temperature: float = 0.0,
-    seed: int = 0,
-    offset: int = 0,
-    row_keys: Optional[torch.Tensor] = None,
+    params: DecodeParams,
     credit_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """[N, RECORD_FIELDS + K] fp32 record of the shard logits [N, Vr] holding ids
-    [vocab_start, vocab_start + Vr) (module docstring). Allocates [N, Vr] at most."""
+    [vocab_start, vocab_start + Vr) for the step `params` (module docstring). Allocates [N, Vr] at
+    most."""
     N, Vr = logits.shape
     dev = logits.device
     K = 0 if credit_ids is None else credit_ids.shape[1]
@@ -96,13 +92,14 @@ def shard_record(
         return rec
     z = sanitize_logits(logits)
     m, s = _max_sumexp(z)
-    if temperature > 0:
-        g = rng.gumbel(seed, offset, N, Vr, dev, row_keys, vocab_start)
-        score = z / temperature + g
+    sampling = params.sampling
+    if sampling.temperature > 0:
+        g = rng.gumbel(sampling.seed, sampling.offset, N, Vr, dev, sampling.row_keys, vocab_start)
+        score = z / sampling.temperature + g
     else:
         score = z
     best = torch.argmax(score, dim=-1, keepdim=True)  # the first of equal maxima: the lowest id
-    local_mask = mask_id - vocab_start
+    local_mask = params.mask_id - vocab_start
     if 0 <= local_mask < Vr:
         score_nm = score.clone()
         score_nm[:, local_mask] = _NEG_INF
@@ -171,22 +168,15 @@ class RowResults(NamedTuple):
 def finalize(
     merged: torch.Tensor,
     masked: torch.Tensor,
-    mask_id: int,
     vocab: int,
-    *,
-    temperature: float = 0.0,
-    seed: int = 0,
-    offset: int = 0,
-    row_keys: Optional[torch.Tensor] = None,
+    params: DecodeParams,
     credit_ids: Optional[torch.Tensor] = None,
     credit_vals: Optional[torch.Tensor] = None,
-    credit_alpha: float = DEFAULTS.credit_alpha,
-    credit_beta: float = DEFAULTS.credit_beta,
-    credit_gamma: float = DEFAULTS.credit_gamma,
 ) -> RowResults:
     """Steps 1-3 of every row from its merged record [N, F] (module docstring); updates the credit
     slots in place."""
     N = merged.shape[0]
+    mask_id, sampling, credit = params.mask_id, params.sampling, params.credit
     ints = _ints(merged).to(torch.int64)
     m, s = merged[:, MAX], merged[:, SUM]
     arg, score_arg, nm_arg = ints[:, 0], ints[:, 1], ints[:, 2]
@@ -197,10 +187,10 @@ def finalize(
         empty = (ids < 0) | (ids >= vocab)
         ids.masked_fill_(empty, -1)
         vals.masked_fill_(empty, 0.0)
-        vals.mul_(credit_beta)
+        vals.mul_(credit.beta)
         before = ids.clone()
         boosted = (masked & ~dead)[:, None]
-        boost = ((1.0 / s) ** credit_gamma)[:, None]
+        boost = ((1.0 / s) ** credit.gamma)[:, None]
         hit = ids == arg[:, None]
         free = ids < 0
         slot = torch.where(
@@ -220,10 +210,11 @@ def finalize(
         live = slot_ids >= 0
         # A slot keeps its token or now holds the raw top-1 `arg`, whose z is the row max.
         z_slot = torch.where(slot_ids == before, merged[:, RECORD_FIELDS:], m[:, None])
-        bonus = credit_alpha * torch.log1p(vals)
+        bonus = credit.alpha * torch.log1p(vals)
         zf_slot = torch.where(live, z_slot + bonus, torch.full_like(z_slot, _NEG_INF))
-        if temperature > 0:
-            score_slot = zf_slot / temperature + rng.gumbel_at(seed, offset, slot_ids, row_keys)
+        if sampling.temperature > 0:
+            noise = rng.gumbel_at(sampling.seed, sampling.offset, slot_ids, sampling.row_keys)
+            score_slot = zf_slot / sampling.temperature + noise
         else:
             score_slot = zf_slot
         slot_key = torch.where(live, slot_ids, torch.full_like(slot_ids, NO_INDEX))
@@ -267,24 +258,11 @@ def decode_step_vocab_parallel_reference(
     shards: Sequence[torch.Tensor],
     tokens: torch.Tensor,
     seq_offsets: torch.Tensor,
-    mask_id: int,
+    params: DecodeParams,
     *,
     vocab_starts: Optional[Sequence[int]] = None,
-    rule: str = "threshold",
-    threshold=None,
-    low_threshold: float = DEFAULTS.low_threshold,
-    num_commit=None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    offset: int = 0,
     credit_ids=None,
     credit_vals=None,
-    credit_alpha: float = DEFAULTS.credit_alpha,
-    credit_beta: float = DEFAULTS.credit_beta,
-    credit_gamma: float = DEFAULTS.credit_gamma,
-    row_keys=None,
-    editable=None,
-    edit_threshold=None,
 ) -> VocabParallelDecodeOutput:
     """decode_step_reference's step on the logits given as vocabulary shards [N, Vr] in id order
     (vocab_starts: each shard's first id; default: consecutive), in one process: the records, the
@@ -292,86 +270,18 @@ def decode_step_vocab_parallel_reference(
     tokens and the credit slots in place."""
     starts = list(vocab_starts) if vocab_starts is not None else _consecutive(shards)
     vocab = starts[-1] + shards[-1].shape[1]
-    use_credit = credit_ids is not None and credit_ids.shape[1] > 0
-    records = torch.stack(
-        [
-            shard_record(
-                z,
-                v0,
-                mask_id,
-                temperature=temperature,
-                seed=seed,
-                offset=offset,
-                row_keys=row_keys,
-                credit_ids=credit_ids if use_credit else None,
-            )
-            for z, v0 in zip(shards, starts)
-        ]
-    )
-    return finish_step(
-        merge_records(records),
-        tokens,
-        seq_offsets,
-        mask_id,
-        vocab,
-        rule=rule,
-        threshold=threshold,
-        low_threshold=low_threshold,
-        num_commit=num_commit,
-        temperature=temperature,
-        seed=seed,
-        offset=offset,
-        credit_ids=credit_ids if use_credit else None,
-        credit_vals=credit_vals if use_credit else None,
-        credit_alpha=credit_alpha,
-        credit_beta=credit_beta,
-        credit_gamma=credit_gamma,
-        row_keys=row_keys,
-        editable=editable,
-        edit_threshold=edit_threshold,
-    )
+    if credit_ids is not None and credit_ids.shape[1] == 0:
+        credit_ids = credit_vals = None
+    records = torch.stack([shard_record(z, v0, params, credit_ids) for z, v0 in zip(shards, starts)])
+    return finish_step(merge_records(records), tokens, seq_offsets, vocab, params, credit_ids, credit_vals)
 
 
 def finish_step(
-    merged,
-    tokens,
-    seq_offsets,
-    mask_id,
-    vocab,
-    *,
-    rule,
-    threshold,
-    low_threshold,
-    num_commit,
-    temperature,
-    seed,
-    offset,
-    credit_ids,
-    credit_vals,
-    credit_alpha,
-    credit_beta,
-    credit_gamma,
-    row_keys,
-    editable,
-    edit_threshold,
+    merged, tokens, seq_offsets, vocab, params: DecodeParams, credit_ids=None, credit_vals=None
 ) -> VocabParallelDecodeOutput:
     """Steps 1-6 from the merged record [N, F]: what every rank runs after the merge."""
-    masked = tokens == mask_id
-    rows = finalize(
-        merged,
-        masked,
-        mask_id,
-        vocab,
-        temperature=temperature,
-        seed=seed,
-        offset=offset,
-        row_keys=row_keys,
-        credit_ids=credit_ids,
-        credit_vals=credit_vals,
-        credit_alpha=credit_alpha,
-        credit_beta=credit_beta,
-        credit_gamma=credit_gamma,
-    )
+    masked = tokens == params.mask_id
+    rows = finalize(merged, masked, vocab, params, credit_ids, credit_vals)
     cand, conf = rows.candidate.clone(), rows.confidence.clone()
     commit = commit_rows(
         cand,
@@ -383,14 +293,8 @@ def finish_step(
         masked,
         tokens,
         seq_offsets,
-        mask_id,
         vocab,
-        rule,
-        threshold,
-        low_threshold,
-        num_commit,
-        editable,
-        edit_threshold,
+        params,
     )
     nonfinite = _ints(merged)[:, 3] != 0
     return VocabParallelDecodeOutput(

@@ -41,12 +41,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 # every device.
 TARGET_PROGRAMS = 2 * 132
 MIN_TILES_PER_SPLIT = 4
-HEAD_DIMS = (64, 128)  # the tiles' widths
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def supports(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype in DTYPES and head_dim in HEAD_DIMS
+# What this backend takes (dinfer_kernels/_backend.py's supports hook): the head dims are the tiles'
+# widths; a dense attn_mask only the torch reference takes.
+SUPPORTS = {
+    "q.dtype": (torch.float16, torch.bfloat16, torch.float32),
+    "q.head_dim": (64, 128),
+    "attn_mask": (None,),
+}
 
 
 @triton.jit

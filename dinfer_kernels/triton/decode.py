@@ -465,45 +465,23 @@ def _int32(x: int) -> int:
 
 
 def decode_step(
-    logits,
-    tokens,
-    seq_offsets,
-    threshold,
-    num_commit,
-    credit_ids,
-    credit_vals,
-    candidate,
-    confidence,
-    commit,
-    nonfinite,
-    *,
-    mask_id: int,
-    rule: int,
-    low_threshold: float,
-    temperature: float,
-    seed: int,
-    offset: int,
-    credit_alpha: float,
-    credit_beta: float,
-    credit_gamma: float,
-    row_keys=None,
-    editable=None,
-    edit_threshold: float = float("inf"),
+    logits, tokens, seq_offsets, credit_ids, credit_vals, candidate, confidence, commit, nonfinite, params
 ) -> None:
     N, V = logits.shape
     B = seq_offsets.numel() - 1
     if N == 0:
         return
     K = credit_ids.shape[1]
-    sample = temperature > 0
+    rule, sampling, credit, edit = params.rule, params.sampling, params.credit, params.edit
+    sample = sampling.temperature > 0
     # 8 logits per thread and tile (one or two 16-byte loads), 256 threads.
     block_v = min(2048, max(16, triton.next_power_of_2(V)))
     S, chunk = _split(N, V, block_v)
     ws = torch.empty(PARTIAL_FIELDS.value * N * S + ROW_FIELDS * N, dtype=torch.float32, device=logits.device)
     ws_i = ws.view(torch.int32)
-    key = _int32(rng.mix32(rng.mix32(seed ^ rng.GOLDEN) ^ offset))
-    has_keys = row_keys is not None
-    keys = row_keys if has_keys else tokens  # any int64 pointer when unused
+    key = _int32(rng.mix32(rng.mix32(sampling.seed ^ rng.GOLDEN) ^ sampling.offset))
+    has_keys = sampling.row_keys is not None
+    keys = sampling.row_keys if has_keys else tokens  # any int64 pointer when unused
 
     _partials_kernel[(N, S)](
         logits,
@@ -515,8 +493,8 @@ def decode_step(
         V,
         S,
         chunk,
-        mask_id,
-        float(temperature),
+        params.mask_id,
+        float(sampling.temperature),
         key,
         SAMPLE=sample,
         HAS_KEYS=has_keys,
@@ -532,14 +510,14 @@ def decode_step(
         logits.stride(0),
         tokens,
         seq_offsets,
-        threshold,
-        num_commit,
+        rule.threshold,
+        rule.num_commit,
         credit_ids,
         credit_vals,
         ws,
         ws_i,
         keys,
-        tokens if editable is None else editable,  # any pointer when unused
+        tokens if edit.editable is None else edit.editable,  # any pointer when unused
         candidate,
         confidence,
         commit,
@@ -548,19 +526,19 @@ def decode_step(
         V,
         S,
         K,
-        mask_id,
-        float(low_threshold),
-        float(temperature),
+        params.mask_id,
+        float(rule.low_threshold),
+        float(sampling.temperature),
         key,
-        float(credit_alpha),
-        float(credit_beta),
-        float(credit_gamma),
-        float(edit_threshold),
-        RULE=rule,
+        float(credit.alpha),
+        float(credit.beta),
+        float(credit.gamma),
+        float(edit.kernel_threshold),
+        RULE=rule.code,
         SAMPLE=sample,
         HAS_CREDIT=K > 0,
         HAS_KEYS=has_keys,
-        HAS_EDITABLE=editable is not None,
+        HAS_EDITABLE=edit.editable is not None,
         BLOCK_R=block_r,
         BLOCK_S=block_s,
         BLOCK_K=block_k,

@@ -58,3 +58,34 @@ def test_bench_e2e_block_diffusion_recipes(bench, tmp_path):
     # the clean K/V from an extra forward (at each block after the first) never changes the tokens
     assert fwd["forwards"] >= thr["forwards"] and fwd["accuracy"] == thr["accuracy"]
     assert any(n.startswith("joint-quality accuracy - joint-no-edit") for n in payload["notes"])
+
+
+@pytest.mark.parametrize("model", ["tiny-llada-moe", "tiny-llada2"])
+def test_torch_rows_run_the_torch_backend(bench, model, monkeypatch):
+    """A "/torch" row runs the engine on the references: inside the row every op the model calls,
+    attention included, resolves to torch and no kernel backend runs; its "auto" row runs the host
+    kernels that beat the references (so a row mislabelled torch would be seen)."""
+    from dinfer_kernels import _backend
+
+    resolved, kernels = [], []
+    real_resolve, real_impl = _backend.resolve, _backend.impl
+
+    def resolve(backend, device, op, **call):
+        resolved.append((op, real_resolve(backend, device, op, **call)))
+        return resolved[-1][1]
+
+    monkeypatch.setattr(_backend, "resolve", resolve)
+    monkeypatch.setattr(_backend, "impl", lambda op, b: kernels.append((op, b)) or real_impl(op, b))
+    args = bench.common.engine_parser("e2e", "add", 1).parse_args(["--model", model])
+    llm = bench.common.engine_llm(args)
+    table, _ = bench.recipes(llm)
+    recipe = "dinfer" if "dinfer" in table else "threshold"
+    bench.run_once(llm, (recipe, "torch", 1), args, first=False)
+    ops = {op for op, _ in resolved}
+    assert {"attention", "rms_norm", "rope", "decode_step"} <= ops, ops
+    assert {b for _, b in resolved} == {"torch"} and kernels == []
+    resolved.clear()
+    bench.run_once(llm, (recipe, "auto", 1), args, first=False)
+    # moe's host kernel wins only at some shapes (MOE_HOST_WINS): the other fast ops run it always
+    fast = set(_backend.cpu_fast_ops()) & ops - {"moe"}
+    assert fast <= {op for op, b in resolved if b == "cpu"} and fast <= {op for op, _ in kernels}

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import assert_precision, load_bench
 
-from dinfer_kernels.reference.decode import decode_step_reference
+from dinfer_kernels.reference.decode import decode_params, decode_step_reference
 
 _baseline = load_bench("dinfer_baseline")
 DinferCreditDecoder = _baseline.DinferCreditDecoder
@@ -47,7 +47,11 @@ def _ours(logits, x, mask_id, tau, **kw):
     B, L, V = logits.shape
     tok = x.reshape(-1).clone()
     out = decode_step_reference(
-        logits.reshape(B * L, V), tok, _offsets(B, L), mask_id, threshold=torch.full((B,), tau), **kw
+        logits.reshape(B * L, V),
+        tok,
+        _offsets(B, L),
+        decode_params(mask_id, threshold=torch.full((B,), tau)),
+        **kw,
     )
     return tok.view(B, L), out
 
@@ -139,8 +143,7 @@ def _credit_run(V, B, L, K, iters, seed, tau):
             logits.reshape(B * L, V),
             tok.clone(),
             _offsets(B, L),
-            mask_id,
-            threshold=torch.full((B,), tau),
+            decode_params(mask_id, threshold=torch.full((B,), tau)),
             credit_ids=t_ids,
             credit_vals=t_vals,
             compute_dtype=torch.float64,
@@ -149,8 +152,7 @@ def _credit_run(V, B, L, K, iters, seed, tau):
             logits.reshape(B * L, V),
             tok,
             _offsets(B, L),
-            mask_id,
-            threshold=torch.full((B,), tau),
+            decode_params(mask_id, threshold=torch.full((B,), tau)),
             credit_ids=ids,
             credit_vals=vals,
         )
@@ -278,10 +280,9 @@ def test_hierarchical_matches_dinfer_b1(V):
             logits[0],
             tok,
             _offsets(1, L),
-            mask_id,
-            rule="hierarchical",
-            threshold=torch.tensor([tau_hi]),
-            low_threshold=tau_lo,
+            decode_params(
+                mask_id, rule="hierarchical", threshold=torch.tensor([tau_hi]), low_threshold=tau_lo
+            ),
         )
         assert torch.equal(out.commit, transfer[0])
         assert torch.equal(tok, x_d[0])

@@ -390,13 +390,12 @@ def test_vocab_parallel_decode_equals_decode_step(ranks):
                     logits,
                     tok,
                     offsets,
-                    mask_id,
-                    threshold=kw.get("threshold"),
-                    num_commit=kw.get("num_commit"),
+                    dk.reference.decode_params(
+                        mask_id, threshold=kw.get("threshold"), num_commit=kw.get("num_commit"), **args
+                    ),
                     credit_ids=None if cred is None else cred.ids,
                     credit_vals=None if cred is None else cred.vals,
                     compute_dtype=dtype,
-                    **args,
                 )
             outs.append((out, tok, cred))
         (want, want_tok, want_cred), (same, _, same_cred), (truth, _, truth_cred) = outs

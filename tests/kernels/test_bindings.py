@@ -8,7 +8,7 @@ from conftest import EXT, assert_precision
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dinfer_kernels.reference import decode_step_reference
+from dinfer_kernels.reference import decode_params, decode_step_reference
 
 pytestmark = pytest.mark.skipif(EXT is None, reason="dinfer_kernels._C was not built")
 
@@ -76,8 +76,7 @@ def test_numpy_through_dlpack_matches_reference():
         torch.from_numpy(a["logits"]),
         ref_tokens,
         torch.from_numpy(a["seq_offsets"]),
-        3,
-        threshold=torch.from_numpy(a["threshold"]),
+        decode_params(3, threshold=torch.from_numpy(a["threshold"])),
         credit_ids=torch.from_numpy(a["credit_ids"].copy() * 0 - 1),
         credit_vals=torch.zeros(5, 2),
     )
@@ -88,8 +87,7 @@ def test_numpy_through_dlpack_matches_reference():
         torch.from_numpy(a["logits"]),
         torch.from_numpy(tokens_before.copy()),
         torch.from_numpy(a["seq_offsets"]),
-        3,
-        threshold=torch.from_numpy(a["threshold"]),
+        decode_params(3, threshold=torch.from_numpy(a["threshold"])),
         credit_ids=torch.full((5, 2), -1, dtype=torch.int32),
         credit_vals=torch.zeros(5, 2),
         compute_dtype=torch.float64,
@@ -175,11 +173,13 @@ def test_joint_rule_through_dlpack_matches_reference(editable_dtype):
         torch.from_numpy(a["logits"]),
         ref_tokens,
         torch.from_numpy(a["seq_offsets"]),
-        3,
-        rule="joint",
-        threshold=torch.from_numpy(a["threshold"]),
-        editable=None if editable_dtype is None else torch.from_numpy(rows),
-        edit_threshold=0.5,
+        decode_params(
+            3,
+            rule="joint",
+            threshold=torch.from_numpy(a["threshold"]),
+            editable=None if editable_dtype is None else torch.from_numpy(rows),
+            edit_threshold=0.5,
+        ),
     )
     assert np.array_equal(a["commit"], ref.commit.numpy()) and np.array_equal(a["tokens"], ref_tokens.numpy())
     edited = [1, 5, 6] if editable_dtype is not None else [1, 2, 5, 6]

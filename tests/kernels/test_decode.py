@@ -10,10 +10,9 @@ import pytest
 import torch
 from conftest import assert_precision, device_backends
 
-from dinfer_kernels.reference import decode_step_reference
-from dinfer_kernels.reference.decode import DEFAULTS
+from dinfer_kernels.reference import decode_params, decode_step_reference
 
-RULES = {"threshold": 0, "hierarchical": 1, "fixed": 2, "joint": 3}
+RULES = ("threshold", "hierarchical", "fixed", "joint")
 # The joint rule's edit threshold in the generic checks (check_backend): low enough that random rows
 # of every vocabulary edit, so that each check of the joint rule also exercises its edits.
 JOINT_EDIT_AT = 0.1
@@ -67,18 +66,20 @@ def run_backend(
             lg,
             tok,
             offs,
-            mask_id,
-            rule=rule,
-            threshold=to(threshold),
-            num_commit=to(num_commit),
-            temperature=temperature,
-            seed=seed,
-            offset=offset,
+            decode_params(
+                mask_id,
+                rule=rule,
+                threshold=to(threshold),
+                num_commit=to(num_commit),
+                temperature=temperature,
+                seed=seed,
+                offset=offset,
+                row_keys=keys,
+                editable=edit,
+                edit_threshold=edit_threshold,
+            ),
             credit_ids=ids if credit else None,
             credit_vals=vals if credit else None,
-            row_keys=keys,
-            editable=edit,
-            edit_threshold=edit_threshold,
         )
         outs = list(out)
     else:
@@ -92,28 +93,19 @@ def run_backend(
             if N % 2
             else torch.ones(N, dtype=torch.bool, device=device),
         ]
-        backend_impl(backend)(
-            lg,
-            tok,
-            offs,
-            to(threshold),
-            to(num_commit),
-            ids,
-            vals,
-            *outs,
-            mask_id=mask_id,
-            rule=RULES[rule],
-            low_threshold=DEFAULTS.low_threshold,
+        params = decode_params(
+            mask_id,
+            rule=rule,
+            threshold=to(threshold),
+            num_commit=to(num_commit),
             temperature=temperature,
             seed=seed,
             offset=offset,
-            credit_alpha=DEFAULTS.credit_alpha,
-            credit_beta=DEFAULTS.credit_beta,
-            credit_gamma=DEFAULTS.credit_gamma,
             row_keys=keys,
             editable=edit,
-            edit_threshold=float("inf") if edit_threshold is None else edit_threshold,
+            edit_threshold=edit_threshold,
         )
+        backend_impl(backend)(lg, tok, offs, ids, vals, *outs, params)
     host = lambda t: t.cpu()
     return [host(o) for o in outs], host(tok), (host(ids), host(vals))
 
@@ -157,14 +149,10 @@ def check_backend(
             logits,
             truth_tok,
             offsets,
-            mask_id,
-            rule=rule,
-            threshold=threshold,
-            num_commit=num_commit,
+            decode_params(mask_id, rule=rule, threshold=threshold, num_commit=num_commit, **kw),
             credit_ids=truth_cred[0],
             credit_vals=truth_cred[1],
             compute_dtype=torch.float64,
-            **kw,
         )
         cand, conf, commit, nonfinite = outs
         assert torch.equal(cand, ref[0]), f"iteration {it}: candidates differ"
@@ -378,10 +366,7 @@ def test_sampling_follows_softmax():
         logits,
         tokens,
         torch.tensor([0, rows], dtype=torch.int32),
-        0,
-        threshold=torch.tensor([2.0]),
-        temperature=T,
-        seed=11,
+        decode_params(0, threshold=torch.tensor([2.0]), temperature=T, seed=11),
     )
     freq = torch.bincount(out.candidate, minlength=V).double() / rows
     p = torch.softmax(z.double() / T, -1)
@@ -575,28 +560,19 @@ def run_in_margins(backend, device, logits, tokens, offsets, mask_id, threshold,
     ]
     nonfinite, nonfinite_buf = padded((N,), True, torch.bool, device)
     editable = None if edit_threshold is None else padded((N,), True, torch.bool, device)[0]
-    backend_impl(backend)(
-        lg,
-        tok,
-        offsets.to(device),
-        threshold.to(device),
-        torch.zeros_like(threshold, dtype=torch.int32).to(device),
-        ids,
-        vals,
-        *[o for o, _ in outs],
-        nonfinite,
-        mask_id=mask_id,
-        rule=RULES["threshold" if edit_threshold is None else "joint"],
+    params = decode_params(
+        mask_id,
+        rule="threshold" if edit_threshold is None else "joint",
+        threshold=threshold.to(device),
         low_threshold=0.4,
-        temperature=0.0,
-        seed=0,
-        offset=0,
+        num_commit=torch.zeros_like(threshold, dtype=torch.int32).to(device),
         credit_alpha=0.7,
         credit_beta=0.8,
         credit_gamma=0.2,
         editable=editable,
-        edit_threshold=float("inf") if edit_threshold is None else edit_threshold,
+        edit_threshold=edit_threshold,
     )
+    backend_impl(backend)(lg, tok, offsets.to(device), ids, vals, *[o for o, _ in outs], nonfinite, params)
     before = lambda buf, fill: torch.full_like(buf[:MARGIN], fill)
     for name, buf, fill in [
         ("logits", lg_buf, 1e4),
@@ -634,12 +610,14 @@ def reference_step(logits, tokens, offsets, mask_id, threshold, credit, edit_thr
             logits,
             tok,
             offsets,
-            mask_id,
-            rule="threshold" if edit_threshold is None else "joint",
-            threshold=threshold,
+            decode_params(
+                mask_id,
+                rule="threshold" if edit_threshold is None else "joint",
+                threshold=threshold,
+                edit_threshold=edit_threshold,
+            ),
             credit_ids=ids,
             credit_vals=vals,
-            edit_threshold=edit_threshold,
             compute_dtype=dtype,
         )
         results.append(([out.candidate, out.confidence, out.commit], tok, (ids, vals)))

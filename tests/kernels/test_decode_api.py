@@ -6,7 +6,7 @@ import torch
 from conftest import assert_precision, device_backends
 
 import dinfer_kernels as dk
-from dinfer_kernels.reference import decode_step_reference
+from dinfer_kernels.reference import decode_params, decode_step_reference
 
 
 def case(N=6, V=50, device="cpu", dtype=torch.float32):
@@ -29,8 +29,7 @@ def test_public_op_matches_reference(backend, device):
         logits.cpu(),
         ref_tokens,
         offsets.cpu(),
-        3,
-        threshold=torch.full((2,), 0.6),
+        decode_params(3, threshold=torch.full((2,), 0.6)),
         credit_ids=ref_ids,
         credit_vals=ref_vals,
     )
@@ -43,8 +42,7 @@ def test_public_op_matches_reference(backend, device):
         logits.cpu(),
         tokens_before,
         offsets.cpu(),
-        3,
-        threshold=torch.full((2,), 0.6),
+        decode_params(3, threshold=torch.full((2,), 0.6)),
         credit_ids=torch.full((6, 4), -1, dtype=torch.int32),
         credit_vals=torch.zeros(6, 4),
         compute_dtype=torch.float64,
@@ -67,11 +65,7 @@ def test_public_op_flags_nonfinite_rows_and_takes_row_keys(backend, device):
         logits.cpu(),
         ref_tokens,
         offsets.cpu(),
-        3,
-        threshold=torch.full((2,), 0.6),
-        temperature=1.5,
-        seed=4,
-        row_keys=keys.cpu(),
+        decode_params(3, threshold=torch.full((2,), 0.6), temperature=1.5, seed=4, row_keys=keys.cpu()),
     )
     assert out.nonfinite.tolist() == [False, True, False, False, True, False] == ref.nonfinite.tolist()
     assert torch.equal(out.candidate.cpu(), ref.candidate) and torch.equal(tokens.cpu(), ref_tokens)
@@ -113,13 +107,11 @@ def test_public_op_joint_rule(backend, device):
         logits.cpu(),
         ref_tokens,
         offsets.cpu(),
-        3,
-        rule="joint",
-        threshold=torch.full((2,), 0.8),
+        decode_params(
+            3, rule="joint", threshold=torch.full((2,), 0.8), editable=editable.cpu(), edit_threshold=0.6
+        ),
         credit_ids=ref_credit[0],
         credit_vals=ref_credit[1],
-        editable=editable.cpu(),
-        edit_threshold=0.6,
     )
     assert torch.equal(out.commit.cpu(), ref.commit) and torch.equal(tokens.cpu(), ref_tokens)
     assert torch.equal(out.candidate.cpu(), ref.candidate) and torch.equal(credit.ids.cpu(), ref_credit[0])
@@ -152,10 +144,13 @@ def test_auto_picks_the_same_backend_for_every_rule(monkeypatch, rule):
 
 
 def test_kernel_backends_share_one_signature():
-    """One backend contract: cpu, cuda and triton's decode_step take the same inputs, outputs and
-    keyword scalars, the joint rule's editable and edit_threshold included."""
+    """One backend contract: cpu, cuda and triton's decode_step take the same inputs and outputs, and
+    every parameter of the step, the joint rule's editable rows and edit threshold included, whole
+    as one DecodeParams."""
     import importlib
     import inspect
+
+    from dinfer_kernels.reference import DecodeParams, EditParams
 
     params = {
         b: list(
@@ -164,7 +159,8 @@ def test_kernel_backends_share_one_signature():
         for b in ("cpu", "cuda", "triton")
     }
     assert params["cpu"] == params["cuda"] == params["triton"]
-    assert params["cpu"][-2:] == ["editable", "edit_threshold"]
+    assert params["cpu"][-1] == "params"
+    assert "edit" in DecodeParams._fields and EditParams._fields == ("editable", "threshold")
 
 
 @pytest.mark.usefixtures("host_isa")
@@ -199,29 +195,32 @@ def test_opcheck():
     logits, tokens, offsets = case()
     ids = torch.full((6, 4), -1, dtype=torch.int32)
     vals = torch.zeros(6, 4)
+    # The op's flat arguments: the tensors, then DecodeParams' fields in order (mask_id, rule,
+    # sampling, credit, edit).
     args = (
         logits,
         tokens,
         offsets,
-        torch.full((2,), 0.7),
-        torch.ones(2, dtype=torch.int32),
         ids,
         vals,
         3,
-        0,
+        "threshold",
+        torch.full((2,), 0.7),
         0.4,
+        torch.ones(2, dtype=torch.int32),
         0.0,
         0,
         0,
+        torch.arange(6) * 977,
         0.7,
         0.8,
         0.2,
-        torch.arange(6) * 977,
         None,
-        float("inf"),
+        None,
     )
     backend = "cpu" if "cpu" in dk.available_backends("cpu") else "torch"
-    joint = args[:8] + (3,) + args[9:16] + (None, torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool), 0.3)
+    editable = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    joint = args[:6] + ("joint",) + args[7:13] + (None,) + args[14:17] + (editable, 0.3)
     for call in (args, joint):
         torch.library.opcheck(
             torch.ops.dinfer.decode_step.default,

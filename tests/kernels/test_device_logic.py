@@ -20,7 +20,7 @@ import test_decode
 import torch
 from conftest import EXT, HAS_GPU, ROOT, assert_precision
 
-from dinfer_kernels.reference import decode_step_reference
+from dinfer_kernels.reference import decode_params, decode_step_reference
 from dinfer_kernels.reference.attention import paged_rows
 
 SOURCES = sorted((Path(__file__).resolve().parent / "device_logic").glob("*.cpp"))
@@ -100,31 +100,9 @@ def emulated_decode_step(lib):
     f.restype = ctypes.c_int
 
     def decode_step(
-        logits,
-        tokens,
-        seq_offsets,
-        threshold,
-        num_commit,
-        credit_ids,
-        credit_vals,
-        candidate,
-        confidence,
-        commit,
-        nonfinite,
-        *,
-        mask_id,
-        rule,
-        low_threshold,
-        temperature,
-        seed,
-        offset,
-        credit_alpha,
-        credit_beta,
-        credit_gamma,
-        row_keys=None,
-        editable=None,
-        edit_threshold=float("inf"),
+        logits, tokens, seq_offsets, credit_ids, credit_vals, candidate, confidence, commit, nonfinite, params
     ):
+        rule, sampling, credit, edit = params.rule, params.sampling, params.credit, params.edit
         assert logits.stride(1) == 1 or logits.shape[1] <= 1
         N, V = logits.shape
         rc = f(
@@ -136,27 +114,27 @@ def emulated_decode_step(lib):
             _ptr(tokens),
             _ptr(seq_offsets),
             seq_offsets.numel() - 1,
-            mask_id,
-            rule,
-            _ptr(threshold),
-            _ptr(num_commit),
-            low_threshold,
-            temperature,
-            seed,
-            offset,
+            params.mask_id,
+            rule.code,
+            _ptr(rule.threshold),
+            _ptr(rule.num_commit),
+            rule.low_threshold,
+            sampling.temperature,
+            sampling.seed,
+            sampling.offset,
             _ptr(credit_ids),
             _ptr(credit_vals),
             credit_ids.shape[1],
-            credit_alpha,
-            credit_beta,
-            credit_gamma,
+            credit.alpha,
+            credit.beta,
+            credit.gamma,
             _ptr(candidate),
             _ptr(confidence),
             _ptr(commit),
             _ptr(nonfinite),
-            _ptr(row_keys),
-            _ptr(editable),
-            edit_threshold,
+            _ptr(sampling.row_keys),
+            _ptr(edit.editable),
+            edit.kernel_threshold,
         )
         assert rc == 0
 
@@ -299,7 +277,12 @@ def test_decode_bad_credit_ids_are_empty_slots(emulated):
     )
     ref_ids, ref_vals = ids.masked_fill(bad, -1), vals.masked_fill(bad, 0.0)
     ref = decode_step_reference(
-        logits, tokens.clone(), offsets, mask_id, threshold=thr, credit_ids=ref_ids, credit_vals=ref_vals
+        logits,
+        tokens.clone(),
+        offsets,
+        decode_params(mask_id, threshold=thr),
+        credit_ids=ref_ids,
+        credit_vals=ref_vals,
     )
     assert torch.equal(outs[0], ref.candidate) and torch.equal(ids_e, ref_ids)
     assert torch.equal(outs[2], ref.commit)
@@ -331,14 +314,10 @@ def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature, rule):
             logits,
             tokens.clone(),
             offsets,
-            mask_id,
-            rule=rule,
-            threshold=thr,
-            num_commit=k,
+            decode_params(mask_id, rule=rule, threshold=thr, num_commit=k, **kw),
             credit_ids=ids,
             credit_vals=vals,
             compute_dtype=torch.float64,
-            **kw,
         )
         for i in (0, 2, 3):
             assert torch.equal(gpu[i], host[i])
@@ -767,19 +746,12 @@ def hostile_inputs(so):
         ]
         editable = torch.rand(N) < 0.5  # exactly [N]: a read past it is reported
         for rule in range(4):
-            decode_step(
-                logits,
-                tokens,
-                offs,
-                torch.rand(B),
-                torch.randint(0, 3, (B,), dtype=torch.int32),
-                ids,
-                vals,
-                *outs,
-                None,  # no non-finite flags
-                mask_id=mask_id,
-                rule=rule,
+            params = decode_params(
+                mask_id,
+                rule=test_decode.RULES[rule],
+                threshold=torch.rand(B),
                 low_threshold=0.4,
+                num_commit=torch.randint(0, 3, (B,), dtype=torch.int32),
                 temperature=0.5 * rule,
                 seed=1,
                 offset=2,
@@ -787,8 +759,9 @@ def hostile_inputs(so):
                 credit_beta=0.8,
                 credit_gamma=0.2,
                 editable=editable if rule == 3 else None,
-                edit_threshold=0.01 if rule == 3 else float("inf"),
+                edit_threshold=0.01 if rule == 3 else None,
             )
+            decode_step(logits, tokens, offs, ids, vals, *outs, None, params)  # None: no non-finite flags
         covered = torch.zeros(N, dtype=torch.bool)
         for b in range(B):  # the rows the kernels' clamp assigns to a sequence
             lo = min(max(offsets[b], 0), N)

@@ -41,7 +41,7 @@ from conftest import paged_caches
 import dinfer_kernels as dk
 from dinfer_kernels import _backend, precision
 from dinfer_kernels.reference.attention import attention_reference
-from dinfer_kernels.reference.decode import decode_step_reference
+from dinfer_kernels.reference.decode import decode_params, decode_step_reference
 from dinfer_kernels.reference.moe import moe_reference
 from dinfer_kernels.reference.rms_norm import rms_norm_reference
 from dinfer_kernels.reference.rope import rope_reference
@@ -450,27 +450,28 @@ def gen_decode_step(r, backend, floats, valid):
                     a["logits"],
                     tok,
                     offsets,
-                    int(a["mask_id"]),
-                    rule=rule,
-                    threshold=thr if isinstance(thr, torch.Tensor) else torch.full((B,), thr),
-                    low_threshold=0.4,
-                    num_commit=None
-                    if a["num_commit"] is None
-                    else (
-                        a["num_commit"]
-                        if isinstance(a["num_commit"], torch.Tensor)
-                        else torch.full((B,), a["num_commit"], dtype=torch.int32)
+                    decode_params(
+                        int(a["mask_id"]),
+                        rule=rule,
+                        threshold=thr if isinstance(thr, torch.Tensor) else torch.full((B,), thr),
+                        low_threshold=0.4,
+                        num_commit=None
+                        if a["num_commit"] is None
+                        else (
+                            a["num_commit"]
+                            if isinstance(a["num_commit"], torch.Tensor)
+                            else torch.full((B,), a["num_commit"], dtype=torch.int32)
+                        ),
+                        temperature=a["temperature"],
+                        seed=a["seed"],
+                        offset=a["offset"],
+                        editable=a.get("editable"),
+                        edit_threshold=None
+                        if a.get("edit_threshold") is None or a["edit_threshold"] <= 0
+                        else a["edit_threshold"],
                     ),
-                    temperature=a["temperature"],
-                    seed=a["seed"],
-                    offset=a["offset"],
                     credit_ids=ids,
                     credit_vals=vals,
-                    editable=a.get("editable"),
-                    # the op's convention: None and <= 0 turn editing off
-                    edit_threshold=None
-                    if a.get("edit_threshold") is None or a["edit_threshold"] <= 0
-                    else a["edit_threshold"],
                     compute_dtype=c,
                 )
                 res.append(tuple(out) + (tok,) + ((ids, vals) if ids is not None else ()))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_precision
 
-from dinfer_kernels.reference import decode_step_reference, soft_embedding_reference
+from dinfer_kernels.reference import decode_params, decode_step_reference, soft_embedding_reference
 from dinfer_kernels.reference import vocab_parallel as vp
 
 RULES = ("threshold", "hierarchical", "fixed", "joint")
@@ -57,16 +57,15 @@ def run_both(logits, tokens, offsets, mask_id, credit, shards, **kw):
                 [logits[:, a:b] for a, b in shards],
                 tok,
                 offsets,
-                mask_id,
+                decode_params(mask_id, **kw),
                 vocab_starts=[a for a, _ in shards],
                 credit_ids=ids,
                 credit_vals=vals,
-                **kw,
             )
         else:
             extra = dict(compute_dtype=torch.float64) if how == "truth" else {}
             out = decode_step_reference(
-                logits, tok, offsets, mask_id, credit_ids=ids, credit_vals=vals, **kw, **extra
+                logits, tok, offsets, decode_params(mask_id, **kw), credit_ids=ids, credit_vals=vals, **extra
             )
         runs.append((out, tok, (ids, vals)))
     return runs
@@ -140,7 +139,7 @@ def test_records_merge_in_any_order():
     logits, tokens, offsets, mask_id, (ids, _) = random_case(gen, 9, 50, 3, ties=True)
     shards = cuts(50, 4, gen)
     recs = torch.stack(
-        [vp.shard_record(logits[:, a:b], a, mask_id, credit_ids=ids, temperature=0.5) for a, b in shards]
+        [vp.shard_record(logits[:, a:b], a, decode_params(mask_id, temperature=0.5), ids) for a, b in shards]
     )
     merged = vp.merge_records(recs)
     for perm in (torch.tensor([3, 1, 0, 2]), torch.tensor([2, 3, 1, 0])):
