@@ -41,7 +41,8 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
          py::handle topk_weights_o, py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
   const int64_t top_k = int_arg(top_k_o, "top_k"), num_groups = int_arg(num_groups_o, "num_groups"),
                 topk_groups = int_arg(topk_groups_o, "topk_groups"),
-                expert_offset = int_arg(expert_offset_o, "expert_offset"), stream = int_arg(stream_o, "stream");
+                expert_offset = int_arg(expert_offset_o, "expert_offset"),
+                stream = int_arg(stream_o, "stream");
   const int num_threads = threads_arg(num_threads_o, "num_threads");
   const bool renormalize = bool_arg(renormalize_o, "renormalize");
   const MoeScoring scoring = scoring_arg(scoring_o);
@@ -125,8 +126,9 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   }
   if (!given && (E < El || (!on_host && E > dinfer_kernels::kMoeMaxExperts)))
     throw_value_error(std::string(router_weight_o.is_none() ? "router_logits" : "router_weight") +
-                      ": the router's " + std::to_string(E) + " experts must be >= the " + std::to_string(El) +
-                      " local ones" + (on_host ? "" : " and <= " + std::to_string(dinfer_kernels::kMoeMaxExperts)));
+                      ": the router's " + std::to_string(E) + " experts must be >= the " +
+                      std::to_string(El) + " local ones" +
+                      (on_host ? "" : " and <= " + std::to_string(dinfer_kernels::kMoeMaxExperts)));
   std::unique_ptr<TensorArg> bias;
   if (!expert_bias_o.is_none()) {
     bias.reset(new TensorArg(expert_bias_o, "expert_bias"));
@@ -205,8 +207,8 @@ void register_moe(py::module_& m) {
         py::arg("w2"), py::arg("top_k"), py::arg("renormalize"), py::arg("scoring"), py::arg("expert_bias"),
         py::arg("num_groups"), py::arg("topk_groups"), py::arg("routed_scaling"), py::arg("expert_offset"),
         py::arg("out"), py::kw_only(), py::arg("topk_ids") = py::none(), py::arg("topk_weights") = py::none(),
-        py::arg("workspace") = py::none(),
-        py::arg("stream") = py::int_(0), py::arg("num_threads") = py::int_(0),
+        py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
+        py::arg("num_threads") = py::int_(0),
         "Fused MoE layer over DLPack arrays (contract: dinfer_kernels/reference/moe.py): router (or the "
         "given int32 topk_ids / fp32 topk_weights), top-k, grouped GEMMs of the local experts w13 / w2 "
         "(global ids [expert_offset, expert_offset + E_local)) and the weighted combine, written to `out` "

@@ -662,7 +662,7 @@ def test_given_topk_of_the_router_is_the_routed_layer():
     bias = torch.rand(8) * 0.1
     kw = dict(scoring="sigmoid", num_groups=4, topk_groups=2, renormalize=True, routed_scaling=2.5)
     weights, ids = dk.moe_route(hidden, router, 3, expert_bias=bias, **kw)
-    want_w, want_ids = route(hidden, router, 3, True, bias, **kw)
+    want_w, want_ids = route(hidden, router, 3, expert_bias=bias, **kw)
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
     got = dk.moe(hidden, None, w13[2:6], w2[2:6], 3, topk_ids=ids, topk_weights=weights, expert_offset=2)
     want = dk.moe(hidden, router, w13[2:6], w2[2:6], 3, expert_bias=bias, expert_offset=2, **kw)

@@ -173,7 +173,7 @@ def test_router_source_and_group_errors():
     a["router_logits"] = None  # neither
     with pytest.raises(ValueError, match=r"^router_weight\b.*exactly one"):
         call(a)
-    a["router_logits"] = np.zeros((T, E + 1), np.float32)
+    a["router_logits"] = np.zeros((T + 1, E), np.float32)  # (E + 1 columns: a router of more experts)
     with pytest.raises(ValueError, match=r"^router_logits\b"):
         call(a)
     a["router_logits"] = np.zeros((T, E), np.float16)
