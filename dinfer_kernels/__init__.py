@@ -6,9 +6,12 @@ Ops (each a torch.library custom op with backend="auto"|"cuda"|"triton"|"cpu"|"t
   rms_norm, rope  the models' normalisation and rotary embedding
   attention       window attention over a per-layer KV cache with in-place partial refresh,
                   block sparsity (BlockMask), log-sum-exp and per-key-block attention mass
-  moe             routed mixture of experts (router, top-k, SwiGLU experts, weighted combine)
+  moe             routed mixture of experts (router, top-k, SwiGLU experts, weighted combine), on all
+                  experts or a slice of local ones, from a router or a given top-k
   decode_step_vocab_parallel, soft_embedding_vocab_parallel
                   the two over a vocabulary split across a torch.distributed group (plain functions)
+  moe_route       the MoE router alone, top-k experts and weights: the all-to-all path's pairs (a
+                  plain function)
 Contracts: dinfer_kernels/reference/ (the pure-torch references, the spec of every op).
 
 What a caller of decode_step needs besides the ops, so that nothing outside the package reads
@@ -24,7 +27,7 @@ from ._backend import available_backends, prefer_backend
 from .block_mask import BlockMask
 from .ops.attention import attention
 from .ops.decode import CreditState, decode_step
-from .ops.moe import moe
+from .ops.moe import moe, moe_route
 from .ops.rms_norm import rms_norm
 from .ops.rope import rope
 from .ops.soft_embedding import soft_embedding
@@ -47,6 +50,7 @@ __all__ = [
     "decode_step",
     "decode_step_vocab_parallel",
     "moe",
+    "moe_route",
     "prefer_backend",
     "request_row_keys",
     "rms_norm",

@@ -15,3 +15,13 @@ def compiled_layout(hidden, router_weight, router_logits, w13, w2, expert_bias):
     if expert_bias is not None:
         expert_bias = expert_bias.float().contiguous()
     return hidden.contiguous(), router_weight, router_logits, w13.contiguous(), w2.contiguous(), expert_bias
+
+
+def given_topk(topk_ids, topk_weights, expert_offset, local_experts):
+    """A given top-k as the kernels take it: int32 ids (-1 for every id outside the local slice, so
+    that an int64 id never wraps into it), fp32 weights, contiguous; (None, None) when not given."""
+    if topk_ids is None:
+        return None, None
+    inside = (topk_ids >= expert_offset) & (topk_ids < expert_offset + local_experts)
+    ids = torch.where(inside, topk_ids, -1).to(torch.int32).contiguous()
+    return ids, topk_weights.float().contiguous()

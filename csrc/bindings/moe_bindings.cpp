@@ -37,11 +37,12 @@ void in_range(int64_t v, int64_t lo, int64_t hi, const char* name) {  // [lo, hi
 void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logits_o, py::handle w13_o,
          py::handle w2_o, py::handle top_k_o, py::handle renormalize_o, py::handle scoring_o,
          py::handle expert_bias_o, py::handle num_groups_o, py::handle topk_groups_o,
-         py::handle routed_scaling_o, py::handle e0_o, py::handle e1_o, py::handle out_o,
-         py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
+         py::handle routed_scaling_o, py::handle expert_offset_o, py::handle out_o, py::handle topk_ids_o,
+         py::handle topk_weights_o, py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
   const int64_t top_k = int_arg(top_k_o, "top_k"), num_groups = int_arg(num_groups_o, "num_groups"),
-                topk_groups = int_arg(topk_groups_o, "topk_groups"), e0 = int_arg(e0_o, "e0"),
-                e1 = int_arg(e1_o, "e1"), stream = int_arg(stream_o, "stream");
+                topk_groups = int_arg(topk_groups_o, "topk_groups"),
+                expert_offset = int_arg(expert_offset_o, "expert_offset"),
+                stream = int_arg(stream_o, "stream");
   const int num_threads = threads_arg(num_threads_o, "num_threads");
   const bool renormalize = bool_arg(renormalize_o, "renormalize");
   const MoeScoring scoring = scoring_arg(scoring_o);
@@ -59,46 +60,75 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
 
   TensorArg w13(w13_o, "w13");
   w13.expect_dtype({dt});
-  if (w13.ndim() != 3) throw_value_error("w13: expected a 3-D array [E, 2I, H]");
-  const int64_t E = w13.size(0), two_i = w13.size(1);
-  if (E < 1) throw_value_error("w13: expected at least one expert");
-  if (!on_host && E > dinfer_kernels::kMoeMaxExperts)
+  if (w13.ndim() != 3) throw_value_error("w13: expected a 3-D array [E_local, 2I, H]");
+  const int64_t El = w13.size(0), two_i = w13.size(1);
+  if (El < 1) throw_value_error("w13: expected at least one local expert");
+  if (!on_host && El > dinfer_kernels::kMoeMaxExperts)
     throw_value_error("w13: the CUDA kernels take at most " + std::to_string(dinfer_kernels::kMoeMaxExperts) +
-                      " experts, got " + std::to_string(E));
+                      " experts, got " + std::to_string(El));
   if (two_i < 2 || two_i % 2)
     throw_value_error("w13: the middle dimension is gate + up rows (2 * I), got " + std::to_string(two_i));
   const int64_t I = two_i / 2;
-  w13.expect_shape({E, two_i, H});
+  w13.expect_shape({El, two_i, H});
   w13.expect_contiguous();
   w13.expect_same_device(hidden);
 
   TensorArg w2(w2_o, "w2");
   w2.expect_dtype({dt});
-  w2.expect_shape({E, H, I});
+  w2.expect_shape({El, H, I});
   w2.expect_contiguous();
   w2.expect_same_device(hidden);
 
-  if (router_weight_o.is_none() == router_logits_o.is_none())
-    throw_value_error("router_weight: give exactly one of router_weight [E, H] and router_logits [T, E]");
+  const bool given = !topk_ids_o.is_none();
+  if (given != !topk_weights_o.is_none())
+    throw_value_error("topk_ids: topk_ids and topk_weights come together");
+  if (static_cast<int>(!router_weight_o.is_none()) + static_cast<int>(!router_logits_o.is_none()) +
+          static_cast<int>(given) !=
+      1)
+    throw_value_error(
+        "router_weight: give exactly one of router_weight [E, H], router_logits [T, E] and topk_ids [T, k]");
   MoeParams p;
-  // Keeps the imported view alive until the launch.
-  std::unique_ptr<TensorArg> router;
+  // Keep the imported views alive until the launch.
+  std::unique_ptr<TensorArg> router, ids, weights;
+  int64_t E = 0;  // the router's experts
   if (!router_weight_o.is_none()) {
     router.reset(new TensorArg(router_weight_o, "router_weight"));
     router->expect_dtype({DType::kFloat32, dt});
+    if (router->ndim() != 2) throw_value_error("router_weight: expected a 2-D array [E, H]");
+    E = router->size(0);
     router->expect_shape({E, H});
     router->expect_contiguous();
     router->expect_same_device(hidden);
     p.router_weight = router->data<void>();
     p.router_dtype = scalar_type(router->dtype());
-  } else {
+  } else if (!router_logits_o.is_none()) {
     router.reset(new TensorArg(router_logits_o, "router_logits"));
     router->expect_dtype({DType::kFloat32});
+    if (router->ndim() != 2) throw_value_error("router_logits: expected a 2-D array [T, E]");
+    E = router->size(1);
     router->expect_shape({T, E});
     router->expect_contiguous();
     router->expect_same_device(hidden);
     p.router_logits = router->data<float>();
+  } else {
+    ids.reset(new TensorArg(topk_ids_o, "topk_ids"));
+    ids->expect_dtype({DType::kInt32});
+    ids->expect_shape({T, top_k});
+    ids->expect_contiguous();
+    ids->expect_same_device(hidden);
+    weights.reset(new TensorArg(topk_weights_o, "topk_weights"));
+    weights->expect_dtype({DType::kFloat32});
+    weights->expect_shape({T, top_k});
+    weights->expect_contiguous();
+    weights->expect_same_device(hidden);
+    p.topk_ids = ids->data<int32_t>();
+    p.topk_weights = weights->data<float>();
   }
+  if (!given && (E < El || (!on_host && E > dinfer_kernels::kMoeMaxExperts)))
+    throw_value_error(std::string(router_weight_o.is_none() ? "router_logits" : "router_weight") +
+                      ": the router's " + std::to_string(E) + " experts must be >= the " +
+                      std::to_string(El) + " local ones" +
+                      (on_host ? "" : " and <= " + std::to_string(dinfer_kernels::kMoeMaxExperts)));
   std::unique_ptr<TensorArg> bias;
   if (!expert_bias_o.is_none()) {
     bias.reset(new TensorArg(expert_bias_o, "expert_bias"));
@@ -115,24 +145,31 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   out.expect_contiguous();
   out.expect_writable();
   out.expect_same_device(hidden);
-  expect_disjoint({&out}, {&hidden, &w13, &w2, router.get(), bias.get()});
+  expect_disjoint({&out}, {&hidden, &w13, &w2, router.get(), ids.get(), weights.get(), bias.get()});
 
-  in_range(num_groups, 1, E, "num_groups");
-  if (E % num_groups)
-    throw_value_error("num_groups: must divide the number of experts E=" + std::to_string(E) + ", got " +
-                      std::to_string(num_groups));
-  in_range(topk_groups, 1, num_groups, "topk_groups");
-  const int64_t selectable = topk_groups * (E / num_groups);
-  const int64_t max_k =
-      on_host || selectable < dinfer_kernels::kMoeMaxTopK ? selectable : dinfer_kernels::kMoeMaxTopK;
-  if (top_k < 1 || top_k > max_k)
-    throw_value_error(
-        "top_k: " + std::to_string(top_k) + " is outside [1, " + std::to_string(max_k) +
-        "] (experts that can be chosen: " + std::to_string(selectable) +
-        (on_host ? std::string(")")
-                 : "; the CUDA kernels take at most " + std::to_string(dinfer_kernels::kMoeMaxTopK) + ")"));
-  in_range(e0, 0, E, "e0");
-  in_range(e1, e0, E, "e1");
+  if (given) {
+    if (num_groups != 1 || topk_groups != 1 || bias)
+      throw_value_error("num_groups: the router's options do not apply to a given top-k (topk_ids)");
+    const int64_t max_k = on_host ? INT32_MAX : dinfer_kernels::kMoeMaxTopK;
+    in_range(top_k, 1, max_k, "top_k");
+    in_range(expert_offset, 0, INT32_MAX - El, "expert_offset");
+  } else {
+    in_range(num_groups, 1, E, "num_groups");
+    if (E % num_groups)
+      throw_value_error("num_groups: must divide the number of experts E=" + std::to_string(E) + ", got " +
+                        std::to_string(num_groups));
+    in_range(topk_groups, 1, num_groups, "topk_groups");
+    const int64_t selectable = topk_groups * (E / num_groups);
+    const int64_t max_k =
+        on_host || selectable < dinfer_kernels::kMoeMaxTopK ? selectable : dinfer_kernels::kMoeMaxTopK;
+    if (top_k < 1 || top_k > max_k)
+      throw_value_error(
+          "top_k: " + std::to_string(top_k) + " is outside [1, " + std::to_string(max_k) +
+          "] (experts that can be chosen: " + std::to_string(selectable) +
+          (on_host ? std::string(")")
+                   : "; the CUDA kernels take at most " + std::to_string(dinfer_kernels::kMoeMaxTopK) + ")"));
+    in_range(expert_offset, 0, E - El, "expert_offset");
+  }
   if (T * top_k > INT32_MAX) throw_value_error("hidden: T * top_k must be < 2^31");
   if (H > INT32_MAX || I > INT32_MAX) throw_value_error("hidden: H and I must be < 2^31");
 
@@ -143,6 +180,8 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   p.w13 = w13.data<void>();
   p.w2 = w2.data<void>();
   p.num_experts = E;
+  p.local_experts = El;
+  p.expert_offset = static_cast<int32_t>(expert_offset);
   p.inter_size = I;
   p.top_k = static_cast<int32_t>(top_k);
   p.renormalize = renormalize;
@@ -150,8 +189,6 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   p.num_groups = static_cast<int32_t>(num_groups);
   p.topk_groups = static_cast<int32_t>(topk_groups);
   p.routed_scaling = static_cast<float>(routed_scaling);
-  p.expert_begin = static_cast<int32_t>(e0);
-  p.expert_end = static_cast<int32_t>(e1);
   p.out = out.data<void>();
   if (on_host) {
     py::gil_scoped_release release;
@@ -160,24 +197,28 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   }
   run_cuda(
       "moe_cuda", "moe_workspace_bytes", hidden, workspace_o, stream,
-      {&hidden, &w13, &w2, router.get(), bias.get(), &out},
-      [&] { return dinfer_kernels::moe_cuda_workspace_bytes(T, E, static_cast<int32_t>(top_k), H, I); },
+      {&hidden, &w13, &w2, router.get(), ids.get(), weights.get(), bias.get(), &out},
+      [&] { return dinfer_kernels::moe_cuda_workspace_bytes(T, E, El, static_cast<int32_t>(top_k), H, I); },
       [&](void* ws, size_t bytes, cudaStream_t s) { return dinfer_kernels::moe_cuda(p, ws, bytes, s); });
 }
 
 void register_moe(py::module_& m) {
   m.def("moe", &moe, py::arg("hidden"), py::arg("router_weight"), py::arg("router_logits"), py::arg("w13"),
         py::arg("w2"), py::arg("top_k"), py::arg("renormalize"), py::arg("scoring"), py::arg("expert_bias"),
-        py::arg("num_groups"), py::arg("topk_groups"), py::arg("routed_scaling"), py::arg("e0"),
-        py::arg("e1"), py::arg("out"), py::kw_only(), py::arg("workspace") = py::none(),
-        py::arg("stream") = py::int_(0), py::arg("num_threads") = py::int_(0),
-        "Fused MoE layer over DLPack arrays (contract: dinfer_kernels/reference/moe.py): router, "
-        "top-k, grouped expert GEMMs and the weighted combine, written to `out` [T, H]. CUDA arrays: "
-        "needs a uint8 workspace of moe_workspace_bytes(T, E, top_k, H, I) bytes and runs on `stream`. "
+        py::arg("num_groups"), py::arg("topk_groups"), py::arg("routed_scaling"), py::arg("expert_offset"),
+        py::arg("out"), py::kw_only(), py::arg("topk_ids") = py::none(), py::arg("topk_weights") = py::none(),
+        py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
+        py::arg("num_threads") = py::int_(0),
+        "Fused MoE layer over DLPack arrays (contract: dinfer_kernels/reference/moe.py): router (or the "
+        "given int32 topk_ids / fp32 topk_weights), top-k, grouped GEMMs of the local experts w13 / w2 "
+        "(global ids [expert_offset, expert_offset + E_local)) and the weighted combine, written to `out` "
+        "[T, H]. CUDA arrays: needs a uint8 workspace of moe_workspace_bytes(T, E, E_local, top_k, H, I) "
+        "bytes (E: the router's experts, 0 with a given top-k) and runs on `stream`. "
         "Host arrays: runs on num_threads OpenMP threads (0: OpenMP's default).");
 #ifdef DINFER_WITH_CUDA
   m.def("moe_workspace_bytes", &dinfer_kernels::moe_cuda_workspace_bytes, py::arg("num_tokens"),
-        py::arg("num_experts"), py::arg("top_k"), py::arg("hidden_size"), py::arg("inter_size"));
+        py::arg("num_experts"), py::arg("local_experts"), py::arg("top_k"), py::arg("hidden_size"),
+        py::arg("inter_size"));
 #endif
 }
 

@@ -6,11 +6,13 @@
 //   1. route_kernel, grid (token tiles) x (expert chunks of 16). Each CTA computes the fp32 router
 //      logits of its tokens x experts (or takes the given logits). The last CTA of a token tile to
 //      finish (an integer counter per tile) scores the tile's tokens (softmax or sigmoid + bias,
-//      grouped top-k) and writes each token's top-k (expert, weight) sorted by expert id. The last
-//      token tile to finish aligns: per-expert counts, tile offsets, and the permuted entry list
-//      (entry = token * top_k + slot), each local expert's rows padded to a multiple of BLOCK_M, in
-//      token order (deterministic), plus the expert of every M tile and the number of tiles. All but
-//      the logits is moe_route.h, which the tests also run lane by lane on the host.
+//      grouped top-k) and writes each token's top-k (expert, weight) sorted by expert id (a given
+//      top-k: its slots sorted so, grid (token tiles) x 1). The last token tile to finish aligns:
+//      per-expert counts, tile offsets, and the permuted entry list (entry = token * top_k + slot),
+//      each local expert's rows padded to a multiple of BLOCK_M, in token order (deterministic), plus
+//      the local expert (index into w13 / w2, which hold the local experts only) of every M tile and
+//      the number of tiles; entries of other experts are dropped here. All but the logits is
+//      moe_route.h, which the tests also run lane by lane on the host.
 //   2. GEMM 1 (gate/up + SiLU): grid (max M tiles) x (N tiles over I). A CTA gathers its tile's
 //      hidden rows, streams the gate rows and the up rows of the same output columns of its expert
 //      through a cp.async pipeline, multiplies on the tensor cores (mma.sync m16n8k16, fp32
@@ -148,7 +150,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const __grid_const
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tile = blockIdx.x;
 
-  if (a.given_logits == nullptr) {
+  if (a.router_weight != nullptr) {
     router_logits_warp<TT>(a, tile * TT, blockIdx.y * kRouteExpertsPerCta + warp * kRouteExpertsPerWarp,
                            lane);
     // Last CTA of this token tile to finish scores it (classic threadfence + counter pattern).
@@ -482,21 +484,23 @@ struct Plan {
   int bm;  // rows per M tile
   int route_tt;  // tokens per routing CTA
   int64_t token_tiles;
-  int64_t max_tiles;  // upper bound of the number of M tiles over any expert range
+  int64_t max_tiles;  // upper bound of the number of M tiles over any routing
   size_t counters, logits, topk_ids, topk_w, sorted_ids, tile_expert, num_tiles, act, ypart, total;
   size_t counters_bytes;
 };
 
-Plan make_plan(int64_t T, int64_t E, int64_t top_k, int64_t H, int64_t I) {
+// E: the router's experts (0 with a given top-k: no logits); El: the local ones.
+Plan make_plan(int64_t T, int64_t E, int64_t El, int64_t top_k, int64_t H, int64_t I) {
   Plan p;
   const int64_t entries = T * top_k;
   // ~48 rows per expert and up: the 128-row tiles waste less than the 16-row ones re-read weights.
-  p.large = E > 0 && entries >= 48 * E;
+  const int64_t experts = E > 0 ? E : El;  // a given top-k: its rows are those of the local experts
+  p.large = experts > 0 && entries >= 48 * experts;
   p.bm = p.large ? LargeGemm1::kBM : SmallGemm1::kBM;
   p.route_tt = moe_route::tokens_per_cta(T);
   p.token_tiles = (T + p.route_tt - 1) / p.route_tt;
   // sum over experts of ceil(c_e / bm) <= (entries + nonempty * (bm - 1)) / bm.
-  const int64_t nonempty = E < entries ? E : entries;
+  const int64_t nonempty = El < entries ? El : entries;
   p.max_tiles = (entries + nonempty * (p.bm - 1)) / p.bm;
   const int64_t rows = p.max_tiles * p.bm;
   size_t off = 0;
@@ -576,27 +580,35 @@ bool valid_dtype(ScalarType t) {
 
 }  // namespace
 
-size_t moe_cuda_workspace_bytes(int64_t num_tokens, int64_t num_experts, int32_t top_k, int64_t hidden_size,
-                                int64_t inter_size) {
-  if (num_tokens <= 0 || num_experts <= 0 || top_k <= 0 || hidden_size <= 0 || inter_size <= 0) return 0;
-  return make_plan(num_tokens, num_experts, top_k, hidden_size, inter_size).total;
+size_t moe_cuda_workspace_bytes(int64_t num_tokens, int64_t num_experts, int64_t local_experts, int32_t top_k,
+                                int64_t hidden_size, int64_t inter_size) {
+  if (num_tokens <= 0 || num_experts < 0 || local_experts <= 0 || top_k <= 0 || hidden_size <= 0 ||
+      inter_size <= 0)
+    return 0;
+  return make_plan(num_tokens, num_experts, local_experts, top_k, hidden_size, inter_size).total;
 }
 
 int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  const int64_t T = p.num_tokens, H = p.hidden_size, E = p.num_experts, I = p.inter_size;
-  if (T < 0 || H < 0 || E <= 0 || I <= 0) return cudaErrorInvalidValue;
+  const bool given = p.topk_ids != nullptr;
+  const int64_t T = p.num_tokens, H = p.hidden_size, E = given ? 0 : p.num_experts, El = p.local_experts,
+                I = p.inter_size;
+  if (T < 0 || H < 0 || El <= 0 || I <= 0) return cudaErrorInvalidValue;
   if (T == 0 || H == 0) return cudaSuccess;  // empty output
-  if (E > kMoeMaxExperts || p.top_k < 1 || p.top_k > kMoeMaxTopK || p.top_k > E) return cudaErrorInvalidValue;
+  if (El > kMoeMaxExperts || p.top_k < 1 || p.top_k > kMoeMaxTopK) return cudaErrorInvalidValue;
   if (H > INT32_MAX || I > INT32_MAX || T > INT32_MAX / p.top_k) return cudaErrorInvalidValue;
-  if (p.expert_begin < 0 || p.expert_end < p.expert_begin || p.expert_end > E) return cudaErrorInvalidValue;
+  if (p.expert_offset < 0 || p.expert_offset > INT32_MAX - El) return cudaErrorInvalidValue;
   if (!valid_dtype(p.dtype) || !valid_dtype(p.router_dtype)) return cudaErrorInvalidValue;
-  if (p.scoring != MoeScoring::kSoftmax && p.scoring != MoeScoring::kSigmoid) return cudaErrorInvalidValue;
-  if (p.num_groups < 1 || E % p.num_groups != 0 || p.topk_groups < 1 || p.topk_groups > p.num_groups)
-    return cudaErrorInvalidValue;
-  if (p.num_groups > 1 && p.top_k > p.topk_groups * (E / p.num_groups)) return cudaErrorInvalidValue;
   if (p.hidden == nullptr || p.w13 == nullptr || p.w2 == nullptr || p.out == nullptr)
     return cudaErrorInvalidValue;
-  if ((p.router_weight == nullptr) == (p.router_logits == nullptr)) return cudaErrorInvalidValue;
+  const int routings = (p.router_weight != nullptr) + (p.router_logits != nullptr) + given;
+  if (routings != 1 || given != (p.topk_weights != nullptr)) return cudaErrorInvalidValue;
+  if (!given) {  // the router's checks
+    if (E > kMoeMaxExperts || p.top_k > E || p.expert_offset + El > E) return cudaErrorInvalidValue;
+    if (p.scoring != MoeScoring::kSoftmax && p.scoring != MoeScoring::kSigmoid) return cudaErrorInvalidValue;
+    if (p.num_groups < 1 || E % p.num_groups != 0 || p.topk_groups < 1 || p.topk_groups > p.num_groups)
+      return cudaErrorInvalidValue;
+    if (p.num_groups > 1 && p.top_k > p.topk_groups * (E / p.num_groups)) return cudaErrorInvalidValue;
+  }
   const size_t es = dtype_size(p.dtype);
   for (const void* ptr : {p.hidden, p.w13, p.w2, static_cast<const void*>(p.out)})
     if (reinterpret_cast<uintptr_t>(ptr) % es != 0) return cudaErrorInvalidValue;
@@ -604,18 +616,13 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
       reinterpret_cast<uintptr_t>(p.router_weight) % dtype_size(p.router_dtype) != 0)
     return cudaErrorInvalidValue;
 
-  const Plan plan = make_plan(T, E, p.top_k, H, I);
+  const Plan plan = make_plan(T, E, El, p.top_k, H, I);
   if (workspace == nullptr || workspace_bytes < plan.total || !aligned16(workspace))
     return cudaErrorInvalidValue;
   if (plan.max_tiles * (plan.bm / kSimtRows) > INT32_MAX || plan.token_tiles > INT32_MAX)
     return cudaErrorInvalidConfiguration;
 
   cudaError_t err;
-  if (p.expert_end == p.expert_begin) {  // no local expert: the partial output is zero
-    err = cudaMemsetAsync(p.out, 0, static_cast<size_t>(T * H) * es, stream);
-    return err;
-  }
-
   char* ws = static_cast<char*>(workspace);
   err = cudaMemsetAsync(ws + plan.counters, 0, plan.counters_bytes, stream);
   if (err != cudaSuccess) return err;
@@ -626,6 +633,8 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
   ra.router_weight = p.router_weight;
   ra.router_dtype = p.router_dtype;
   ra.given_logits = p.router_logits;
+  ra.given_ids = p.topk_ids;
+  ra.given_w = p.topk_weights;
   ra.T = static_cast<int32_t>(T);
   ra.H = static_cast<int32_t>(H);
   ra.E = static_cast<int32_t>(E);
@@ -639,8 +648,8 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
   ra.num_groups = p.num_groups;
   ra.topk_groups = p.topk_groups;
   ra.scaling = p.routed_scaling;
-  ra.e0 = p.expert_begin;
-  ra.e1 = p.expert_end;
+  ra.e0 = p.expert_offset;
+  ra.e1 = static_cast<int32_t>(p.expert_offset + El);
   ra.bm = plan.bm;
   ra.logits = reinterpret_cast<float*>(ws + plan.logits);
   ra.tile_counter = reinterpret_cast<int32_t*>(ws + plan.counters);
@@ -651,7 +660,7 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
   ra.tile_expert = reinterpret_cast<int32_t*>(ws + plan.tile_expert);
   ra.num_tiles = reinterpret_cast<int32_t*>(ws + plan.num_tiles);
   {
-    const unsigned chunks = p.router_logits != nullptr
+    const unsigned chunks = p.router_weight == nullptr
                                 ? 1u
                                 : static_cast<unsigned>((E + kRouteExpertsPerCta - 1) / kRouteExpertsPerCta);
     const dim3 grid(static_cast<unsigned>(plan.token_tiles), chunks);
@@ -705,8 +714,8 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
   c.out = p.out;
   c.H = static_cast<int32_t>(H);
   c.top_k = p.top_k;
-  c.e0 = p.expert_begin;
-  c.e1 = p.expert_end;
+  c.e0 = ra.e0;
+  c.e1 = ra.e1;
   c.vec4 = H % 4 == 0;
   switch (p.dtype) {
     case ScalarType::kFloat32:

@@ -2,9 +2,11 @@
 // weighted combine in one call, where the torch reference runs ~10 ops per call plus ~6 per expert).
 //
 // 1. Route, one token at a time: fp32 logits (dot products, or the given ones), softmax / sigmoid,
-//    bias, groups and top-k with the reference's tie rule (moe_math), the weights; the slots are then
-//    sorted by expert id so that the combine adds them in the reference's order.
-// 2. Bucket the (token, slot) entries of experts [e0, e1) by expert (counting sort, token order).
+//    bias, groups and top-k with the reference's tie rule (moe_math), the weights (or take the given
+//    top-k); the slots are then sorted by expert id so that the combine adds them in the reference's
+//    order.
+// 2. Bucket the (token, slot) entries of the local experts by expert (counting sort, token order);
+//    the entries of other experts are dropped here and cost nothing after.
 // 3. Gather each expert's rows (fp32, or bf16 as they are on the AVX512-BF16 path), then two rounds
 //    of tasks, each a chunk of kCols weight rows of one expert run over all of the expert's rows, so
 //    every weight chunk is brought into its vector layout once per call: (a) the gate and up rows of
@@ -369,6 +371,15 @@ void router_logits(const float* x, int64_t K, const void* W, ScalarType wt, int6
   }
 }
 
+// Insertion sort of a token's slots by expert id (stable): the combine's order, the reference's.
+void sort_slots(int32_t* id, float* wt, int k) {
+  for (int j = 1; j < k; ++j)
+    for (int i = j; i > 0 && id[i] < id[i - 1]; --i) {
+      std::swap(id[i], id[i - 1]);
+      std::swap(wt[i], wt[i - 1]);
+    }
+}
+
 struct Route {
   std::vector<float> logits, sel, wsrc, gscore;
   std::vector<char> excluded, kept;
@@ -443,11 +454,15 @@ void route_token(const MoeParams& p, int64_t t, Route& s, int32_t* id, float* wt
     if (p.renormalize) wt[j] = wt[j] / (total + 1e-20f);
     wt[j] = wt[j] * p.routed_scaling;
   }
-  for (int j = 1; j < k; ++j)  // insertion sort by expert id: the combine's order
-    for (int i = j; i > 0 && id[i] < id[i - 1]; --i) {
-      std::swap(id[i], id[i - 1]);
-      std::swap(wt[i], wt[i - 1]);
-    }
+  sort_slots(id, wt, k);
+}
+
+// The given top-k of token t (the all-to-all path), sorted by expert id as route_token's.
+void given_token(const MoeParams& p, int64_t t, int32_t* id, float* wt) {
+  const int k = p.top_k;
+  std::memcpy(id, p.topk_ids + t * k, static_cast<size_t>(k) * sizeof(int32_t));
+  std::memcpy(wt, p.topk_weights + t * k, static_cast<size_t>(k) * sizeof(float));
+  sort_slots(id, wt, k);
 }
 
 // ---- experts ------------------------------------------------------------------------------------
@@ -455,7 +470,7 @@ void route_token(const MoeParams& p, int64_t t, Route& s, int32_t* id, float* wt
 // The entries of one expert: list[first, first + n), rows [row0, row0 + n) of the row buffers
 // (padded to a multiple of kRows when the chunk GEMMs run, so a block never reads another expert's).
 struct Segment {
-  int32_t e;
+  int32_t e;  // local expert: the index into w13 / w2
   int64_t first, n, row0;
   bool gemm;  // n >= kMinGemmRows: chunk GEMMs; else dot products
   bool pairs;  // bf16 through the AVX512-BF16 dot instruction (x and a kept in bf16)
@@ -598,39 +613,47 @@ int threads_for(int64_t macs, int64_t tasks, int max_threads) {
 }
 
 void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
-  const int64_t E = p.num_experts, H = p.hidden_size, I = p.inter_size, k = p.top_k;
+  const int64_t E = p.num_experts, El = p.local_experts, H = p.hidden_size, I = p.inter_size, k = p.top_k;
   std::vector<int32_t> ids(T * k);
   std::vector<float> w(T * k);
-  const int64_t route_macs = p.router_logits ? T * E : T * E * H;
-  const int rt = threads_for(route_macs, T, max_threads);
+  if (p.topk_ids != nullptr) {
+    for (int64_t t = 0; t < T; ++t) given_token(p, t0 + t, ids.data() + t * k, w.data() + t * k);
+  } else {
+    const int64_t route_macs = p.router_logits ? T * E : T * E * H;
+    const int rt = threads_for(route_macs, T, max_threads);
 #pragma omp parallel num_threads(rt)
-  {
-    Route s;
-    s.logits.resize(E);
-    s.sel.resize(std::max(E, H));
-    s.wsrc.resize(E);
-    s.gscore.resize(p.num_groups);
-    s.kept.resize(p.num_groups);
-    s.excluded.resize(E);
-    s.x.resize(H);
+    {
+      Route s;
+      s.logits.resize(E);
+      s.sel.resize(std::max(E, H));
+      s.wsrc.resize(E);
+      s.gscore.resize(p.num_groups);
+      s.kept.resize(p.num_groups);
+      s.excluded.resize(E);
+      s.x.resize(H);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) route_token(p, t0 + t, s, ids.data() + t * k, w.data() + t * k);
+      for (int64_t t = 0; t < T; ++t) route_token(p, t0 + t, s, ids.data() + t * k, w.data() + t * k);
+    }
   }
 
-  // Entries (t * k + j) of each expert in [e0, e1), in token order.
-  std::vector<int64_t> start(E + 1, 0);
+  // Entries (t * k + j) of each local expert, in token order; the local expert of entry i, or -1.
+  auto local = [&](int64_t i) -> int64_t {
+    const int64_t l = static_cast<int64_t>(ids[i]) - p.expert_offset;
+    return l >= 0 && l < El ? l : -1;
+  };
+  std::vector<int64_t> start(El + 1, 0);
   for (int64_t i = 0; i < T * k; ++i)
-    if (ids[i] >= p.expert_begin && ids[i] < p.expert_end) ++start[ids[i] + 1];
+    if (local(i) >= 0) ++start[local(i) + 1];
   std::partial_sum(start.begin(), start.end(), start.begin());
-  std::vector<int32_t> list(start[E]);
+  std::vector<int32_t> list(start[El]);
   {
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int64_t i = 0; i < T * k; ++i)
-      if (ids[i] >= p.expert_begin && ids[i] < p.expert_end) list[fill[ids[i]]++] = static_cast<int32_t>(i);
+      if (local(i) >= 0) list[fill[local(i)]++] = static_cast<int32_t>(i);
   }
   std::vector<Segment> segs;
   int64_t rows = 0;
-  for (int32_t e = p.expert_begin; e < p.expert_end; ++e) {
+  for (int32_t e = 0; e < El; ++e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) continue;
     const bool gemm = n >= kMinGemmRows;
@@ -657,11 +680,11 @@ void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
     for (int64_t n0 = 0; n0 < I; n0 += kCols) up_tasks.push_back({i, n0});
     for (int64_t n0 = 0; n0 < H; n0 += kCols) down_tasks.push_back({i, n0});
   }
-  // Only the slots of experts in [e0, e1) are written, and only those are read.
+  // Only the slots of local experts are written, and only those are read.
   std::unique_ptr<float[]> slots(new float[T * k * H]);
   const int64_t nseg = static_cast<int64_t>(segs.size());
   const int64_t nup = static_cast<int64_t>(up_tasks.size()), ndown = static_cast<int64_t>(down_tasks.size());
-  const int et = threads_for(start[E] * 3 * I * H, std::min(nup, ndown), max_threads);
+  const int et = threads_for(start[El] * 3 * I * H, std::min(nup, ndown), max_threads);
 #pragma omp parallel num_threads(et)
   {
     Scratch sc;
@@ -705,8 +728,7 @@ void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
     for (int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < k; ++j) {  // slots in expert order: the reference's summation order
-        const int32_t e = ids[t * k + j];
-        if (e < p.expert_begin || e >= p.expert_end) continue;
+        if (local(t * k + j) < 0) continue;
         const float* src = slots.get() + (t * k + j) * H;
         for (int64_t h = 0; h < H; ++h) acc[h] += src[h];
       }

@@ -16,8 +16,9 @@ parallel=TensorParallel(plan, comm))`; None keeps the one-process forward untouc
 - LM head: the logits of the rank's vocabulary range only, [R, Vr]: the decode step and the soft
   embedding take them as they are (dinfer_kernels.decode_step_vocab_parallel).
 
-The routed experts on a rank run through the reference expert GEMMs (dinfer_kernels.reference.moe):
-the fused moe kernels index their weights by global expert and take all E experts' weights.
+The routed experts of a rank run through dinfer_kernels.moe on its local experts (expert_offset: the
+rank's first expert, w13 / w2 its slice only): from the router in "allreduce", from the received
+(expert, weight) pairs in "alltoall" (dinfer_kernels.moe_route chooses them on the sending rank).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dinfer_kernels.reference.moe import _expert, route
+import dinfer_kernels as dk
 
 from .comm import Comm
 from .plan import ShardPlan
@@ -63,16 +64,7 @@ class TensorParallel:
 
     def moe(self, m: torch.Tensor, w: dict, p: str, config, routing: dict) -> torch.Tensor:
         """The MoE layer's output [T, H] (every token, on every rank) for its input m [T, H]."""
-
-        def router(x):
-            return route(
-                x,
-                w[p + "router"],
-                config.top_k,
-                config.router_renormalize,
-                w.get(p + "expert_bias"),
-                **routing,
-            )
+        options = dict(renormalize=config.router_renormalize, expert_bias=w.get(p + "expert_bias"), **routing)
 
         def shared(x):
             if p + "shared_w13" not in w:
@@ -81,38 +73,20 @@ class TensorParallel:
             return ((F.silu(g) * u) @ w[p + "shared_w2"].t()).float()
 
         if self.ep_mode == "allreduce":
-            weights, experts = router(m)
-            out = self.local_experts(m, weights, experts, w[p + "w13"], w[p + "w2"])
+            out = dk.moe(
+                m, w[p + "router"], w[p + "w13"], w[p + "w2"], config.top_k, expert_offset=self.e0, **options
+            ).float()  # the partial sums added in fp32, as the shared expert's
             part = shared(m)
             return self.reduce(out if part is None else out + part).to(m.dtype)
-        return self._moe_alltoall(m, w, p, router, shared)
+        return self._moe_alltoall(m, w, p, config, options, shared)
 
-    def local_experts(self, x, weights, experts, w13, w2) -> torch.Tensor:
-        """fp32 [T, H]: sum over the slots of each row of x [T, H] routed (experts, weights [T, k])
-        to this rank's experts of weight x expert(row)."""
-        T, k = experts.shape
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        flat = experts.flatten()
-        mine = ((flat >= self.e0) & (flat < self.e1)).nonzero().flatten()
-        if mine.numel() == 0:
-            return out
-        entries = mine[flat[mine].argsort(stable=True)]  # grouped by expert, in row order inside
-        counts = torch.bincount(flat[entries] - self.e0, minlength=self.e1 - self.e0).tolist()
-        rows = entries // k
-        ys = [
-            _expert(xs, w13[e], w2[e], x.dtype, torch.float32)
-            for e, xs in enumerate(x.index_select(0, rows).split(counts))
-            if xs.shape[0]
-        ]
-        return out.index_add_(0, rows, torch.cat(ys) * weights.flatten()[entries, None].float())
-
-    def _moe_alltoall(self, m, w, p, router, shared) -> torch.Tensor:
+    def _moe_alltoall(self, m, w, p, config, options, shared) -> torch.Tensor:
         comm, n = self.comm, self.world
         T, H = m.shape
         chunk = -(-T // n)  # equal slices (the last ones may be short or empty), padded to n * chunk
         lo, hi = min(self.rank * chunk, T), min((self.rank + 1) * chunk, T)
         mine = m[lo:hi]
-        weights, experts = router(mine)
+        weights, experts = dk.moe_route(mine, w[p + "router"], config.top_k, **options)
         k = experts.shape[1]
         per_rank = (self.e1 - self.e0) or 1
         flat = experts.flatten()
@@ -125,8 +99,18 @@ class TensorParallel:
         meta = torch.stack([flat[order].float(), weights.flatten()[order].float()], dim=1)
         got = comm.all_to_all(rows, send_list, recv)
         got_meta = comm.all_to_all(meta, send_list, recv)
-        y = self.local_experts(got, got_meta[:, 1:], got_meta[:, :1].long(), w[p + "w13"], w[p + "w2"])
-        back = comm.all_to_all(y, recv, send_list)
+        # Each received row is one (token, slot) pair: a top-1 routing given with the row.
+        y = dk.moe(
+            got,
+            None,
+            w[p + "w13"],
+            w[p + "w2"],
+            1,
+            topk_ids=got_meta[:, :1].long(),
+            topk_weights=got_meta[:, 1:],
+            expert_offset=self.e0,
+        )
+        back = comm.all_to_all(y.float(), recv, send_list)
         out = torch.zeros(chunk, H, dtype=torch.float32, device=m.device)
         out.index_add_(0, order // k, back)
         part = shared(m)

@@ -7,7 +7,7 @@ contract is dinfer_kernels/reference/moe.py. Runs on torch's intra-op thread cou
 import torch
 
 from .._backend import compiled
-from .._moe_layout import compiled_layout
+from .._moe_layout import compiled_layout, given_topk
 from . import capsules
 
 
@@ -26,8 +26,9 @@ def moe(
     num_groups: int,
     topk_groups: int,
     routed_scaling: float,
-    e0: int,
-    e1: int,
+    expert_offset: int,
+    topk_ids=None,
+    topk_weights=None,
 ) -> None:
     """Writes out [T, H] (contiguous, hidden's dtype)."""
     if hidden.shape[0] == 0 or hidden.shape[1] == 0:
@@ -35,8 +36,9 @@ def moe(
     hidden, router_weight, router_logits, w13, w2, expert_bias = compiled_layout(
         hidden, router_weight, router_logits, w13, w2, expert_bias
     )
-    hidden, router_weight, router_logits, w13, w2, expert_bias, out = capsules(
-        hidden, router_weight, router_logits, w13, w2, expert_bias, out
+    topk_ids, topk_weights = given_topk(topk_ids, topk_weights, expert_offset, w13.shape[0])
+    hidden, router_weight, router_logits, w13, w2, expert_bias, out, topk_ids, topk_weights = capsules(
+        hidden, router_weight, router_logits, w13, w2, expert_bias, out, topk_ids, topk_weights
     )
     compiled().moe(
         hidden,
@@ -51,8 +53,9 @@ def moe(
         num_groups,
         topk_groups,
         float(routed_scaling),
-        e0,
-        e1,
+        expert_offset,
         out,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
         num_threads=torch.get_num_threads(),
     )

@@ -8,7 +8,7 @@ stream, so the call can sit inside a CUDA graph. Inputs are laid out as the comp
 import torch
 
 from .._backend import compiled
-from .._moe_layout import compiled_layout
+from .._moe_layout import compiled_layout, given_topk
 
 
 def moe(
@@ -26,21 +26,29 @@ def moe(
     num_groups: int,
     topk_groups: int,
     routed_scaling: float,
-    e0: int,
-    e1: int,
+    expert_offset: int,
+    topk_ids=None,
+    topk_weights=None,
 ) -> None:
     """Writes out [T, H] (contiguous, hidden's dtype); the contract is reference/moe.py."""
     ext = compiled()
     T, H = hidden.shape
-    E, two_i, _ = w13.shape
+    E_local, two_i, _ = w13.shape
     if T == 0 or H == 0:
         return
     hidden, router_weight, router_logits, w13, w2, expert_bias = compiled_layout(
         hidden, router_weight, router_logits, w13, w2, expert_bias
     )
+    topk_ids, topk_weights = given_topk(topk_ids, topk_weights, expert_offset, E_local)
+    # The router's experts (the logits' width); a given top-k has no router.
+    E = (
+        0
+        if topk_ids is not None
+        else (router_weight.shape[0] if router_weight is not None else router_logits.shape[1])
+    )
     target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     workspace = torch.empty(
-        ext.moe_workspace_bytes(T, E, top_k, H, two_i // 2), dtype=torch.uint8, device=hidden.device
+        ext.moe_workspace_bytes(T, E, E_local, top_k, H, two_i // 2), dtype=torch.uint8, device=hidden.device
     )
     stream = torch.cuda.current_stream(hidden.device).cuda_stream
     with torch.cuda.device(hidden.device):  # launches go to the current device
@@ -57,9 +65,10 @@ def moe(
             num_groups,
             topk_groups,
             float(routed_scaling),
-            e0,
-            e1,
+            expert_offset,
             target,
+            topk_ids=topk_ids,
+            topk_weights=topk_weights,
             workspace=workspace,
             stream=stream,
         )

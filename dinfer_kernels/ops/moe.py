@@ -1,5 +1,6 @@
 """dinfer_kernels.moe, the torch.library op `dinfer::moe` (router + top-k + experts + weighted
-combine). Contract: dinfer_kernels/reference/moe.py.
+combine), on all experts or on a slice of local experts (expert parallelism), from a router or from a
+given top-k; and dinfer_kernels.moe_route, the router alone. Contract: dinfer_kernels/reference/moe.py.
 
 Backends: "cuda" (csrc/moe, when the extension was built with it), "triton"
 (dinfer_kernels/triton/moe.py), "cpu" (csrc/moe/moe_cpu.cpp: host arrays) and "torch" (the
@@ -13,9 +14,10 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _backend, _checks, _dispatch
-from ..reference.moe import SCORINGS, moe_reference
+from ..reference.moe import SCORINGS, moe_reference, route
 
 _SCORING_CODES = {name: i for i, name in enumerate(SCORINGS)}
+_INT_DTYPES = (torch.int32, torch.int64)
 
 
 @_dispatch.op("moe")
@@ -23,6 +25,8 @@ def _moe_op(
     hidden: torch.Tensor,
     router_weight: Optional[torch.Tensor],
     router_logits: Optional[torch.Tensor],
+    topk_ids: Optional[torch.Tensor],
+    topk_weights: Optional[torch.Tensor],
     w13: torch.Tensor,
     w2: torch.Tensor,
     top_k: int,
@@ -32,8 +36,7 @@ def _moe_op(
     num_groups: int,
     topk_groups: int,
     routed_scaling: float,
-    e0: int,
-    e1: int,
+    expert_offset: int,
     backend: str,
 ) -> torch.Tensor:
     name = SCORINGS[scoring]
@@ -46,8 +49,10 @@ def _moe_op(
             top_k,
             renormalize,
             expert_bias,
-            (e0, e1),
+            expert_offset,
             router_logits=router_logits,
+            topk_ids=topk_ids,
+            topk_weights=topk_weights,
             scoring=name,
             num_groups=num_groups,
             topk_groups=topk_groups,
@@ -68,8 +73,9 @@ def _moe_op(
         num_groups=num_groups,
         topk_groups=topk_groups,
         routed_scaling=routed_scaling,
-        e0=e0,
-        e1=e1,
+        expert_offset=expert_offset,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
     )
     return out
 
@@ -79,6 +85,8 @@ def _(
     hidden,
     router_weight,
     router_logits,
+    topk_ids,
+    topk_weights,
     w13,
     w2,
     top_k,
@@ -88,49 +96,18 @@ def _(
     num_groups,
     topk_groups,
     routed_scaling,
-    e0,
-    e1,
+    expert_offset,
     backend,
 ):
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
 
-def moe(
-    hidden: torch.Tensor,
-    router_weight: Optional[torch.Tensor],
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    *,
-    router_logits: Optional[torch.Tensor] = None,
-    renormalize: bool = False,
-    scoring: str = "softmax",
-    expert_bias: Optional[torch.Tensor] = None,
-    num_groups: int = 1,
-    topk_groups: int = 1,
-    routed_scaling: float = 1.0,
-    expert_range: Optional[Tuple[int, int]] = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """[T, H] output of the routed experts, in hidden's dtype; see the reference docstring.
-
-    LLaDA-MoE: moe(h, router_weight, w13, w2, 8) (softmax, no renormalisation).
-    LLaDA2:    moe(h, router_weight, w13, w2, 8, scoring="sigmoid", expert_bias=b, num_groups=8,
-                   topk_groups=4, renormalize=True, routed_scaling=2.5).
-    Exactly one of router_weight [E, H] and router_logits [T, E] is given.
-    """
-    _checks.tensor("hidden", hidden, _checks.FLOAT_DTYPES, ndim=2)
+def _router_checks(
+    hidden, router_weight, router_logits, top_k, scoring, expert_bias, num_groups, topk_groups
+):
+    """The router's arguments checked; returns (E, top_k, num_groups, topk_groups)."""
     dev = hidden.device
     T, H = hidden.shape
-    _checks.tensor("w13", w13, (hidden.dtype,), ndim=3, device=dev)
-    E, two_i = w13.shape[0], w13.shape[1]
-    if two_i % 2 or two_i == 0:
-        raise ValueError(f"w13: the middle dimension is gate + up rows (2 * I), got {two_i}")
-    if E == 0:
-        raise ValueError("w13: expected at least one expert")
-    _checks.shape("w13", w13, [E, two_i, H])
-    _checks.tensor("w2", w2, (hidden.dtype,), ndim=3, device=dev)
-    _checks.shape("w2", w2, [E, H, two_i // 2])
     if (router_weight is None) == (router_logits is None):
         raise ValueError(
             "router_weight, router_logits: give exactly one of them (the router's [E, H] "
@@ -138,10 +115,16 @@ def moe(
         )
     if router_weight is not None:
         _checks.tensor("router_weight", router_weight, _checks.FLOAT_DTYPES, ndim=2, device=dev)
+        E = router_weight.shape[0]
         _checks.shape("router_weight", router_weight, [E, H])
     else:
         _checks.tensor("router_logits", router_logits, _checks.FLOAT_DTYPES, ndim=2, device=dev)
+        E = router_logits.shape[1]
         _checks.shape("router_logits", router_logits, [T, E])
+    if E == 0:
+        raise ValueError(
+            f"{'router_weight' if router_logits is None else 'router_logits'}: expected at least one expert"
+        )
     if scoring not in _SCORING_CODES:
         raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
     num_groups = _checks.integer("num_groups", num_groups, 1, E + 1)
@@ -155,22 +138,101 @@ def moe(
             f"top_k: {top_k} is more than the {selectable} experts that can be chosen "
             f"(E={E}, num_groups={num_groups}, topk_groups={topk_groups})"
         )
-    routed_scaling = _checks.number("routed_scaling", routed_scaling)
     if expert_bias is not None:
         _checks.tensor("expert_bias", expert_bias, _checks.FLOAT_DTYPES, ndim=1, device=dev)
         _checks.shape("expert_bias", expert_bias, [E])
-    if expert_range is None:
-        e0, e1 = 0, E
+    return E, top_k, num_groups, topk_groups
+
+
+def moe(
+    hidden: torch.Tensor,
+    router_weight: Optional[torch.Tensor],
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    *,
+    router_logits: Optional[torch.Tensor] = None,
+    topk_ids: Optional[torch.Tensor] = None,
+    topk_weights: Optional[torch.Tensor] = None,
+    renormalize: bool = False,
+    scoring: str = "softmax",
+    expert_bias: Optional[torch.Tensor] = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    routed_scaling: float = 1.0,
+    expert_offset: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """[T, H] output of the routed experts, in hidden's dtype; see the reference docstring.
+
+    LLaDA-MoE: moe(h, router_weight, w13, w2, 8) (softmax, no renormalisation).
+    LLaDA2:    moe(h, router_weight, w13, w2, 8, scoring="sigmoid", expert_bias=b, num_groups=8,
+                   topk_groups=4, renormalize=True, routed_scaling=2.5).
+    Expert parallelism: w13 / w2 hold experts [expert_offset, expert_offset + E_local) only; the
+    router scores all E; the pairs routed elsewhere contribute nothing.
+    The routing is exactly one of router_weight [E, H], router_logits [T, E], or a given top-k
+    (topk_ids [T, top_k] int32 / int64 global expert ids, topk_weights [T, top_k] float; the router's
+    options then keep their defaults).
+    """
+    _checks.tensor("hidden", hidden, _checks.FLOAT_DTYPES, ndim=2)
+    dev = hidden.device
+    T, H = hidden.shape
+    _checks.tensor("w13", w13, (hidden.dtype,), ndim=3, device=dev)
+    E_local, two_i = w13.shape[0], w13.shape[1]
+    if two_i % 2 or two_i == 0:
+        raise ValueError(f"w13: the middle dimension is gate + up rows (2 * I), got {two_i}")
+    _checks.shape("w13", w13, [E_local, two_i, H])
+    _checks.tensor("w2", w2, (hidden.dtype,), ndim=3, device=dev)
+    _checks.shape("w2", w2, [E_local, H, two_i // 2])
+    routed_scaling = _checks.number("routed_scaling", routed_scaling)
+    if topk_ids is not None or topk_weights is not None:
+        if router_weight is not None or router_logits is not None:
+            raise ValueError(
+                "router_weight, router_logits, topk_ids: give a router (router_weight or router_logits) "
+                "or a given top-k (topk_ids and topk_weights), not both"
+            )
+        for name, t, dtypes in (
+            ("topk_ids", topk_ids, _INT_DTYPES),
+            ("topk_weights", topk_weights, _checks.FLOAT_DTYPES),
+        ):
+            if t is None:
+                raise ValueError(f"{name}: topk_ids and topk_weights come together")
+            _checks.tensor(name, t, dtypes, ndim=2, device=dev)
+        k = topk_ids.shape[1]
+        _checks.shape("topk_ids", topk_ids, [T, k])
+        _checks.shape("topk_weights", topk_weights, [T, k])
+        top_k = _checks.integer("top_k", top_k, 1)
+        if top_k != k:
+            raise ValueError(f"top_k: {top_k} differs from the {k} columns of topk_ids")
+        router_options = dict(
+            renormalize=bool(renormalize) is False,
+            scoring=scoring == "softmax",
+            expert_bias=expert_bias is None,
+            num_groups=num_groups == 1,
+            topk_groups=topk_groups == 1,
+            routed_scaling=routed_scaling == 1.0,
+        )
+        for name, default in router_options.items():
+            if not default:
+                raise ValueError(f"{name}: a router option; it does not apply to a given top-k (topk_ids)")
+        expert_offset = _checks.integer("expert_offset", expert_offset, 0)
+        rows_per_expert = T * top_k / max(E_local, 1)
     else:
-        if not isinstance(expert_range, (tuple, list)) or len(expert_range) != 2:
-            raise TypeError(f"expert_range: expected a pair (e0, e1) or None, got {expert_range!r}")
-        e0, e1 = expert_range
-        e0 = _checks.integer("expert_range[0]", e0, 0, E + 1)
-        e1 = _checks.integer("expert_range[1]", e1, e0, E + 1)
+        E, top_k, num_groups, topk_groups = _router_checks(
+            hidden, router_weight, router_logits, top_k, scoring, expert_bias, num_groups, topk_groups
+        )
+        if E_local > E:
+            raise ValueError(f"w13: {E_local} local experts are more than the router's E={E}")
+        expert_offset = _checks.integer("expert_offset", expert_offset, 0, E - E_local + 1)
+        rows_per_expert = T * top_k / E
+    if E_local == 0:  # no local expert: nothing contributes
+        return torch.zeros_like(hidden, memory_format=torch.contiguous_format)
     return _moe_op(
         hidden,
         router_weight,
         router_logits,
+        topk_ids,
+        topk_weights,
         w13,
         w2,
         top_k,
@@ -180,14 +242,48 @@ def moe(
         num_groups,
         topk_groups,
         routed_scaling,
-        e0,
-        e1,
+        expert_offset,
         _backend.resolve(
             backend,
             dev,
             "moe",
             dtype=hidden.dtype,
-            rows_per_expert=T * top_k / E,
+            rows_per_expert=rows_per_expert,
             weight_bytes=(w13.numel() + w2.numel()) * w13.element_size(),
         ),
+    )
+
+
+def moe_route(
+    hidden: torch.Tensor,
+    router_weight: Optional[torch.Tensor],
+    top_k: int,
+    *,
+    router_logits: Optional[torch.Tensor] = None,
+    renormalize: bool = False,
+    scoring: str = "softmax",
+    expert_bias: Optional[torch.Tensor] = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    routed_scaling: float = 1.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The router alone: (weights [T, top_k] fp32, experts [T, top_k] int64), slot j the j-th best
+    expert, as moe's router chooses them (reference.moe.route, in torch: one [T, H] x [H, E] GEMM and
+    a top-k). What the all-to-all path sends with each row before moe(topk_ids=, topk_weights=)."""
+    _checks.tensor("hidden", hidden, _checks.FLOAT_DTYPES, ndim=2)
+    routed_scaling = _checks.number("routed_scaling", routed_scaling)
+    _, top_k, num_groups, topk_groups = _router_checks(
+        hidden, router_weight, router_logits, top_k, scoring, expert_bias, num_groups, topk_groups
+    )
+    return route(
+        hidden,
+        router_weight,
+        top_k,
+        bool(renormalize),
+        expert_bias,
+        router_logits=router_logits,
+        scoring=scoring,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        routed_scaling=routed_scaling,
     )

@@ -1,11 +1,20 @@
 """Mixture-of-experts layer (LLaDA-MoE, LLaDA2-MoE) — the spec.
 
 hidden          [T, H] fp32 / fp16 / bf16
-router_weight   [E, H] (kept in fp32 by the loaders, as dInfer does), or None when router_logits is given
+router_weight   [E, H] (kept in fp32 by the loaders, as dInfer does), or None when router_logits or
+                topk_ids is given
 router_logits   [T, E] or None: precomputed router logits (any float dtype, read as fp32)
-w13             [E, 2I, H]: rows [0, I) are the gate projection, [I, 2I) the up projection (vLLM layout)
-w2              [E, H, I]
-top_k           1 <= top_k <= experts in the kept groups
+topk_ids        [T, k] integer, with topk_weights [T, k] float, or None: a given routing instead of the
+                router (the all-to-all path: rows arrive with their (expert, weight) pairs); weights read
+                as fp32 and used as they are (the router's options below do not apply)
+w13             [E_local, 2I, H]: experts [expert_offset, expert_offset + E_local) of the router's E;
+                rows [0, I) are the gate projection, [I, 2I) the up projection (vLLM layout)
+w2              [E_local, H, I]
+expert_offset   the global id of w13[0] (0 <= offset <= E - E_local with a router; FlashInfer's
+                local_expert_offset): a (token, slot) pair routed outside [offset, offset + E_local)
+                contributes nothing and costs no expert compute (expert parallelism: the caller sums
+                the partial outputs over ranks)
+top_k           1 <= top_k <= experts in the kept groups (given top-k: k)
 renormalize     divide the top-k weights by (their sum + 1e-20) (LLaDA-MoE: False; LLaDA2: True)
 scoring         "softmax" (LLaDA-MoE) or "sigmoid" (LLaDA2)
 expert_bias     [E] or None. softmax: added to the probabilities before top-k and *kept in the weights*
@@ -14,8 +23,6 @@ num_groups      experts split into num_groups equal consecutive groups (1: no gr
 topk_groups     groups kept per token (group score: the sum of the top-2 selection scores in the group,
                 or the one score of a single-expert group)
 routed_scaling  multiplies the final weights (LLaDA2: 2.5)
-expert_range    (e0, e1) or None: only experts in [e0, e1) contribute (expert parallelism: the caller
-                sums the partial outputs over ranks)
 
     l = hidden·router_weightᵀ in fp32 (or router_logits in fp32); in fp64 with compute_dtype=float64, the exact
     routing that precision checks hold the fp32 routers to
@@ -25,7 +32,9 @@ expert_range    (e0, e1) or None: only experts in [e0, e1) contribute (expert pa
     A NaN selection score ranks like -inf (in group scores and in the top-k): such an expert is chosen
     only when fewer than top_k others can be.
     w = c[e] (softmax) | s[e] (sigmoid);  w /= Σw + 1e-20 if renormalize;  w *= routed_scaling
-    out[t] = Σ_k w_k · W2_e · cast(silu(g) ⊙ u),  [g; u] = W13_e · hidden[t]
+    (given top-k: e = topk_ids, w = topk_weights)
+    out[t] = Σ_k [offset <= e_k < offset + E_local] w_k · W2_e · cast(silu(g) ⊙ u),
+             [g; u] = W13_e · hidden[t],  W13_e = w13[e - offset], W2_e = w2[e - offset]
 
 GEMMs run in the weights' dtype (fp32 accumulation); silu(g)·u in fp32, rounded to the dtype before
 the second GEMM; the routed sum in fp32; result in hidden's dtype, [T, H]. Backends may keep more
@@ -102,52 +111,61 @@ def moe_reference(
     top_k,
     renormalize=False,
     expert_bias=None,
-    expert_range=None,
+    expert_offset=0,
     compute_dtype=None,
     static_shapes=None,
     *,
     router_logits=None,
+    topk_ids=None,
+    topk_weights=None,
     scoring="softmax",
     num_groups=1,
     topk_groups=1,
     routed_scaling=1.0,
 ):
     T, H = hidden.shape
-    E = w13.shape[0]
-    e0, e1 = (0, E) if expert_range is None else expert_range
+    E_local = w13.shape[0]
     dt = hidden.dtype if compute_dtype is None else compute_dtype
     acc = torch.float32 if compute_dtype is None else compute_dtype
-    w, experts = route(
-        hidden,
-        router_weight,
-        top_k,
-        renormalize,
-        expert_bias,
-        router_logits=router_logits,
-        scoring=scoring,
-        num_groups=num_groups,
-        topk_groups=topk_groups,
-        routed_scaling=routed_scaling,
-        compute_dtype=torch.float64 if compute_dtype == torch.float64 else torch.float32,
-    )
+    if topk_ids is not None:
+        w = topk_weights.to(torch.float64 if compute_dtype == torch.float64 else torch.float32)
+        experts = topk_ids.long()
+    else:
+        w, experts = route(
+            hidden,
+            router_weight,
+            top_k,
+            renormalize,
+            expert_bias,
+            router_logits=router_logits,
+            scoring=scoring,
+            num_groups=num_groups,
+            topk_groups=topk_groups,
+            routed_scaling=routed_scaling,
+            compute_dtype=torch.float64 if compute_dtype == torch.float64 else torch.float32,
+        )
     out = torch.zeros(T, H, dtype=acc, device=hidden.device)
     x = hidden.to(dt)
-    # Under CUDA-graph capture no shape may depend on the routing: every expert then runs on every
-    # token with weight 0 where it was not chosen (same sums, more FLOPs).
+    local = experts - expert_offset  # index into w13 / w2; outside [0, E_local): another rank's
+    # Under CUDA-graph capture no shape may depend on the routing: every local expert then runs on
+    # every token with weight 0 where it was not chosen (same sums, more FLOPs).
     if static_shapes is None:
         static_shapes = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
     if static_shapes:
-        for e in range(e0, e1):
-            out += _expert(x, w13[e], w2[e], dt, acc) * (w * (experts == e)).sum(-1, keepdim=True).to(acc)
-    elif e0 < e1:  # (an empty expert range contributes nothing)
-        # The (token, slot) pairs grouped by expert once: one sort, one gather, one index_add.
-        flat = experts.flatten()
-        counts = torch.bincount(flat, minlength=E).tolist()
-        order = flat.argsort(stable=True)[sum(counts[:e0]) : sum(counts[:e1])]
+        for e in range(E_local):
+            out += _expert(x, w13[e], w2[e], dt, acc) * (w * (local == e)).sum(-1, keepdim=True).to(acc)
+        return out.to(hidden.dtype if compute_dtype is None else compute_dtype)
+    # The (token, slot) pairs of the local experts grouped by expert once: one sort, one gather, one
+    # index_add (pairs of other experts are never gathered).
+    flat = local.flatten()
+    mine = ((flat >= 0) & (flat < E_local)).nonzero().flatten()
+    if mine.numel():
+        order = mine[flat[mine].argsort(stable=True)]
+        counts = torch.bincount(flat[order], minlength=E_local).tolist()
         token = order // top_k
         ys = [
             _expert(rows, w13[e], w2[e], dt, acc)
-            for e, rows in zip(range(e0, e1), x.index_select(0, token).split(counts[e0:e1]))
+            for e, rows in enumerate(x.index_select(0, token).split(counts))
         ]
         out.index_add_(0, token, torch.cat(ys) * w.flatten()[order, None].to(acc))
     return out.to(hidden.dtype if compute_dtype is None else compute_dtype)

@@ -9,12 +9,15 @@ Four launches, every grid fixed by the shapes (no host sync, CUDA-graph capturab
    kept, lower group first on ties), the top-k (lower expert first on ties) and the weights
    (renormalised, scaled); writes topk_ids [T, k] int32 and topk_w [T, k] fp32. The last program to
    finish (an acq_rel ticket on the counter) then runs the alignment for everyone (`_align`):
-   per-expert counts over the local experts [e0, e1), each expert's segment padded to BLOCK_M, the
+   per-expert counts over the local experts [e0, e1) (w13 / w2 hold those only: e0 is the
+   expert_offset), each expert's segment padded to BLOCK_M, the
    permuted list `sorted_ids` of flat slots t*k + j (token-major inside each expert, so the order is
    deterministic) with the sentinel T*k in the padding, and the expert of every BLOCK_M block
-   (`block_expert`, -1 past the end). Sizes are worst-case: P_MAX = T*k' + touched*(BLOCK_M - 1)
-   rows, k' = min(k, e1 - e0), touched = min(e1 - e0, T*k'). (`ONE_LAUNCH = False` runs the
-   alignment as a separate single-program kernel instead, with no ticket.)
+   (`block_expert`: the local expert, -1 past the end). Sizes are worst-case: P_MAX = T*k' +
+   touched*(BLOCK_M - 1) rows, k' = min(k, e1 - e0) (k for a given top-k, whose rows may repeat an
+   expert), touched = min(e1 - e0, T*k'). (`ONE_LAUNCH = False` runs the alignment as a separate
+   single-program kernel instead, with no ticket.) A given top-k (topk_ids / topk_weights) replaces
+   the routing: copied into topk_ids / topk_w, then the alignment's own launch.
 2. `_gemm1_kernel`, grid (P_MAX / BLOCK_M, cdiv(I, BN1)): the block's rows of hidden (gathered by
    token) times the gate *and* the up rows of its expert's w13 (two accumulators), SiLU(g) * u in
    fp32 in the epilogue, rounded to the dtype, written to act [P_MAX, I] at the block's rows (the
@@ -37,6 +40,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
+from .._moe_layout import given_topk
 
 # Programs wanted per launch: 2 per SM of an H200 (132 SMs). A constant, so tiles (and the summation
 # order of the split-K combine) do not depend on the device.
@@ -121,12 +126,15 @@ def _route_bk(e_pad, H, dot):
     return min(64 if dot and e_pad <= 64 else 32, max(16, _pow2(H)))
 
 
-def buffer_sizes(T, top_k, e_loc, block_m):
-    """(P_MAX rows of the padded permuted list, number of BLOCK_M blocks) for the worst case."""
-    k_eff = min(top_k, e_loc)
+def buffer_sizes(T, top_k, e_loc, block_m, distinct=True):
+    """(P_MAX rows of the padded permuted list, number of BLOCK_M blocks) for the worst case;
+    distinct: a token's experts are distinct (a router's are; a given top-k's need not be)."""
+    k_eff = min(top_k, e_loc) if distinct else top_k
     n = T * k_eff
     touched = min(e_loc, n)
-    p_max = min(n + touched * (block_m - 1), e_loc * triton.cdiv(T, block_m) * block_m)
+    p_max = n + touched * (block_m - 1)
+    if distinct:
+        p_max = min(p_max, e_loc * triton.cdiv(T, block_m) * block_m)
     nb = triton.cdiv(p_max, block_m)
     return nb * block_m, nb
 
@@ -263,7 +271,7 @@ def _align(
     for b0 in range(0, nb_max, NBC):
         b = b0 + tl.arange(0, NBC)
         local = tl.sum(((block_end[None, :] <= b[:, None]) & elm[None, :]).to(tl.int32), 1)
-        tl.store(block_expert + b, tl.where(b < n_blocks, local + e0, -1), mask=b < nb_max)
+        tl.store(block_expert + b, tl.where(b < n_blocks, local, -1), mask=b < nb_max)
     tl.store(meta + 1, total)
 
 
@@ -556,8 +564,8 @@ def _combine_kernel(
 class Workspace:
     """The device buffers of one call (exposed for tests and the benchmark's plain-GEMM baseline)."""
 
-    def __init__(self, T, top_k, e_loc, I, H, dtype, device, cfg):
-        self.p_max, self.nb_max = buffer_sizes(T, top_k, e_loc, cfg.block_m)
+    def __init__(self, T, top_k, e_loc, I, H, dtype, device, cfg, distinct=True):
+        self.p_max, self.nb_max = buffer_sizes(T, top_k, e_loc, cfg.block_m, distinct)
         n = T * top_k
         self.meta = torch.zeros(2, dtype=torch.int32, device=device)  # [ticket, padded rows]
         self.topk_ids = torch.empty(n, dtype=torch.int32, device=device)
@@ -734,6 +742,29 @@ def experts(hidden, w13, w2, top_k, e0, e1, out, cfg, ws):
     )
 
 
+def align_given(topk_ids, topk_weights, e0, e_loc, cfg, ws):
+    """A given top-k into the workspace (ids outside the slice: -1), then the alignment's launch."""
+    n = ws.topk_ids.numel()
+    ws.topk_ids.copy_(given_topk(topk_ids, topk_weights, e0, e_loc)[0].view(n))
+    ws.topk_w.copy_(topk_weights.reshape(n))
+    el_pad = max(16, _pow2(e_loc))
+    _align_kernel[(1,)](
+        ws.topk_ids,
+        ws.sorted_ids,
+        ws.block_expert,
+        ws.meta,
+        n,
+        e0,
+        e_loc,
+        ws.nb_max,
+        BLOCK_M=cfg.block_m,
+        EL_PAD=el_pad,
+        CH=max(16, ALIGN_TILE // el_pad),
+        NBC=max(16, ALIGN_TILE // el_pad),
+        num_warps=4,
+    )
+
+
 def moe(
     hidden,
     router_weight,
@@ -749,40 +780,45 @@ def moe(
     num_groups: int,
     topk_groups: int,
     routed_scaling: float,
-    e0: int,
-    e1: int,
+    expert_offset: int,
+    topk_ids=None,
+    topk_weights=None,
     config=None,
 ) -> None:
     """Writes out [T, H]; `config` (a MoeConfig or a dict of overrides) is for tests and tuning."""
     T, H = hidden.shape
-    E, two_i, _ = w13.shape
+    e_loc, two_i, _ = w13.shape
     I = two_i // 2
     if T == 0 or H == 0:
         return
-    if e1 <= e0:
-        out.zero_()
-        return
-    cfg = choose_config(T, top_k, E, e1 - e0, H, I, hidden.dtype)
+    given = topk_ids is not None
+    # The router's experts; a given top-k has none (its slice stands for them in the tile heuristics).
+    E = e_loc if given else (router_weight.shape[0] if router_weight is not None else router_logits.shape[1])
+    e0, e1 = expert_offset, expert_offset + e_loc
+    cfg = choose_config(T, top_k, E, e_loc, H, I, hidden.dtype)
     if isinstance(config, MoeConfig):
         cfg = config
     elif config:
         cfg = replace(cfg, **config)
-    ws = Workspace(T, top_k, e1 - e0, I, H, hidden.dtype, hidden.device, cfg)
-    route_and_align(
-        hidden,
-        router_weight,
-        router_logits,
-        top_k,
-        renormalize,
-        scoring,
-        expert_bias,
-        num_groups,
-        topk_groups,
-        routed_scaling,
-        e0,
-        e1,
-        E,
-        cfg,
-        ws,
-    )
+    ws = Workspace(T, top_k, e_loc, I, H, hidden.dtype, hidden.device, cfg, distinct=not given)
+    if given:
+        align_given(topk_ids, topk_weights, e0, e_loc, cfg, ws)
+    else:
+        route_and_align(
+            hidden,
+            router_weight,
+            router_logits,
+            top_k,
+            renormalize,
+            scoring,
+            expert_bias,
+            num_groups,
+            topk_groups,
+            routed_scaling,
+            e0,
+            e1,
+            E,
+            cfg,
+            ws,
+        )
     experts(hidden, w13, w2, top_k, e0, e1, out, cfg, ws)

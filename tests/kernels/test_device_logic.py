@@ -407,7 +407,7 @@ def check_alignment(ids, sorted_ids, tile_expert, num_tiles, e0, e1, bm):
     for e in range(e0, e1):
         entries = torch.nonzero(flat == e).flatten().tolist()
         n = -(-len(entries) // bm)
-        tiles += [e] * n
+        tiles += [e - e0] * n  # the local expert: w13 / w2 hold the local experts only
         rows += entries + [-1] * (n * bm - len(entries))
     assert num_tiles == len(tiles)
     assert tile_expert[:num_tiles].tolist() == tiles and (tile_expert[num_tiles:] == -7).all()

@@ -225,12 +225,12 @@ def test_moe_expert_ranges_sum_to_the_whole_and_idle_experts():
     hidden = hidden.abs()
     router[3] = -100.0  # expert 3 never chosen
     whole = dk.moe(hidden, router, w13, w2, 2)
-    parts = dk.moe(hidden, router, w13, w2, 2, expert_range=(0, 4)) + dk.moe(
-        hidden, router, w13, w2, 2, expert_range=(4, 6)
+    parts = dk.moe(hidden, router, w13[:4], w2[:4], 2) + dk.moe(
+        hidden, router, w13[4:], w2[4:], 2, expert_offset=4
     )
     assert_precision(parts, whole, naive_moe(hidden, router, w13, w2, 2), "sum of the expert ranges")
     assert not (route(hidden, router, 2)[1] == 3).any()
-    empty = dk.moe(hidden, router, w13, w2, 2, expert_range=(3, 3))
+    empty = dk.moe(hidden, router, w13[3:3], w2[3:3], 2, expert_offset=3)
     assert torch.equal(empty, torch.zeros_like(empty))
 
 
@@ -320,7 +320,7 @@ def test_model_ops_compile_fullgraph():
         ),
         (lambda: dk.attention(*attn_case(), torch.zeros(2, 5, dtype=torch.int64), torch.ones(2)), "seq_lens"),
         (lambda: dk.moe(*moe_case(), 7), "top_k"),
-        (lambda: dk.moe(*moe_case(), 2, expert_range=(4, 2)), "expert_range"),
+        (lambda: dk.moe(*moe_case(), 2, expert_offset=2), "expert_offset"),
         (lambda: dk.moe(torch.randn(3, 5), *moe_case()[1:], 2), "w13"),
     ],
 )

@@ -63,14 +63,16 @@ def call_backend(
     num_groups=1,
     topk_groups=1,
     routed_scaling=1.0,
-    expert_range=None,
+    expert_offset=0,
+    topk_ids=None,
+    topk_weights=None,
     config=None,
 ):
-    """The backend's internal entry with a NaN-poisoned output."""
-    E = w13.shape[0]
-    e0, e1 = expert_range or (0, E)
+    """The backend's internal entry with a NaN-poisoned output (w13 / w2: the local experts)."""
     mv = lambda t: None if t is None else t.to(device)
     hidden_d = hidden.to(device)
+    if topk_ids is not None:  # a given top-k: no router
+        router = None
     if backend == "torch":  # the reference has no internal entry
         return dk.moe(
             hidden_d,
@@ -79,13 +81,15 @@ def call_backend(
             w2.to(device),
             top_k,
             router_logits=mv(router_logits),
+            topk_ids=mv(topk_ids),
+            topk_weights=mv(topk_weights),
             renormalize=renormalize,
             scoring=scoring,
             expert_bias=mv(expert_bias),
             num_groups=num_groups,
             topk_groups=topk_groups,
             routed_scaling=routed_scaling,
-            expert_range=expert_range,
+            expert_offset=expert_offset,
             backend="torch",
         ).cpu()
     out = torch.full(hidden.shape, float("nan"), dtype=hidden.dtype, device=device)
@@ -105,25 +109,38 @@ def call_backend(
         num_groups=num_groups,
         topk_groups=topk_groups,
         routed_scaling=routed_scaling,
-        e0=e0,
-        e1=e1,
+        expert_offset=expert_offset,
+        topk_ids=mv(topk_ids),
+        topk_weights=mv(topk_weights),
         **kw,
     )
     return out.cpu()
 
 
+def local(w13, w2, kw):
+    """(w13, w2, kw) of the local experts kw["experts"] = (e0, e1) (expert_offset e0), or all."""
+    kw = dict(kw)
+    e0, e1 = kw.pop("experts", (0, w13.shape[0]))
+    return w13[e0:e1].contiguous(), w2[e0:e1].contiguous(), dict(kw, expert_offset=e0)
+
+
 def moe_truth(hidden, router, w13, w2, top_k, **kw):
     """The float64 reference: what every comparison's error is measured against."""
+    w13, w2, kw = local(w13, w2, kw)
     return moe_reference(
         hidden.double(), router, w13.double(), w2.double(), top_k, compute_dtype=torch.float64, **kw
     )
 
 
 def check(backend, device, hidden, router, w13, w2, top_k, name="moe", config=None, **kw):
-    """The backend's output, after checking it against the reference (same dtype and float64)."""
+    """The backend's output, after checking it against the reference (same dtype and float64);
+    kw["experts"] = (e0, e1): on those local experts only (w13 / w2 sliced, expert_offset e0)."""
+    truth = moe_truth(hidden, router, w13, w2, top_k, **kw)
+    w13, w2, kw = local(w13, w2, kw)
+    if kw.get("topk_ids") is not None:
+        router = None
     out = call_backend(backend, device, hidden, router, w13, w2, top_k, config=config, **kw)
     same = moe_reference(hidden, router, w13, w2, top_k, **kw)
-    truth = moe_truth(hidden, router, w13, w2, top_k, **kw)
     assert out.dtype == hidden.dtype and out.shape == hidden.shape
     assert not out.isnan().any(), f"{name}: unwritten (NaN) output elements"
     assert_precision(out, same, truth, f"{name}[{backend}/{device}]")
@@ -370,7 +387,7 @@ def test_router_logits_input_and_ties(backend, device, scoring):
         2,
         router_logits=flat,
         scoring=scoring,
-        expert_range=(0, 2),
+        experts=(0, 2),
         config=WIDE,
     )
     assert torch.equal(out, only)
@@ -397,7 +414,7 @@ def test_idle_experts_and_every_token_to_one_expert(backend, device):
 def test_expert_parallel_subsets(backend, device):
     hidden, router, w13, w2 = make(40, 16)
     parts = [
-        check(backend, device, hidden, router, w13, w2, 4, expert_range=r, config=WIDE)
+        check(backend, device, hidden, router, w13, w2, 4, experts=r, config=WIDE)
         for r in [(0, 5), (5, 6), (6, 16)]
     ]
     whole = check(backend, device, hidden, router, w13, w2, 4, config=WIDE)
@@ -407,8 +424,9 @@ def test_expert_parallel_subsets(backend, device):
         moe_truth(hidden, router, w13, w2, 4),
         "sum of the expert subsets",
     )
-    empty = call_backend(backend, device, hidden, router, w13, w2, 4, expert_range=(7, 7))
-    assert torch.equal(empty, torch.zeros_like(empty))
+    d = lambda t: t.to(device)
+    empty = dk.moe(d(hidden), d(router), d(w13[7:7]), d(w2[7:7]), 4, expert_offset=7, backend=backend)
+    assert torch.equal(empty.cpu(), torch.zeros_like(hidden))
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_PAIRS)
@@ -497,7 +515,7 @@ def test_triton_configs(device, overrides):
         w2,
         3,
         config=cfg,
-        expert_range=(2, 7) if overrides.get("one_launch") is False else None,
+        experts=(2, 7) if overrides.get("one_launch") is False else (0, 8),
     )
 
 
@@ -537,7 +555,7 @@ def test_triton_alignment(device, T, k, e0, e1, block_m):
         assert sorted_ids[pos + c : pos + p] == [T * k] * (p - c)
         pos += p
     be = ws.block_expert.cpu().tolist()
-    expect_be = [e for e, p in zip(range(e0, e1), padded) for _ in range(p // block_m)]
+    expect_be = [e - e0 for e, p in zip(range(e0, e1), padded) for _ in range(p // block_m)]  # local
     assert be == expect_be + [-1] * (ws.nb_max - len(expect_be))
 
 
@@ -555,7 +573,156 @@ def test_triton_garbage_workspace_never_leaks(device, monkeypatch):
     monkeypatch.setattr(tm.torch, "empty", poisoned)
     hidden, router, w13, w2 = make(20, 8)
     check("triton", device, hidden, router, w13, w2, 2, config={"split_k": 2, "bk2": 32})
-    check("triton", device, hidden, router, w13, w2, 2, expert_range=(1, 4))
+    check("triton", device, hidden, router, w13, w2, 2, experts=(1, 4))
+
+
+# ---- local experts and a given top-k (expert parallelism) ---------------------------------------------
+
+# (T, E, k, dtype): one token, prime counts; bf16 on the host kernel and GPUs only (the interpreter's
+# bf16 arithmetic is unreliable).
+SLICE_CASES = [(1, 8, 2, torch.float32), (13, 7, 3, torch.float16), (31, 12, 4, torch.float32)]
+
+
+def slices(E):
+    """Offset 0, a middle slice, the last expert alone."""
+    return [(0, E // 3), (E // 3, E // 3 + 2), (E - 1, E)]
+
+
+def dtype_ok(backend, device, dtype):
+    return dtype != torch.bfloat16 or backend != "triton" or device != "cpu"
+
+
+@pytest.mark.parametrize("backend,device", ALL_PAIRS)
+@pytest.mark.parametrize("T,E,k,dtype", SLICE_CASES + [(17, 8, 2, torch.bfloat16)])
+@pytest.mark.usefixtures("host_isa")
+def test_local_experts_against_reference(backend, device, T, E, k, dtype):
+    if not dtype_ok(backend, device, dtype):
+        pytest.skip("bf16 under the Triton interpreter")
+    hidden, router, w13, w2 = make(T, E, dtype, seed=T)
+    parts = [check(backend, device, hidden, router, w13, w2, k, experts=r, config=WIDE) for r in slices(E)]
+    rest = (slices(E)[1][1], E - 1)  # the experts between the middle slice and the last
+    parts.append(check(backend, device, hidden, router, w13, w2, k, experts=rest, config=WIDE))
+    whole = check(backend, device, hidden, router, w13, w2, k, config=WIDE)
+    if dtype == torch.float32:  # (16-bit parts are each rounded: their sum is not the layer's precision)
+        total = sum(p.double() for p in parts).float()
+        assert_precision(total, whole, moe_truth(hidden, router, w13, w2, k), "sum of the slices")
+
+
+@pytest.mark.parametrize("backend,device", ALL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
+def test_local_experts_with_llada2_routing_and_a_slice_nobody_routes_to(backend, device):
+    hidden, router, w13, w2 = make(11, 8, seed=3)
+    bias = torch.rand(8) * 0.1
+    kw = dict(scoring="sigmoid", num_groups=4, topk_groups=2, renormalize=True, routed_scaling=2.5)
+    for r in ((0, 2), (2, 5), (6, 8)):
+        check(backend, device, hidden, router, w13, w2, 3, experts=r, expert_bias=bias, config=WIDE, **kw)
+    logits = torch.randn(11, 8)
+    logits[:, 2:4] = -40.0  # experts 2 and 3: no token
+    out = check(backend, device, hidden, router, w13, w2, 2, router_logits=logits, experts=(2, 4))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def given_topk(T, E, k, seed, id_dtype=torch.int64):
+    """Random distinct experts per row and weights; some ids outside [0, E) (-1, E + 5)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E + 2, generator=g)[:k] for _ in range(T)]) - 1
+    ids = torch.where(ids == E, E + 5, ids).to(id_dtype)
+    return ids, torch.rand(T, k, generator=g) * 2 - 0.5
+
+
+@pytest.mark.parametrize("backend,device", ALL_PAIRS)
+@pytest.mark.parametrize("T,E,k,dtype", SLICE_CASES + [(5, 6, 1, torch.float32), (17, 8, 2, torch.bfloat16)])
+@pytest.mark.usefixtures("host_isa")
+def test_given_topk_against_reference(backend, device, T, E, k, dtype):
+    if not dtype_ok(backend, device, dtype):
+        pytest.skip("bf16 under the Triton interpreter")
+    hidden, router, w13, w2 = make(T, E, dtype, seed=T + 1)
+    for i, r in enumerate(slices(E) + [(0, E)]):
+        ids, w = given_topk(T, E, k, seed=i, id_dtype=(torch.int32, torch.int64)[i % 2])
+        check(backend, device, hidden, None, w13, w2, k, topk_ids=ids, topk_weights=w, experts=r, config=WIDE)
+    ids = torch.full((T, 1), 1, dtype=torch.int64)  # the all-to-all rows: one pair each, all to one expert
+    ids[::2] = 2**40  # far outside (an int64 id must not wrap into the slice)
+    check(
+        backend, device, hidden, None, w13, w2, 1, topk_ids=ids, topk_weights=torch.rand(T, 1), experts=(1, 3)
+    )
+
+
+@pytest.mark.parametrize("backend,device", ALL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
+def test_given_topk_repeating_an_expert(backend, device):
+    hidden, router, w13, w2 = make(9, 6, seed=4)
+    ids = torch.tensor([[2, 2, 3]] * 9)
+    check(
+        backend, device, hidden, None, w13, w2, 3, topk_ids=ids, topk_weights=torch.rand(9, 3), experts=(1, 4)
+    )
+
+
+def test_given_topk_of_the_router_is_the_routed_layer():
+    hidden, router, w13, w2 = make(10, 8)
+    bias = torch.rand(8) * 0.1
+    kw = dict(scoring="sigmoid", num_groups=4, topk_groups=2, renormalize=True, routed_scaling=2.5)
+    weights, ids = dk.moe_route(hidden, router, 3, expert_bias=bias, **kw)
+    want_w, want_ids = route(hidden, router, 3, expert_bias=bias, **kw)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    got = dk.moe(hidden, None, w13[2:6], w2[2:6], 3, topk_ids=ids, topk_weights=weights, expert_offset=2)
+    want = dk.moe(hidden, router, w13[2:6], w2[2:6], 3, expert_bias=bias, expert_offset=2, **kw)
+    truth = moe_truth(hidden, router, w13, w2, 3, expert_bias=bias, experts=(2, 6), **kw)
+    assert_precision(got, want, truth, "moe of moe_route's top-k")
+
+
+def test_pairs_outside_the_slice_cost_no_expert_compute():
+    """The reference (the spec) runs the expert GEMMs on the local pairs' rows only."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, router, w13, w2 = make(12, 8)
+    ids = torch.tensor([[0, 5]] * 3 + [[1, 2]] * 9)
+    w = torch.rand(12, 2)
+
+    def flops(e0, e1):
+        with FlopCounterMode(display=False) as counter:
+            dk.moe(
+                hidden,
+                None,
+                w13[e0:e1],
+                w2[e0:e1],
+                2,
+                topk_ids=ids,
+                topk_weights=w,
+                expert_offset=e0,
+                backend="torch",
+            )
+        return counter.get_total_flops()
+
+    per_row = 2 * 3 * H * I  # gate, up and down: 3 H x I products per routed row
+    assert flops(4, 8) == 3 * per_row and flops(0, 2) == 12 * per_row and flops(6, 8) == 0
+
+
+def test_bad_given_topk_and_offsets_name_the_argument():
+    hidden, router, w13, w2 = make(4, 8)
+    ids, w = torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2)
+    cases = [
+        (dict(topk_ids=ids.float()), "topk_ids"),
+        (dict(topk_ids=ids[:3]), "topk_ids"),
+        (dict(topk_weights=w[:, :1]), "topk_weights"),
+        (dict(topk_weights=w.long()), "topk_weights"),
+        (dict(top_k=3), "top_k"),
+        (dict(expert_offset=-2), "expert_offset"),
+        (dict(renormalize=True), "renormalize"),
+        (dict(scoring="sigmoid"), "scoring"),
+        (dict(expert_bias=torch.zeros(8)), "expert_bias"),
+        (dict(num_groups=2), "num_groups"),
+        (dict(routed_scaling=2.5), "routed_scaling"),
+        (dict(router_logits=torch.zeros(4, 8)), "router_weight, router_logits, topk_ids"),
+    ]
+    for over, name in cases:
+        args = dict(top_k=2, topk_ids=ids, topk_weights=w)
+        args.update(over)
+        with pytest.raises((ValueError, TypeError), match=f"^{name}"):
+            dk.moe(hidden, None, w13, w2, args.pop("top_k"), **args)
+    with pytest.raises(ValueError, match="^router_weight"):
+        dk.moe_route(hidden, None, 2)
+    with pytest.raises(ValueError, match="^top_k"):
+        dk.moe_route(hidden, router, 9)
 
 
 # ---- the public op -----------------------------------------------------------------------------------
@@ -588,9 +755,14 @@ def test_bad_inputs_name_the_argument():
         (dict(top_k=9), "top_k"),
         (dict(routed_scaling=float("nan")), "routed_scaling"),
         (dict(expert_bias=torch.zeros(7)), "expert_bias"),
-        (dict(expert_range=(3, 2)), "expert_range[1]"),
-        (dict(expert_range=(0, 9)), "expert_range"),
-        (dict(expert_range=5), "expert_range"),
+        (dict(expert_offset=1), "expert_offset"),
+        (dict(expert_offset=-1), "expert_offset"),
+        (dict(expert_offset=1.0), "expert_offset"),
+        (dict(w13=w13[3:], w2=w2[3:], expert_offset=4), "expert_offset"),
+        (dict(w13=torch.cat([w13, w13[:1]]), w2=torch.cat([w2, w2[:1]])), "w13"),
+        (dict(router_weight=None, topk_ids=torch.zeros(4, 2, dtype=torch.int64)), "topk_weights"),
+        (dict(router_weight=None, topk_weights=torch.ones(4, 2)), "topk_ids"),
+        (dict(topk_ids=torch.zeros(4, 2, dtype=torch.int64), topk_weights=torch.ones(4, 2)), "router_weight"),
         (dict(w2=w2[:, :, :5]), "w2"),
         (dict(w13=w13[:, :5]), "w13"),
         (dict(w13=w13.half()), "w13"),
@@ -626,12 +798,16 @@ def test_router_logits_through_the_public_op():
 def test_opcheck(backend, device):
     hidden, router, w13, w2 = make(3, 8)
     d = lambda t: t.to(device)
-    args = (d(hidden), d(router), None, d(w13), d(w2), 2, True, 1, d(torch.rand(8)), 4, 2, 2.5, 0, 8, backend)
-    torch.library.opcheck(
-        torch.ops.dinfer.moe.default,
-        args,
-        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
-    )
+    bias = d(torch.rand(8))
+    routed = (d(hidden), d(router), None, None, None, d(w13), d(w2), 2, True, 1, bias, 4, 2, 2.5, 0, backend)
+    ids, w = d(torch.tensor([[5, 6], [0, 7], [6, 6]])), d(torch.rand(3, 2))
+    given = (d(hidden), None, None, ids, w, d(w13[5:]), d(w2[5:]), 2, False, 0, None, 1, 1, 1.0, 5, backend)
+    for args in (routed, given):
+        torch.library.opcheck(
+            torch.ops.dinfer.moe.default,
+            args,
+            test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+        )
 
 
 @pytest.mark.parametrize("backend,device", ALL_PAIRS)

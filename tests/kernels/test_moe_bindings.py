@@ -34,8 +34,7 @@ ORDER = [
     "num_groups",
     "topk_groups",
     "routed_scaling",
-    "e0",
-    "e1",
+    "expert_offset",
     "out",
 ]
 
@@ -55,14 +54,15 @@ def host_args(dtype=np.float32):
         num_groups=1,
         topk_groups=1,
         routed_scaling=1.0,
-        e0=0,
-        e1=E,
+        expert_offset=0,
         out=np.zeros((T, H), dtype),
     )
 
 
 def call(a, **kw):
-    EXT.moe(*[a[k] for k in ORDER], **kw)
+    """The binding on a dict of arguments (topk_ids / topk_weights, when in it, by keyword)."""
+    given = {k: a[k] for k in ("topk_ids", "topk_weights") if k in a}
+    EXT.moe(*[a[k] for k in ORDER], **given, **kw)
 
 
 def reference_of(a):
@@ -76,8 +76,10 @@ def reference_of(a):
         t["top_k"],
         t["renormalize"],
         t["expert_bias"],
-        (t["e0"], t["e1"]),
+        t["expert_offset"],
         router_logits=t["router_logits"],
+        topk_ids=t.get("topk_ids"),
+        topk_weights=t.get("topk_weights"),
         scoring=t["scoring"],
         num_groups=t["num_groups"],
         topk_groups=t["topk_groups"],
@@ -148,9 +150,9 @@ BAD = [
     ("routed_scaling", lambda a: float("nan"), ValueError),
     ("routed_scaling", lambda a: 1e39, ValueError),  # not finite in fp32
     ("routed_scaling", lambda a: "2", TypeError),
-    ("e0", lambda a: -1, ValueError),
-    ("e0", lambda a: E + 1, ValueError),
-    ("e1", lambda a: E + 1, ValueError),
+    ("expert_offset", lambda a: -1, ValueError),
+    ("expert_offset", lambda a: 1, ValueError),  # w13 holds all E experts
+    ("expert_offset", lambda a: 1.0, TypeError),
 ]
 
 
@@ -171,7 +173,7 @@ def test_router_source_and_group_errors():
     a["router_logits"] = None  # neither
     with pytest.raises(ValueError, match=r"^router_weight\b.*exactly one"):
         call(a)
-    a["router_logits"] = np.zeros((T, E + 1), np.float32)
+    a["router_logits"] = np.zeros((T + 1, E), np.float32)  # (E + 1 columns: a router of more experts)
     with pytest.raises(ValueError, match=r"^router_logits\b"):
         call(a)
     a["router_logits"] = np.zeros((T, E), np.float16)
@@ -181,14 +183,69 @@ def test_router_source_and_group_errors():
     a.update(num_groups=4, topk_groups=1, top_k=3)  # 1 group of 2 experts: at most 2
     with pytest.raises(ValueError, match=r"^top_k\b"):
         call(a)
-    a.update(top_k=2, e0=5, e1=4)
-    with pytest.raises(ValueError, match=r"^e1\b"):
-        call(a)
     a = host_args()
-    a["e0"] = a["e1"] = 3  # an empty expert range is valid: zeros
-    a["out"] = np.full((T, H), np.nan, np.float32)
-    call(a)
-    assert not a["out"].any()
+    a.update(w13=a["w13"][2:5], w2=a["w2"][2:5], expert_offset=E - 2)  # past the router's experts
+    with pytest.raises(ValueError, match=r"^expert_offset\b"):
+        call(a)
+    a.update(router_weight=a["router_weight"][:2], expert_bias=None)  # fewer than the local experts
+    with pytest.raises(ValueError, match=r"^router_weight\b"):
+        call(a)
+
+
+def given_args(El=3, offset=2, k=3, dtype=np.float32):
+    """Host arguments of a given top-k on experts [offset, offset + El): ids over [-1, E + 1]."""
+    rng = np.random.default_rng(2)
+    a = host_args(dtype)
+    a.update(
+        router_weight=None,
+        expert_bias=None,
+        w13=a["w13"][offset : offset + El].copy(),
+        w2=a["w2"][offset : offset + El].copy(),
+        expert_offset=offset,
+        top_k=k,
+        topk_ids=rng.integers(-1, E + 2, (T, k)).astype(np.int32),
+        topk_weights=rng.random((T, k)).astype(np.float32),
+        out=np.full((T, H), np.nan, dtype),
+    )
+    return a
+
+
+@pytest.mark.parametrize("El,offset,k", [(3, 2, 3), (1, 0, 1), (2, E - 2, 4)])
+@pytest.mark.usefixtures("host_isa")
+def test_given_topk_on_local_experts(El, offset, k):
+    a = given_args(El, offset, k)
+    call(a, num_threads=2)
+    assert np.isfinite(a["out"]).all()
+    t = {n: torch.from_numpy(a[n]) for n in ("hidden", "w13", "w2", "topk_ids", "topk_weights")}
+    truth = moe_reference(
+        t["hidden"].double(),
+        None,
+        t["w13"].double(),
+        t["w2"].double(),
+        k,
+        expert_offset=offset,
+        compute_dtype=torch.float64,
+        topk_ids=t["topk_ids"],
+        topk_weights=t["topk_weights"],
+    )
+    assert_precision(torch.from_numpy(a["out"]), reference_of(a), truth, "host moe, given top-k")
+
+
+def test_given_topk_errors_name_the_argument():
+    for name, change, exc in [
+        ("topk_ids", lambda a: a.update(topk_ids=a["topk_ids"].astype(np.int64)), TypeError),
+        ("topk_ids", lambda a: a.update(topk_ids=a["topk_ids"][:, :2]), ValueError),
+        ("topk_weights", lambda a: a.update(topk_weights=a["topk_weights"][:-1]), ValueError),
+        ("topk_weights", lambda a: a.update(topk_weights=a["topk_weights"].astype(np.float16)), TypeError),
+        ("topk_ids", lambda a: a.update(topk_weights=None), ValueError),
+        ("router_weight", lambda a: a.update(router_weight=np.zeros((E, H), np.float32)), ValueError),
+        ("num_groups", lambda a: a.update(num_groups=2), ValueError),
+        ("expert_offset", lambda a: a.update(expert_offset=-1), ValueError),
+    ]:
+        a = given_args()
+        change(a)
+        with pytest.raises(exc, match=rf"^{name}\b"):
+            call(a)
 
 
 @pytest.mark.usefixtures("host_isa")
@@ -202,7 +259,6 @@ def test_host_kernel_has_no_cuda_limits():
             w2=(rng.standard_normal((E_, H, I)) / I**0.5).astype(np.float32),
             router_weight=(rng.standard_normal((E_, H)) * 0.2).astype(np.float32),
             expert_bias=None,
-            e1=E_,
             top_k=k,
             out=np.full((T, H), np.nan, np.float32),
         )
@@ -217,10 +273,11 @@ def test_host_kernel_has_no_cuda_limits():
 
 @needs_cuda_build
 def test_workspace_bytes():
-    small = EXT.moe_workspace_bytes(96, 64, 8, 2048, 1024)
+    small = EXT.moe_workspace_bytes(96, 64, 64, 8, 2048, 1024)
     assert small > 96 * 8 * 2048 * 4  # at least the per-slot fp32 rows
-    assert EXT.moe_workspace_bytes(2048, 64, 8, 2048, 1024) > small
-    assert EXT.moe_workspace_bytes(0, 64, 8, 2048, 1024) == 0
+    assert EXT.moe_workspace_bytes(2048, 64, 64, 8, 2048, 1024) > small
+    assert EXT.moe_workspace_bytes(96, 0, 8, 8, 2048, 1024) > 96 * 8 * 2048 * 4  # a given top-k
+    assert EXT.moe_workspace_bytes(0, 64, 64, 8, 2048, 1024) == 0
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------------
@@ -239,8 +296,6 @@ def run_cuda(hidden, router, w13, w2, k, **kw):
     from dinfer_kernels.cuda.moe import moe
 
     out = torch.full_like(hidden, float("nan"))
-    E_ = w13.shape[0]
-    e0, e1 = kw.get("expert_range", (0, E_))
     moe(
         hidden,
         router,
@@ -255,8 +310,7 @@ def run_cuda(hidden, router, w13, w2, k, **kw):
         num_groups=kw.get("num_groups", 1),
         topk_groups=kw.get("topk_groups", 1),
         routed_scaling=kw.get("routed_scaling", 1.0),
-        e0=e0,
-        e1=e1,
+        expert_offset=0,
     )
     return out
 
@@ -305,7 +359,6 @@ def test_gpu_limits_of_the_cuda_kernels():
         1,
         1.0,
         0,
-        40,
         torch.empty_like(hidden),
     ]
     with pytest.raises(ValueError, match=r"^top_k\b.*at most 32"):
@@ -326,7 +379,6 @@ def test_gpu_limits_of_the_cuda_kernels():
             1,
             1.0,
             0,
-            513,
             torch.empty_like(big[0]),
         )
 
@@ -335,7 +387,7 @@ def test_gpu_limits_of_the_cuda_kernels():
 def test_gpu_workspace_checks():
     hidden, router, w13, w2 = gpu_case(4, 8, 2, torch.bfloat16)
     out = torch.empty_like(hidden)
-    args = [hidden, router, None, w13, w2, 2, False, "softmax", None, 1, 1, 1.0, 0, 8, out]
+    args = [hidden, router, None, w13, w2, 2, False, "softmax", None, 1, 1, 1.0, 0, out]
     with pytest.raises(ValueError, match=r"^workspace\b"):
         EXT.moe(*args)
     with pytest.raises(ValueError, match=r"^workspace\b"):

@@ -26,13 +26,19 @@ struct MoeParams {
   ScalarType dtype = ScalarType::kBFloat16;  // of hidden, w13, w2 and out
   int64_t num_tokens = 0;  // T
   int64_t hidden_size = 0;  // H
-  // Router: exactly one of router_weight / router_logits is set.
+  // Routing: exactly one of router_weight / router_logits / topk_ids is set.
   const void* router_weight = nullptr;  // [E, H] in router_dtype (fp32 or `dtype`)
   ScalarType router_dtype = ScalarType::kFloat32;
   const float* router_logits = nullptr;  // [T, E] fp32: precomputed logits
-  const void* w13 = nullptr;  // [E, 2I, H]: rows [0, I) gate, [I, 2I) up
-  const void* w2 = nullptr;  // [E, H, I]
-  int64_t num_experts = 0;  // E
+  const int32_t* topk_ids = nullptr;  // [T, top_k] global expert ids: a given routing (the all-to-all
+  const float* topk_weights = nullptr;  // path), with [T, top_k] fp32 weights used as they are
+  // The local experts: w13 / w2 hold experts [expert_offset, expert_offset + local_experts) of the E
+  // the router scores; a (token, slot) pair routed outside them contributes nothing.
+  const void* w13 = nullptr;  // [local_experts, 2I, H]: rows [0, I) gate, [I, 2I) up
+  const void* w2 = nullptr;  // [local_experts, H, I]
+  int64_t num_experts = 0;  // E: the router's experts (unused with a given top-k)
+  int64_t local_experts = 0;  // E_local >= 1
+  int32_t expert_offset = 0;  // the global id of w13[0]
   int64_t inter_size = 0;  // I
   int32_t top_k = 1;
   bool renormalize = false;
@@ -41,15 +47,14 @@ struct MoeParams {
   int32_t num_groups = 1;  // grouped top-k (sigmoid scoring) when > 1; divides E
   int32_t topk_groups = 1;  // groups kept, 1 <= topk_groups <= num_groups
   float routed_scaling = 1.0f;  // multiplies the final routing weights
-  int32_t expert_begin = 0;  // e0: only experts in [e0, e1) contribute
-  int32_t expert_end = 0;  // e1
   // ---- output (caller-allocated) ----------------------------------------------------------------
   void* out = nullptr;  // [T, H] in `dtype`
 };
 
-// Bytes of device workspace moe_cuda needs for these sizes (any dtype, any expert range).
-size_t moe_cuda_workspace_bytes(int64_t num_tokens, int64_t num_experts, int32_t top_k, int64_t hidden_size,
-                                int64_t inter_size);
+// Bytes of device workspace moe_cuda needs for these sizes (any dtype, any expert offset; num_experts:
+// the router's E, 0 with a given top-k).
+size_t moe_cuda_workspace_bytes(int64_t num_tokens, int64_t num_experts, int64_t local_experts, int32_t top_k,
+                                int64_t hidden_size, int64_t inter_size);
 
 // Launches the routing, the two grouped GEMMs and the combine on `stream`. Never synchronises.
 // Returns 0 (cudaSuccess) or the cudaError_t of the first failing call.

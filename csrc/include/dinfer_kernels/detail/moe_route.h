@@ -61,6 +61,8 @@ struct RouteArgs {
   const void* router_weight;  // null when given_logits is set
   ScalarType router_dtype;
   const float* given_logits;  // [T, E] or null
+  const int32_t* given_ids;  // [T, top_k] or null: a given top-k instead of the router (no logits)
+  const float* given_w;  // [T, top_k] with given_ids
   int32_t T, H, E, top_k;
   bool vec4;  // H % 4 == 0 and the hidden / router rows are aligned for 4-element loads
   MoeScoring scoring;
@@ -68,7 +70,7 @@ struct RouteArgs {
   const float* bias;
   int32_t num_groups, topk_groups;
   float scaling;
-  int32_t e0, e1;
+  int32_t e0, e1;  // the local experts [e0, e1): w13 / w2 hold these only
   int32_t bm;  // rows per M tile of the GEMMs
   // workspace
   float* logits;  // [T, E] (computed logits)
@@ -77,7 +79,7 @@ struct RouteArgs {
   int32_t* topk_ids;  // [T, top_k], increasing expert id per token
   float* topk_w;  // [T, top_k]
   int32_t* sorted_ids;  // [max_tiles * bm]: entry id or -1 (padding)
-  int32_t* tile_expert;  // [max_tiles]
+  int32_t* tile_expert;  // [max_tiles]: the local expert (index into w13 / w2) of each M tile
   int32_t* num_tiles;  // [1]
 };
 
@@ -96,6 +98,21 @@ struct RouteShared {
   int32_t num_tiles;
   int32_t is_last;
 };
+
+// Token t's slots (lane j: slot j's expert and weight) sorted by expert id (ties: slot order), so that
+// the combine adds them in the reference's order.
+DINFER_HD void write_sorted(const RouteArgs& a, int t, int lane, int32_t my_id, float my_w) {
+  int rank = 0;
+  for (int j = 0; j < a.top_k; ++j) {
+    const int32_t other = simt::shfl(my_id, j);
+    if (other < my_id || (other == my_id && j < lane)) ++rank;
+  }
+  if (lane < a.top_k) {
+    const int64_t o = static_cast<int64_t>(t) * a.top_k + rank;
+    a.topk_ids[o] = my_id;
+    a.topk_w[o] = my_w;
+  }
+}
 
 // Scores one token with one warp and writes its top-k sorted by expert id.
 DINFER_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int warp, int lane) {
@@ -209,17 +226,15 @@ DINFER_HD void score_token(const RouteArgs& a, RouteShared& sh, int t, int warp,
   }
   my_w = my_w * a.scaling;
 
-  // Sort the slots by expert id so that the combine adds them in the reference's order.
-  int rank = 0;
-  for (int j = 0; j < a.top_k; ++j) {
-    const int32_t other = simt::shfl(my_id, j);
-    if (other < my_id || (other == my_id && j < lane)) ++rank;
-  }
-  if (lane < a.top_k) {
-    const int64_t o = static_cast<int64_t>(t) * a.top_k + rank;
-    a.topk_ids[o] = my_id;
-    a.topk_w[o] = my_w;
-  }
+  write_sorted(a, t, lane, my_id, my_w);
+}
+
+// A given top-k's token t with one warp (lane j holds slot j).
+DINFER_HD void take_token(const RouteArgs& a, int t, int lane) {
+  const int64_t at = static_cast<int64_t>(t) * a.top_k;
+  const int32_t my_id = lane < a.top_k ? a.given_ids[at + lane] : -1;
+  const float my_w = lane < a.top_k ? a.given_w[at + lane] : 0.f;
+  write_sorted(a, t, lane, my_id, my_w);
 }
 
 // The entries [begin, end) of warp `warp`, walked 32 at a time: key = local expert or -1.
@@ -285,7 +300,7 @@ DINFER_HD void align_entries(const RouteArgs& a, RouteShared& sh, int warp, int 
     const int32_t total = sh.u.align.total[el];
     const int32_t off = sh.u.align.tile_off[el];
     const int32_t tiles = (total + a.bm - 1) / a.bm;
-    for (int32_t j = 0; j < tiles; ++j) a.tile_expert[off + j] = a.e0 + el;
+    for (int32_t j = 0; j < tiles; ++j) a.tile_expert[off + j] = el;
     for (int32_t r = total; r < tiles * a.bm; ++r) a.sorted_ids[static_cast<int64_t>(off) * a.bm + r] = -1;
   }
   if (simt::thread_index() == 0) *a.num_tiles = sh.num_tiles;
@@ -310,13 +325,19 @@ DINFER_HD void align_entries(const RouteArgs& a, RouteShared& sh, int warp, int 
 DINFER_HD int tokens_per_cta(int64_t num_tokens) { return num_tokens > 256 ? 16 : 4; }
 
 // Everything route_kernel does after the router logits exist (computed by this launch's CTAs, or
-// given): CTA `tile` of `num_tiles` scores its TT tokens, one warp per token; the last CTA to finish
+// given; or takes a given top-k instead): CTA `tile` of `num_tiles` scores its TT tokens, one warp per token; the last CTA to finish
 // aligns the entries of all tokens.
 template <int TT>
 DINFER_HD void score_and_align(const RouteArgs& a, RouteShared& sh, int tile, int num_tiles, int warp,
                                int lane) {
   const int t0 = tile * TT;
-  for (int t = t0 + warp; t < t0 + TT && t < a.T; t += kRouteWarps) score_token(a, sh, t, warp, lane);
+  for (int t = t0 + warp; t < t0 + TT && t < a.T; t += kRouteWarps) {
+    if (a.given_ids != nullptr) {
+      take_token(a, t, lane);
+    } else {
+      score_token(a, sh, t, warp, lane);
+    }
+  }
 
   simt::threadfence();
   simt::sync_block();
