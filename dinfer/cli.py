@@ -33,7 +33,7 @@ from typing import Dict, List, Optional
 from .decoders import DECODERS
 from .evaluate import Progress
 from .generate import CACHE_MODES
-from .kv_paged import CLEAN_KV
+from .kv import CLEAN_KV
 from .llm import LLM, _device, _dtype, checkpoint_defaults, generation_config
 from .models.embedded import DEFAULT, EMBEDDED, model_dir
 from .parallel.plan import EP_MODES

@@ -15,7 +15,9 @@ joint         LLaDA2.1's JointThreshold: threshold mask-to-token commits plus to
               (tau 0.7, edits above 0.5, 16 post-edit steps) and JOINT_SPEED (tau 0.5, no edits).
 
 Schedules: the fixed steps above, and the threshold warm-up that comes with iteration smoothing,
-tau_n = max(start - decay * n, tau) over a request's iterations n.
+tau_n = max(start - decay * n, tau) over a request's iterations n. Smoothing's own schedule, the
+weight w_n of the soft embeddings, is SMOOTHING_WEIGHT's (GenerationConfig.smoothing_weight; the
+training of dinfer.train samples its range).
 """
 
 import copy
@@ -30,6 +32,8 @@ from .params import Int, OneOf, OrNone, Real, check
 
 # Every name but credit is the decode_step rule of that name; credit is the threshold rule on credit.
 DECODERS = ("threshold", "credit", "hierarchical", "fixed", "joint")
+
+SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)  # dInfer's w_n = min(w0 + dw * n, w_max)
 
 
 @dataclass(frozen=True)

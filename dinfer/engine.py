@@ -124,7 +124,7 @@ class Engine:
         return self._waiting
 
     def in_flight(self) -> int:
-        return sum(len(g.sched.flight) for g in list(self.lanes.values()))
+        return sum(g.in_flight for g in list(self.lanes.values()))
 
     @property
     def alive(self) -> bool:
@@ -153,7 +153,7 @@ class Engine:
             except Exception as e:  # the lane's model failed: its requests fail, the engine goes on
                 log.error(
                     "a lane failed its %d request(s) in flight and queued",
-                    len(gen.sched.flight) + len(gen.sched.queue),
+                    gen.in_flight + gen.queued,
                     exc_info=e,
                 )
                 self._fail_lane(key, e)
@@ -184,7 +184,7 @@ class Engine:
 
     def _open_lane(self, k: GenerationConfig) -> Generator:
         if len(self.lanes) >= self.max_lanes:
-            idle = [key for key, g in self.lanes.items() if g.sched.idle]
+            idle = [key for key, g in self.lanes.items() if g.idle]
             if not idle:
                 raise MemoryError(
                     f"every one of the {self.max_lanes} lanes (configurations) is busy: retry later"
@@ -204,18 +204,13 @@ class Engine:
             self._ids.pop(self._rids.pop(lane + (lrid,)), None)
             self._events.pop(lane + (lrid,))("finish", tokens, forwards)
 
-        def admit(request) -> bool:
-            ok = kv_admit is None or kv_admit(request)
-            if ok:
-                self._left_queue(1)
-            return ok
+        def on_admit(lrid: int) -> None:  # it left the lane's queue: no longer waiting
+            self._left_queue(1)
 
         # any sequence of up to max_len positions: its blocks (the last may reach a block past it),
         # the after-look window and a padding row
         width = self.max_len + k.block_length + k.after_look + 1
-        gen.open(self.max_batch, width, self.max_len, on_finish, on_block)
-        kv_admit = gen.kv.admit
-        gen.sched.admit = admit
+        gen.open(self.max_batch, width, self.max_len, on_finish, on_block, on_admit)
         self.lanes[k] = gen
         return gen
 
@@ -228,17 +223,16 @@ class Engine:
         if where is None or where[0] not in self.lanes:
             return
         k, lrid = where
-        sched = self.lanes[k].sched
-        queued = any(r.id == lrid for r in sched.queue)
-        if sched.cancel(lrid):
+        left = self.lanes[k].cancel(lrid)
+        if left is not None:
             self.counters["cancelled"] += 1
-            if queued:  # it never started: nothing will report it
+            if left == "queued":  # it never started: nothing will report it
                 self._left_queue(1)
                 self._events.pop((k, lrid), None)
                 self._rids.pop((k, lrid), None)
 
     def _next_lane(self):
-        keys = [k for k, g in self.lanes.items() if not g.sched.idle]
+        keys = [k for k, g in self.lanes.items() if not g.idle]
         if not keys:
             return None
         self._turn = (self._turn + 1) % len(keys)
@@ -252,6 +246,6 @@ class Engine:
                 self.counters["failed"] += 1
                 events("error", error)
                 del self._events[(lk, lrid)]
-        self._left_queue(len(gen.sched.queue))
+        self._left_queue(gen.queued)
         self._ids = {rid: w for rid, w in self._ids.items() if w[0] != k}
         self._rids = {w: rid for w, rid in self._rids.items() if w[0] != k}

@@ -1,9 +1,10 @@
 """The diffusion iteration manager: blocks, forwards, decoding, smoothing.
 
     until every prompt is finished (dinfer.scheduler: the queue, refills, early stop, the answers):
-        schedule: up to `batch_size` sequences in flight; a finished one's slot goes to the next prompt
-        start the round (the KV-cache manager): every sequence in flight decodes its own next block
-        run the round:
+        schedule: up to `batch_size` sequences in flight; a finished one's slot goes to the next prompt;
+                  the scheduler names the round (a Round: its sequences, blocks, tokens and counters)
+        start the round (the KV-cache manager, dinfer.kv): its own round state (tables, windows)
+        run the round (its owner: the Generator, which passes the round state explicitly):
             repeat until every block is settled (one host check per chunk of <= `unroll` iterations):
                 compact: sequences whose block is settled leave the block's remaining iterations
                 iteration: forward over the window the KV-cache manager names for the iteration's kind
@@ -12,11 +13,15 @@
         so is one whose last block is done
 
 The KV-cache manager is the model's: a bidirectional model (LLaDA, LLaDA-MoE) sees the whole sequence,
-so its cache goes stale and is refreshed (dinfer.kv_refresh: full refreshes at block starts, window
+so its cache goes stale and is refreshed (dinfer.kv.refresh: full refreshes at block starts, window
 steps per cache mode); a block-causal one (LLaDA2) never sees later blocks, so the committed blocks'
-K/V are exact and appended once to a paged cache (dinfer.kv_paged: chunked prompt prefill, the
+K/V are exact and appended once to a paged cache (dinfer.kv.paged: chunked prompt prefill, the
 previous block's clean K/V fused into the block's first forward). A block is settled when it holds no
 [MASK] and, for an editing decoder (joint), its post-edit steps are over (dinfer.decoders).
+
+Who owns what: the scheduler its queue, slots and per-request counters (written back once per block:
+Scheduler.store); the Generator a round's tokens, decoder and counters (BlockState); the KV-cache
+manager its cache and its round state (held beside the BlockState, read only by the manager).
 
 Every iteration is one model forward and one decode_step. Commits, thresholds, schedules and the
 stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU).
@@ -38,24 +43,20 @@ give n samples.
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
 import dinfer_kernels as dk
 
-from . import kv_paged, kv_refresh
 from .batch import check_prompt, span
 from .batch import slots as slots_storage
-from .decoders import Decoder, DecoderConfig
+from .decoders import SMOOTHING_WEIGHT, Decoder, DecoderConfig
 from .graphs import StepGraphs
+from .kv import CACHE_MODES, CLEAN_KV, manager_for
 from .params import Bool, Instance, Int, OneOf, Real, Tuple, check
 from .scheduler import Request, Round, Scheduler
 from .stats import Stats
-
-CACHE_MODES = kv_refresh.MODES + kv_paged.MODES
-
-SMOOTHING_WEIGHT = (0.15, 0.02, 0.3)  # dInfer's w_n = min(w0 + dw * n, w_max)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -88,7 +89,7 @@ class GenerationConfig:
     align_blocks: bool = True  # dInfer's start_block_align; False: block 0 starts after the prompt
     cuda_graphs: bool = True
     time_phases: bool = False  # synchronise around phases to time them (always on the host)
-    # Block-causal (paged) only: where the previous block's clean K/V come from (kv_paged): "fused"
+    # Block-causal (paged) only: where the previous block's clean K/V come from (kv.paged): "fused"
     # into the block's first forward, or an extra "forward"; the prompt prefill's positions per
     # forward (whole blocks); the page pool's size (0: every sequence in flight at its longest).
     clean_kv: str = "fused"
@@ -121,7 +122,7 @@ class GenerationConfig:
                 align_blocks=flag,
                 cuda_graphs=flag,
                 time_phases=flag,
-                clean_kv=OneOf(kv_paged.CLEAN_KV),
+                clean_kv=OneOf(CLEAN_KV),
                 prefill_chunk=n,
                 kv_pages=count,
             ),
@@ -132,20 +133,22 @@ class GenerationConfig:
 
 
 class BlockState:
-    """What the iterations of one block read and write. Tensors keep their addresses all block long."""
+    """What the iterations of one block read and write: the Generator's part of a round. Tensors
+    keep their addresses all block long."""
 
-    def __init__(self, sched: Scheduler, rnd: Round, cfg: GenerationConfig, model):
-        """The round `rnd` of `sched`: its sequences' tokens and counters, taken from the run's."""
+    def __init__(self, rnd: Round, cfg: GenerationConfig, model):
+        """The round `rnd` (the scheduler's: its sequences' tokens and counters)."""
         c = model.config
-        dev = sched.batch.x.device
-        # slots and their requests and blocks (host), the slots on the device
-        self.slots, self.requests, self.blocks, self.rows = (
+        self.batch = batch = rnd.batch
+        dev = batch.x.device
+        # slots and their requests, blocks and forwards before the round (host), the slots on the device
+        self.slots, self.requests, self.blocks, self.ran_before, self.rows = (
             rnd.slots,
             rnd.requests,
             rnd.blocks,
-            rnd.slots.to(dev),
+            rnd.forwards,
+            rnd.rows,
         )
-        self.batch = batch = sched.batch.select(self.rows, trim=True)
         B, bl, S = batch.size, batch.block_length, batch.max_len
         pos = batch.block_positions(rnd.blocks.to(dev))
         # Rows past a sequence's end are padding: they read a non-mask token and are never written.
@@ -154,18 +157,15 @@ class BlockState:
         # The rows an editing decoder may rewrite: generated ones (a block may hold the prompt's tail)
         self.editable = (self.valid & (pos >= batch.prompt_len[:, None])).flatten()
         self.pad_token = torch.full((B, bl), c.eos_id, dtype=torch.int64, device=dev)
-        self.iters = sched.iters[self.rows]  # [B] iterations each sequence was active (schedules)
-        self.request_keys = sched.keys[self.rows]  # [B] sampling keys (dk.sequence_key)
+        self.iters = rnd.iters  # [B] iterations each sequence was active (schedules)
+        self.request_keys = rnd.keys  # [B] sampling keys (dk.sequence_key)
         # [B] the request's forward (its own count, from 1) whose logits first held a NaN or +-inf
         # in a valid row of this block; -1: none yet.
         self.nonfinite_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
         warmup = (cfg.smoothing_threshold_start, cfg.smoothing_threshold_decay) if cfg.smoothing else None
-        self.decoder = Decoder(
-            cfg.decoder, B, bl, c.mask_id, dev, warmup, sched.tau[self.rows], parallel_of(model)
-        )
+        self.decoder = Decoder(cfg.decoder, B, bl, c.mask_id, dev, warmup, rnd.tau, parallel_of(model))
         self.decoder.start_block(self.block_tokens().view(B, bl))
         self.soft = model.embed(self.block_tokens())  # hard embeddings until the block has logits
-        self.kv = None  # the KV-cache manager's state of the round (its start_round)
 
     def block_tokens(self) -> torch.Tensor:
         return torch.where(self.valid, self.batch.x.gather(1, self.block_pos), self.pad_token).flatten()
@@ -181,12 +181,12 @@ class BlockState:
         both = torch.stack([left, self.nonfinite_at]).cpu()
         return both[0], both[1]
 
-    def select(self, keep: torch.Tensor, kv) -> "BlockState":
-        """The state of sequences `keep` (host indices) only; `kv`: the KV-cache manager, which
-        selects its own round state."""
+    def select(self, keep: torch.Tensor) -> "BlockState":
+        """The state of sequences `keep` (host indices) only."""
         new = copy.copy(self)
         bl = self.batch.block_length
         new.slots, new.requests, new.blocks = self.slots[keep], self.requests[keep], self.blocks[keep]
+        new.ran_before = self.ran_before[keep]
         keep = keep.to(self.rows.device)
         new.rows, new.batch = self.rows[keep], self.batch.select(keep)
         new.valid, new.block_pos, new.pad_token = self.valid[keep], self.block_pos[keep], self.pad_token[keep]
@@ -198,8 +198,15 @@ class BlockState:
         )
         new.decoder = self.decoder.select(keep)
         new.soft = self.soft.view(self.batch.size, bl, -1)[keep].flatten(0, 1)
-        new.kv = kv.select(self.kv, keep)
         return new
+
+
+class RoundState(NamedTuple):
+    """A round as its iterations see it: the Generator's part and the KV-cache manager's, each
+    written by its owner only. One object per block (and per compaction): CUDA graphs key on it."""
+
+    block: BlockState
+    kv: object  # the KV-cache manager's round state (its start_round / select)
 
 
 def request_keys_of(prompts: List[List[int]]) -> List[int]:
@@ -216,12 +223,13 @@ def request_keys_of(prompts: List[List[int]]) -> List[int]:
 
 class Generator:
     """Runs a GenerationConfig on a model (dinfer.models.DiffusionLM): `run` for a list of prompts, or
-    `open`, then `submit` requests at any time and `step` rounds (a server's engine)."""
+    `open`, then `submit` requests at any time, `step` rounds and `cancel` requests (a server's
+    engine, which reads `idle`, `in_flight` and `queued` and hears of admissions through open's
+    on_admit)."""
 
     def __init__(self, model, cfg: GenerationConfig):
         check_for_model(model, cfg)
         self.model, self.cfg = model, cfg
-        self.kv_manager = kv_manager(model)
         self.mask_id, self.eos_id = model.config.mask_id, model.config.eos_id
         # Not under tensor parallelism: the vocabulary-parallel decode step reads values on the host.
         use_graphs = (
@@ -284,16 +292,18 @@ class Generator:
         max_total: int,
         on_finish: Optional[Callable[[int, torch.Tensor, int], None]] = None,
         on_block: Optional[Callable[[int, torch.Tensor], None]] = None,
+        on_admit: Optional[Callable[[int], None]] = None,
     ) -> None:
         """Storage and a KV cache for `slots` sequences in flight, of up to `max_total` positions
         and `width` columns (Generator._span) each: a run that cannot fit is refused here, before
-        anything large is allocated. on_finish(id, tokens, forwards) / on_block(id, tokens) as the
-        Scheduler calls them."""
+        anything large is allocated. on_finish(id, tokens, forwards) / on_block(id, tokens) /
+        on_admit(id) (request id left the queue for a slot: its cache is reserved) as the Scheduler
+        calls them."""
         cfg = self.cfg
         storage = slots_storage(
             slots, width, cfg.block_length, cfg.after_look + 1, self.eos_id, self.model.device
         )
-        self.kv = self.kv_manager(self.model, cfg, storage, max_total)
+        self.kv = manager_for(self.model)(self.model, cfg, storage, max_total)
         self.max_total = max_total
         self.sched = Scheduler(
             storage,
@@ -305,6 +315,7 @@ class Generator:
             on_block,
             self.kv.admit,
             self.kv.release,
+            on_admit,
         )
 
     def submit(
@@ -328,46 +339,73 @@ class Generator:
         self._next_id += 1
         return rid
 
+    def cancel(self, request_id: int) -> Optional[str]:
+        """Request `request_id` leaves: "queued" (it had not started: gone at once), "in flight"
+        (at its next block boundary, reported to on_finish as it stands), None (unknown or
+        finished)."""
+        return self.sched.cancel(request_id)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or in flight (also before open)."""
+        return self.sched is None or self.sched.idle
+
+    @property
+    def in_flight(self) -> int:
+        """Requests holding a slot."""
+        return 0 if self.sched is None else len(self.sched.flight)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return 0 if self.sched is None else len(self.sched.queue)
+
     def step(self) -> bool:
         """One round: every request in flight decodes its next block (newcomers admitted first).
         False when nothing was queued or in flight."""
         rnd = self.sched.schedule()
         if rnd is None:
             return False
-        st = BlockState(self.sched, rnd, self.cfg, self.model)
-        st.kv = self.kv.start_round(st, self.sched, self.stats)
-        self.run_round(st, self.sched)
+        st = BlockState(rnd, self.cfg, self.model)
+        kv = self.kv.start_round(rnd.batch, rnd.requests, rnd.blocks, self.stats)
+        self.run_round(RoundState(st, kv))
         self.sched.postprocess(rnd)
         return True
 
-    def run_round(self, st: BlockState, sched: Scheduler):
+    def run_round(self, rs: RoundState):
         """Every sequence of the round decodes its block, in chunks of iterations with one host
-        check each; the tokens and counters go back to `sched`."""
-        cfg = self.cfg
+        check each; each sequence's tokens and counters go back to the scheduler once its block is
+        settled (Scheduler.store)."""
+        cfg, st = self.cfg, rs.block
         left, step = st.poll()[0], 0
         while left.any():
             if cfg.compact and not left.all():  # sequences whose block is settled leave it
-                sched.store(st.rows, st.batch.x, st.iters)
-                keep = left.nonzero().flatten()
-                st, left = st.select(keep, self.kv), left[keep]
+                done, keep = (left == 0).nonzero().flatten(), left.nonzero().flatten()
+                self._store(st, done, step)
+                st, left = st.select(keep), left[keep]
+                rs = RoundState(st, self.kv.select(rs.kv, keep.to(st.rows.device)))
             # The slowest sequence sets the chunk: a chunk never outruns the last block to finish.
             chunk = max(1, min(int(left.max()) // cfg.expected_tpf, cfg.unroll))
-            first = int(sched.forwards[st.slots].min())
-            kinds = self.kv.kinds(step, first, chunk)
-            self.graphs.run(self.iteration, st, kinds)
+            kinds = self.kv.kinds(step, int(st.ran_before.min()) + step, chunk)
+            self.graphs.run(self.iteration, rs, kinds)
             self.stats.count_chunk(kinds, st.batch.size)
-            sched.forwards[st.slots] += chunk
             step += chunk
             left, nonfinite_at = st.poll()
             limit = st.batch.block_length + (cfg.decoder.max_post_edit_steps if cfg.decoder.edits else 0)
             _check_chunk(left, nonfinite_at, st.requests, st.blocks, step, limit)
-        sched.store(st.rows, st.batch.x, st.iters)
+        self.sched.store(st.slots, st.batch.x, st.iters, step)
 
-    def iteration(self, st: BlockState, kind: str):
+    def _store(self, st: BlockState, which: torch.Tensor, forwards: int) -> None:
+        """Sequences `which` (host indices into st) settled after `forwards` forwards of the round."""
+        rows = which.to(st.rows.device)
+        self.sched.store(st.slots[which], st.batch.x[rows], st.iters[rows], forwards)
+
+    def iteration(self, rs: RoundState, kind: str):
         """One forward and one decode of the block; every state update is in place."""
         cfg, model, dev = self.cfg, self.model, self.model.device
+        st = rs.block
         B, bl = st.batch.size, st.batch.block_length
-        w = self.kv.window(st, kind)
+        w = self.kv.window(rs.kv, st.block_pos, kind)
         W = w.pos.shape[1]
         with self.stats.phase("forward", dev):
             emb = model.embed(st.batch.x.gather(1, w.pos.clamp(max=st.batch.max_len - 1)))
@@ -420,18 +458,13 @@ class Generator:
         st.iters += active.to(st.iters.dtype)
 
 
-def kv_manager(model):
-    """The KV-cache manager of `model`: paged for a block-causal one, refreshed for a bidirectional one."""
-    return kv_paged.PagedKV if model.config.block_causal else kv_refresh.RefreshKV
-
-
 def check_for_model(model, cfg: GenerationConfig) -> None:
     """What `cfg` must agree with in `model`, checked before anything is allocated (a server checks a
     request's configuration with it): a block-causal model's aligned blocks, the cache mode of the
     model's KV-cache manager. ValueError naming the option."""
     if model.config.block_causal:
         _check_block_causal(cfg)
-    kv_manager(model).check(model, cfg)
+    manager_for(model).check(model, cfg)
 
 
 def parallel_of(model):

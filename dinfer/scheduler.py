@@ -4,8 +4,10 @@ and when each is finished. Schedule, run and postprocess stay apart (as in nano-
     add() / cancel()  requests join the queue at any time; a cancelled one leaves it, or its slot at
                       the next block boundary (the next schedule(): it decodes no further block)
     schedule()        retire the cancelled requests in flight, refill the free slots from the queue
-                      and name the round: the slots in flight and the block each decodes next
-    (Generator)       runs the round: every sequence decodes its block, store() writes it back
+                      and name the round (a Round: the slots in flight, the block each decodes next,
+                      a copy of their tokens and counters)
+    (Generator)       runs the round: every sequence decodes its block, store() hands each one's
+                      tokens, iterations and forwards back once its block is settled
     postprocess()     early stop, next blocks, done flags; each block's tokens handed over (on_block),
                       each finished answer too (on_finish), its slot and cache freed
 
@@ -14,7 +16,7 @@ boundaries, where the KV-cache manager starts each round (a bidirectional model'
 full refresh that builds a newcomer's cache rows along with everyone's; a block-causal model's
 newcomers get their prompt prefilled). A manager with a bounded cache admits a request only when its
 cache fits (`admit`) and takes back a finished one's (`release`); the queue waits, in order, until it
-does. Per-slot counters start afresh with each request.
+does. Per-slot counters start afresh with each request; the scheduler alone writes them.
 """
 
 from collections import deque
@@ -34,9 +36,18 @@ class Request(NamedTuple):
 
 
 class Round(NamedTuple):
+    """A round as the scheduler names it. Its tensors are the round's own (copies): the Generator
+    works on them and hands them back through Scheduler.store."""
+
     slots: torch.Tensor  # [B] int64 on the host: the storage rows in flight
     requests: torch.Tensor  # [B] int64 on the host: the request each decodes
     blocks: torch.Tensor  # [B] int64 on the host: the block it decodes
+    forwards: torch.Tensor  # [B] int64 on the host: forwards each request ran before the round
+    rows: torch.Tensor  # [B] the slots on the device
+    batch: Batch  # the sequences' tokens, the columns they use (Batch.select(trim=True))
+    iters: torch.Tensor  # [B] on the device: iterations each request was active (its schedules)
+    keys: torch.Tensor  # [B] on the device: sampling keys (rng.sequence_key)
+    tau: torch.Tensor  # [B] float32 on the device: commit thresholds
 
 
 class Scheduler:
@@ -44,8 +55,9 @@ class Scheduler:
 
     on_block(id, tokens): request id's next block is committed (its generated tokens in it);
     on_finish(id, tokens, forwards): it is finished (all its generated tokens, EOS after an early
-    stop; the forwards it ran); admit(request) says whether it may start now (reserving what it
-    needs), release(id) that it is finished."""
+    stop; the forwards it ran); on_admit(id): it left the queue for a slot. admit(request) says
+    whether it may start now (reserving what it needs: the KV-cache manager's), release(id) that it
+    is finished."""
 
     def __init__(
         self,
@@ -58,6 +70,7 @@ class Scheduler:
         on_block: Optional[Callable[[int, torch.Tensor], None]] = None,
         admit: Optional[Callable[[Request], bool]] = None,
         release: Optional[Callable[[int], None]] = None,
+        on_admit: Optional[Callable[[int], None]] = None,
     ):
         n, dev = batch.size, batch.x.device
         self.batch = batch  # the requests' tokens, as the rounds leave them
@@ -67,7 +80,8 @@ class Scheduler:
             early_stop,
             align_blocks,
         )
-        self.on_finish, self.on_block, self.admit, self.release = on_finish, on_block, admit, release
+        self.on_finish, self.on_block, self.on_admit = on_finish, on_block, on_admit
+        self.admit, self.release = admit, release
         self.request: List[Optional[Request]] = [None] * n  # the request in each slot
         self.next_block = torch.zeros(n, dtype=torch.int64)
         self.num_blocks = torch.zeros(n, dtype=torch.int64)
@@ -84,18 +98,19 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.queue.append(request)
 
-    def cancel(self, request_id: int) -> bool:
-        """Request `request_id` leaves: now if it is queued, at the next block boundary if it is in
-        flight (the next schedule() hands it to on_finish as it stands, [MASK] where nothing was
-        committed, and its slot to the next request). False when it is neither."""
+    def cancel(self, request_id: int) -> Optional[str]:
+        """Request `request_id` leaves: now if it is queued ("queued"), at the next block boundary
+        if it is in flight ("in flight": the next schedule() hands it to on_finish as it stands,
+        [MASK] where nothing was committed, and its slot to the next request). None when it is
+        neither."""
         for r in self.queue:
             if r.id == request_id:
                 self.queue.remove(r)
-                return True
+                return "queued"
         if any(self.request[s].id == request_id for s in self.flight):
             self.cancelled.add(request_id)
-            return True
-        return False
+            return "in flight"
+        return None
 
     @property
     def idle(self) -> bool:
@@ -117,7 +132,18 @@ class Scheduler:
                 )
             return None
         slots = torch.tensor(self.flight)
-        return Round(slots, torch.tensor([self.request[s].id for s in self.flight]), self.next_block[slots])
+        rows = slots.to(self.batch.x.device)
+        return Round(
+            slots,
+            torch.tensor([self.request[s].id for s in self.flight]),
+            self.next_block[slots],
+            self.forwards[slots],
+            rows,
+            self.batch.select(rows, trim=True),
+            self.iters[rows],
+            self.keys[rows],
+            self.tau[rows],
+        )
 
     def _start(self, r: Request, slot: int) -> None:
         b = self.batch
@@ -129,11 +155,16 @@ class Scheduler:
         )
         self.iters[slot], self.keys[slot], self.tau[slot] = 0, r.key, r.threshold
         self.flight.append(slot)
+        if self.on_admit is not None:
+            self.on_admit(r.id)
 
-    def store(self, rows: torch.Tensor, x: torch.Tensor, iters: torch.Tensor):
-        """Writes back the tokens x [B, S'] (a round's leading columns) and iteration counts of the
-        slots `rows` (device indices)."""
+    def store(self, slots: torch.Tensor, x: torch.Tensor, iters: torch.Tensor, forwards: int):
+        """The round is over for `slots` (host indices; once each per round): their tokens x [B, S']
+        (the round's leading columns), iteration counts [B] and the `forwards` the round ran for
+        them."""
+        rows = slots.to(self.batch.x.device)
         self.batch.x[rows, : x.shape[1]], self.iters[rows] = x, iters
+        self.forwards[slots] += forwards
 
     def postprocess(self, rnd: Round):
         """After the round: early stop, each request's next block and committed tokens, and the
@@ -169,7 +200,7 @@ class Scheduler:
     def _early_stop(self, rnd: Round):
         """dInfer's rule: EOS anywhere in a finished block ends the sequence; the rest becomes EOS."""
         full, dev = self.batch, self.batch.x.device
-        part = full.select(rnd.slots.to(dev))
+        part = full.select(rnd.rows)
         pos = part.block_positions(rnd.blocks.to(dev))
         valid = pos < part.total_len[:, None].to(torch.int64)
         tokens = part.x.gather(1, pos.clamp(max=full.max_len - 1))

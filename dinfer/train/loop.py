@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from ..generate import SMOOTHING_WEIGHT
+from ..decoders import SMOOTHING_WEIGHT
 from ..models.checkpoint import expected_shapes, save_checkpoint
 from ..models.transformer import DiffusionLM, KVCache
 from ..tasks import sample

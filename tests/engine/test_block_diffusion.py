@@ -19,7 +19,7 @@ import dinfer_kernels as dk
 from dinfer import LLM
 from dinfer.decoders import JOINT_SPEED, Decoder, DecoderConfig
 from dinfer.generate import GenerationConfig, Generator, generate
-from dinfer.kv_paged import PagePool
+from dinfer.kv.paged import PagePool
 from dinfer.models.checkpoint import random_weights, save_checkpoint
 from dinfer.models.transformer import DiffusionLM
 from dinfer_kernels.reference.attention import attention_reference

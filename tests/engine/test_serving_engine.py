@@ -113,7 +113,7 @@ def test_a_cancelled_request_decodes_no_further_block_and_its_slot_refills_at_on
     first, second = gen.submit([1, 2, 3]), gen.submit([4, 5])
     assert gen.step() and len(blocks[first]) == 1 and second not in blocks
     forwards = int(gen.sched.forwards[0])
-    assert gen.sched.cancel(first)
+    assert gen.cancel(first) == "in flight"
     assert gen.step()  # the cancelled request leaves before this round: the next one runs in its slot
     assert len(blocks[first]) == 1 and len(blocks[second]) == 1
     tokens, ran = finished[first]
@@ -122,7 +122,42 @@ def test_a_cancelled_request_decodes_no_further_block_and_its_slot_refills_at_on
     while gen.step():
         pass
     assert finished[second][0] == generate(model, [[4, 5]], cfg)[0][0].tolist()
-    assert not gen.sched.cancel(first)  # gone
+    assert gen.cancel(first) is None  # gone
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_generator_reports_its_queue_and_admissions(paged):
+    """What a server's engine reads of a lane: requests queued and in flight, idle, and each
+    admission as it happens (one slot: the second request waits for the first to finish; a paged
+    cache with room for one sequence makes it wait the same way with two slots)."""
+    if paged:
+        model = llada2_model()
+        cfg = GenerationConfig(gen_length=8, block_length=4, cache="paged", kv_pages=3, early_stop=False)
+    else:
+        model = model_of(MOE, seed=3, scale=20)
+        cfg = GenerationConfig(gen_length=8, block_length=4, early_stop=False)
+    gen = Generator(model, cfg)
+    assert gen.idle and gen.in_flight == 0 and gen.queued == 0  # before open
+    admitted, finished = [], []
+    slots = 2 if paged else 1
+    gen.open(
+        slots,
+        gen._span(3, cfg.gen_length),
+        3 + cfg.gen_length,
+        lambda i, *_: finished.append(i),
+        None,
+        admitted.append,
+    )
+    first, second = gen.submit([1, 2, 3]), gen.submit([4, 5])
+    assert not gen.idle and gen.in_flight == 0 and gen.queued == 2 and admitted == []
+    assert gen.step() and admitted == [first] and gen.in_flight == 1 and gen.queued == 1
+    while not finished:
+        assert gen.step()
+    assert finished == [first] and admitted == [first] and gen.queued == 1
+    assert gen.step() and admitted == [first, second] and gen.in_flight == 1 and gen.queued == 0
+    while gen.step():
+        pass
+    assert finished == [first, second] and gen.idle and gen.in_flight == 0
 
 
 def test_a_full_queue_is_refused_not_grown(engine_of):

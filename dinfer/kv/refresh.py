@@ -13,37 +13,15 @@ A window's start depends only on its own sequence, and rows past a sequence's en
 sequence computes the same alone or in a batch.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
-from .batch import Batch
-from .params import check_memory
+from ..batch import Batch
+from ..params import check_memory
+from .base import KVManager, Window, block_rows
 
 MODES = ("none", "prefix", "dual", "vicinity")
-
-
-class Window(NamedTuple):
-    """What one forward computes: rows at positions `pos` [B, W] of the sequences, attending keys
-    [0, seq_lens[b]) (narrowed by block_mask), writing their K/V into `cache` (write_back), and the
-    flat indices of the block's rows among them (`rows`, [B * bl], into B * W)."""
-
-    pos: torch.Tensor
-    rows: torch.Tensor
-    seq_lens: torch.Tensor
-    block_mask: Optional[object]
-    write_back: bool
-    cache: object
-    block_table: Optional[torch.Tensor]
-
-
-def block_rows(block_pos: torch.Tensor, lo: torch.Tensor, W: int) -> torch.Tensor:
-    """[B * bl] flat indices (into B * W) of each sequence's block rows in a window starting at lo [B].
-    Padding rows may fall outside the window: they read any row's logits."""
-    B = block_pos.shape[0]
-    return (
-        (block_pos - lo[:, None]).clamp(0, W - 1) + W * torch.arange(B, device=lo.device)[:, None]
-    ).flatten()
 
 
 def window(batch: Batch, k: torch.Tensor, mode: str, prefix_look: int, after_look: int):
@@ -67,19 +45,18 @@ class RoundCache(NamedTuple):
     cache: object  # KVCache: the head of each slot buffer seen as [B, S, Hkv, D], contiguous
     window_lo: torch.Tensor  # [B] where each sequence's window step starts
     window_len: int
+    seq_lens: torch.Tensor  # [B] int32: each sequence's length (keys attended)
+    max_len: int  # positions of the round's rows (a refresh's window)
 
 
-class RefreshKV:
-    """The cache of `model` (a DiffusionLM) under GenerationConfig `cfg` for the rows of `storage`
-    (a row per sequence in flight, of storage.max_len positions); max_total is not needed: every
-    row holds its sequence whole."""
+class RefreshKV(KVManager):
+    """A contiguous cache row per slot, of storage.max_len positions (KVManager); max_total is not
+    needed: every row holds its sequence whole, so every request fits (admit's default)."""
 
-    admit = None  # every request fits its row: no admission control, nothing to give back
-    release = None
+    MODES = MODES
 
-    @staticmethod
-    def check(model, cfg) -> None:
-        """ValueError naming `cache` unless cfg's cache mode is one of this manager's."""
+    @classmethod
+    def check(cls, model, cfg) -> None:
         if cfg.cache not in MODES:
             raise ValueError(
                 f"cache: a bidirectional model ({model.config.family}) takes one of {MODES}, got {cfg.cache!r}"
@@ -94,20 +71,19 @@ class RefreshKV:
         check_memory(model, rows, rows, slots * cfg.block_length, what)  # a refusal, not an OOM
         self.cache = model.new_cache(slots, width)
 
-    def start_round(self, st, sched, stats) -> RoundCache:
+    def start_round(self, batch: Batch, requests, blocks, stats) -> RoundCache:
         """The round's cache: the head of each slot buffer as [B, S, Hkv, D]. What a block leaves
         there is never read again (every block starts with a refresh)."""
-        B, S = st.batch.size, st.batch.max_len
+        B, S = batch.size, batch.max_len
         cache = type(self.cache)(
             [_head(t, B, S) for t in self.cache.keys], [_head(t, B, S) for t in self.cache.values]
         )
-        lo, W = window(st.batch, st.blocks, self.cfg.cache, self.cfg.prefix_look, self.cfg.after_look)
-        return RoundCache(cache, lo, W)
+        lo, W = window(batch, blocks, self.cfg.cache, self.cfg.prefix_look, self.cfg.after_look)
+        return RoundCache(cache, lo, W, batch.total_len, S)
 
     def kinds(self, step: int, ran: int, chunk: int) -> tuple:
-        """The kinds of the block's iterations step .. step + chunk - 1 ("refresh" or "window");
-        `ran`: the fewest forwards any sequence in the block has run before (the warm-up is per
-        sequence: a newcomer gets its own)."""
+        """ "refresh" or "window" (the warm-up is per sequence, so `ran` counts: a newcomer gets its
+        own)."""
         c = self.cfg
 
         def refresh(s: int, r: int) -> bool:
@@ -120,21 +96,20 @@ class RefreshKV:
 
         return tuple("refresh" if refresh(step + j, ran + j) else "window" for j in range(chunk))
 
-    def window(self, st, kind: str) -> Window:
-        rc = st.kv
+    def window(self, rc: RoundCache, block_pos: torch.Tensor, kind: str) -> Window:
         refresh = kind == "refresh"
         lo = torch.zeros_like(rc.window_lo) if refresh else rc.window_lo
-        W = st.batch.max_len if refresh else rc.window_len
-        pos = (lo[:, None] + torch.arange(W, device=lo.device)).clamp(max=st.batch.max_len - 1)
-        rows = block_rows(st.block_pos, lo, W)
-        return Window(pos, rows, st.batch.total_len, None, refresh or self.cfg.write_back, rc.cache, None)
+        W = rc.max_len if refresh else rc.window_len
+        pos = (lo[:, None] + torch.arange(W, device=lo.device)).clamp(max=rc.max_len - 1)
+        rows = block_rows(block_pos, lo, W)
+        return Window(pos, rows, rc.seq_lens, None, refresh or self.cfg.write_back, rc.cache, None)
 
     def select(self, rc: RoundCache, keep: torch.Tensor) -> RoundCache:
         """The round cache of sequences `keep` only. Their cache rows are copied: nothing a block's
         iterations write into the cache is read after the block, whose successor starts with a
         refresh."""
         cache = type(rc.cache)([t[keep] for t in rc.cache.keys], [t[keep] for t in rc.cache.values])
-        return RoundCache(cache, rc.window_lo[keep], rc.window_len)
+        return RoundCache(cache, rc.window_lo[keep], rc.window_len, rc.seq_lens[keep], rc.max_len)
 
 
 def _head(buffer: torch.Tensor, B: int, S: int) -> torch.Tensor:

@@ -34,10 +34,10 @@ import torch
 
 import dinfer_kernels as dk
 
-from .batch import Batch, first_block
-from .kv_refresh import Window, block_rows
-from .params import check_memory
-from .scheduler import Request
+from ..batch import Batch, first_block
+from ..params import check_memory
+from ..scheduler import Request
+from .base import KVManager, Window, block_rows
 
 MODES = ("paged",)
 CLEAN_KV = ("fused", "forward")
@@ -111,13 +111,14 @@ class PagedRound(NamedTuple):
     fused_mask: dk.BlockMask  # block-causal over the fused window
 
 
-class PagedKV:
-    """The paged cache of `model` (a block-causal DiffusionLM) under GenerationConfig `cfg` for the
-    rows of `storage` (a row per sequence in flight), sequences of up to `max_total` positions."""
+class PagedKV(KVManager):
+    """The paged cache of a block-causal model (KVManager): admits a request only when its pages
+    are free."""
 
-    @staticmethod
-    def check(model, cfg) -> None:
-        """ValueError naming `cache` unless cfg's cache mode is this manager's."""
+    MODES = MODES
+
+    @classmethod
+    def check(cls, model, cfg) -> None:
         if cfg.cache not in MODES:
             raise ValueError(
                 f"cache: a block-causal model ({model.config.family}) keeps an exact append-only cache: "
@@ -157,42 +158,42 @@ class PagedKV:
         self.pool.release(rid)
         del self.total[rid], self.first[rid]
 
-    def start_round(self, st, sched, stats) -> PagedRound:
+    def start_round(self, batch: Batch, requests, blocks, stats) -> PagedRound:
         """Pages for every block of the round, the newcomers' prompts prefilled, and (clean_kv
         "forward") the previous blocks' clean K/V written; then the round's tables and windows."""
-        bl, seqs, blocks = self.bl, st.requests.tolist(), st.blocks.tolist()
+        bl, seqs, ks = self.bl, requests.tolist(), blocks.tolist()
         starts = [self.first[i] + k * bl for i, k in zip(seqs, blocks)]
         for i, s in zip(seqs, starts):
             self.pool.grow(i, min(s + bl, self.total[i]))
-        newcomers = [b for b, k in enumerate(blocks) if k == 0 and self.first[seqs[b]] > 0]
+        newcomers = [b for b, k in enumerate(ks) if k == 0 and self.first[seqs[b]] > 0]
         if newcomers:
-            self._prefill(st, newcomers, stats)
+            self._prefill(batch, seqs, newcomers, stats)
         # every window's positions inside the table: the fused one reaches past short blocks
         max_pages = max(pages_for(max(s - bl, 0) + 2 * bl, bl) for s in starts)
         table = self.pool.table(seqs, max_pages)
-        start = st.batch.block_start(st.blocks.to(table.device))
+        start = batch.block_start(blocks.to(table.device))
         fused_lo = (start - bl).clamp(min=0)
-        seq_lens = torch.minimum(start + bl, st.batch.total_len.to(torch.int64)).to(torch.int32)
+        seq_lens = torch.minimum(start + bl, batch.total_len.to(torch.int64)).to(torch.int32)
         c = self.model.config
         mask = dk.BlockMask.block_causal(
             len(seqs), c.num_kv_heads, 2 * bl, max_pages * bl, bl, bl, bl, fused_lo, device=table.device
         )
         rnd = PagedRound(table, start, fused_lo, seq_lens, mask)
-        if self.cfg.clean_kv == "forward" and any(k > 0 for k in blocks):
-            self._persist(st, rnd, stats)
+        if self.cfg.clean_kv == "forward" and any(k > 0 for k in ks):
+            self._persist(batch, blocks, rnd, stats)
         return rnd
 
     def kinds(self, step: int, ran: int, chunk: int) -> tuple:
-        """The kinds of the block's iterations step .. step + chunk - 1: its first is "fused" (unless
-        the clean K/V come from an extra forward), the others "step"."""
+        """The block's first iteration is "fused" (unless the clean K/V come from an extra forward),
+        the others "step"."""
         fused = self.cfg.clean_kv == "fused"
         return tuple("fused" if fused and step + j == 0 else "step" for j in range(chunk))
 
-    def window(self, st, kind: str) -> Window:
-        rnd, bl = st.kv, self.bl
+    def window(self, rnd: PagedRound, block_pos: torch.Tensor, kind: str) -> Window:
+        bl = self.bl
         lo, W, mask = (rnd.fused_lo, 2 * bl, rnd.fused_mask) if kind == "fused" else (rnd.start, bl, None)
         pos = lo[:, None] + torch.arange(W, device=lo.device)
-        return Window(pos, block_rows(st.block_pos, lo, W), rnd.seq_lens, mask, True, self.pool, rnd.table)
+        return Window(pos, block_rows(block_pos, lo, W), rnd.seq_lens, mask, True, self.pool, rnd.table)
 
     def select(self, rnd: PagedRound, keep: torch.Tensor) -> PagedRound:
         """The round of sequences `keep` only: their table rows (the pages stay where they are)."""
@@ -200,16 +201,16 @@ class PagedKV:
         mask = dk.BlockMask(m.kv_num_blocks[keep], m.kv_indices[keep], m.q_block, m.kv_block)
         return PagedRound(rnd.table[keep], rnd.start[keep], rnd.fused_lo[keep], rnd.seq_lens[keep], mask)
 
-    def _prefill(self, st, newcomers: List[int], stats) -> None:
-        """The whole prompt blocks [0, first_block) of sequences `newcomers` (indices into the round),
-        chunk by chunk: K/V written, no logits read."""
+    def _prefill(self, batch: Batch, requests: List[int], newcomers: List[int], stats) -> None:
+        """The whole prompt blocks [0, first_block) of sequences `newcomers` (indices into the round;
+        requests: the round's), chunk by chunk: K/V written, no logits read."""
         bl, c = self.bl, self.model.config
-        seqs = [int(st.requests[b]) for b in newcomers]
+        seqs = [requests[b] for b in newcomers]
         chunk, longest = self.chunk, max(self.first[i] for i in seqs)
         chunks = pages_for(longest, chunk)
         table = self.pool.table(seqs, pages_for(chunks * chunk, bl))
         rows = torch.tensor(newcomers, device=table.device)
-        x, first = st.batch.x[rows], st.batch.first_block[rows]
+        x, first = batch.x[rows], batch.first_block[rows]
         none = torch.empty(0, dtype=torch.int64, device=table.device)
         for j in range(chunks):
             lo = j * chunk
@@ -224,15 +225,15 @@ class PagedKV:
             )
             stats.prefills += 1
 
-    def _persist(self, st, rnd: PagedRound, stats) -> None:
+    def _persist(self, batch: Batch, blocks, rnd: PagedRound, stats) -> None:
         """clean_kv "forward": one forward over each sequence's previous block, from its final tokens,
         writing its clean K/V (sequences on their first block: padding rows, nothing written)."""
         bl = self.bl
-        decoded = (st.blocks > 0).to(rnd.start.device)
+        decoded = (blocks > 0).to(rnd.start.device)
         lo = (rnd.start - bl).clamp(min=0)
         pos = lo[:, None] + torch.arange(bl, device=lo.device)
         seq_lens = torch.where(decoded, rnd.start, lo).to(torch.int32)  # keys up to the block's start
-        emb = self.model.embed(st.batch.x.gather(1, pos))
+        emb = self.model.embed(batch.x.gather(1, pos))
         none = torch.empty(0, dtype=torch.int64, device=lo.device)
         self.model.forward(emb, pos, self.pool, seq_lens, logits_rows=none, block_table=rnd.table)
         stats.forwards += 1
