@@ -88,7 +88,8 @@ class ModelConfig:
         return not self.is_moe or i < self.first_k_dense
 
     def hf_key(self, field: str) -> str:
-        """The config.json key that sets `field` in this family (the field's name where none does)."""
+        """The config.json key that sets `field` in this family, or how keys set it (LLaDA's head_dim:
+        "head_dim (d_model/n_heads)"); the field's name where none does."""
         return self.family_spec.hf_keys.get(field, field)
 
     @classmethod
