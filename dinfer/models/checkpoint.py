@@ -9,7 +9,8 @@ Canonical names (the models use these; per-layer names carry a `layers.{i}.` pre
   MLP layers below first_k_dense; MoE layers add the shared expert shared_w13 [2S,H], shared_w2 [H,S].
 
 Released layouts (as the checkpoints ship): LLaDA dense, LLaDA-MoE and LLaDA2 per-expert, and dInfer's
-fused stacked-expert layouts of both MoE families. Loading parses safetensors over a private memory map, so a tensor that needs no
+fused stacked-expert layouts of both MoE families; each family's module (llada.py, llada_moe.py,
+llada2.py) names its tensors (Family.plan), this one reads and checks them. Loading parses safetensors over a private memory map, so a tensor that needs no
 cast is a zero-copy view of the file and the model is never held twice in RAM. Before any tensor is used
 the checkpoint is checked against the config from the headers alone (load_weights), so a config that
 disagrees with the weights, or a broken file, is a CheckpointError naming the file, the key and both values.
@@ -17,7 +18,6 @@ disagrees with the weights, or a broken file, is a CheckpointError naming the fi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import mmap
@@ -30,15 +30,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import CONFIG_FILE, DENSE, LLADA2, MOE, CheckpointError, ModelConfig
+from .config import CONFIG_FILE, CheckpointError, ModelConfig
+from .families import FAMILIES
+from .family import EXPERTS, LAYOUTS, Plan, Source
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-# A source is (released tensor name, index into the canonical tensor it fills); () is the whole tensor.
-Source = Tuple[str, tuple]
 
 
 def _symbolic_shapes(config: ModelConfig) -> Dict[str, Tuple[str, ...]]:
@@ -48,7 +47,7 @@ def _symbolic_shapes(config: ModelConfig) -> Dict[str, Tuple[str, ...]]:
     shapes = {"embed": ("V", "H")}
     for i in range(c.num_layers):
         layer = {"attn_norm": ("H",)}
-        if c.family == LLADA2:
+        if c.family_spec.fused_qkv:
             layer["qkv"] = ("QKV", "H")
         else:
             layer.update(q=("Q", "H"), k=("KV", "H"), v=("KV", "H"))
@@ -73,9 +72,7 @@ def _dim_sizes(config: ModelConfig) -> Dict[str, Tuple[int, str]]:
     """Size symbol -> (size, the config.json keys that set it), so a shape mismatch names the key."""
     c, key = config, config.hf_key
     width, dense_width, shared = c.expert_intermediate_size, c.intermediate_size, c.shared_intermediate_size
-    head_dim = (
-        key("head_dim") if c.family == LLADA2 else f"head_dim ({key('hidden_size')}/{key('num_heads')})"
-    )
+    head_dim = key("head_dim")
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     return {
         "V": (c.vocab_size, key("vocab_size")),
@@ -99,132 +96,13 @@ def expected_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     return {name: tuple(sizes[d][0] for d in dims) for name, dims in _symbolic_shapes(config).items()}
 
 
-def _dense_plan(config: ModelConfig) -> Dict[str, List[Source]]:
-    names = {
-        "embed": "model.transformer.wte.weight",
-        "final_norm": "model.transformer.ln_f.weight",
-        "lm_head": "model.transformer.ff_out.weight",
-    }
-    per_layer = {
-        "attn_norm": "attn_norm",
-        "q": "q_proj",
-        "k": "k_proj",
-        "v": "v_proj",
-        "o": "attn_out",
-        "mlp_norm": "ff_norm",
-        "gate": "ff_proj",
-        "up": "up_proj",
-        "down": "ff_out",
-    }  # ff_proj is the gate
-    for i in range(config.num_layers):
-        names.update(
-            {
-                f"layers.{i}.{ours}": f"model.transformer.blocks.{i}.{theirs}.weight"
-                for ours, theirs in per_layer.items()
-            }
-        )
-    return {ours: [(theirs, ())] for ours, theirs in names.items()}
-
-
-def _moe_plan(config: ModelConfig, layout: str) -> Dict[str, List[Source]]:
-    plan = {
-        "embed": [("model.embed_tokens.weight", ())],
-        "final_norm": [("model.norm.weight", ())],
-        "lm_head": [("lm_head.weight", ())],
-    }
-    E, I = config.num_experts, config.expert_intermediate_size
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        names = {
-            "attn_norm": "input_layernorm.weight",
-            "q": "self_attn.q_proj.weight",
-            "k": "self_attn.k_proj.weight",
-            "v": "self_attn.v_proj.weight",
-            "o": "self_attn.o_proj.weight",
-            "q_norm": "self_attn.q_norm.weight",
-            "k_norm": "self_attn.k_norm.weight",
-            "mlp_norm": "post_attention_layernorm.weight",
-            "router": "mlp.gate.weight",
-            "expert_bias": "mlp.expert_bias",
-        }
-        plan.update({f"layers.{i}.{ours}": [(p + theirs, ())] for ours, theirs in names.items()})
-        if layout == "fused":
-            plan[f"layers.{i}.w13"] = [(p + "mlp.w1", ())]
-            plan[f"layers.{i}.w2"] = [(p + "mlp.w2", ())]
-        else:
-            stacked = _stacked_experts(p, E, I, "gate_proj.weight", "up_proj.weight", "down_proj.weight")
-            plan.update({f"layers.{i}.{ours}": sources for ours, sources in stacked.items()})
-    return plan
-
-
-def _stacked_experts(p: str, E: int, I: int, gate: str, up: str, down: str) -> Dict[str, List[Source]]:
-    """w13 / w2 of one layer from per-expert tensors under prefix p (gate rows, then up rows)."""
-    experts = [p + f"mlp.experts.{e}." for e in range(E)]
-    return {
-        "w13": [
-            src
-            for e, x in enumerate(experts)
-            for src in ((x + gate, (e, slice(0, I))), (x + up, (e, slice(I, 2 * I))))
-        ],
-        "w2": [(x + down, (e,)) for e, x in enumerate(experts)],
-    }
-
-
-def _llada2_plan(config: ModelConfig, layout: str) -> Dict[str, List[Source]]:
-    plan = {
-        "embed": [("model.word_embeddings.weight", ())],
-        "final_norm": [("model.norm.weight", ())],
-        "lm_head": [("lm_head.weight", ())],
-    }
-    S = config.shared_intermediate_size
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        names = {
-            "attn_norm": "input_layernorm.weight",
-            "qkv": "attention.query_key_value.weight",
-            "q_norm": "attention.query_layernorm.weight",
-            "k_norm": "attention.key_layernorm.weight",
-            "o": "attention.dense.weight",
-            "mlp_norm": "post_attention_layernorm.weight",
-            "gate": "mlp.gate_proj.weight",
-            "up": "mlp.up_proj.weight",
-            "down": "mlp.down_proj.weight",
-            "router": "mlp.gate.weight",
-            "expert_bias": "mlp.gate.expert_bias",
-            "shared_w2": "mlp.shared_experts.down_proj.weight",
-        }
-        layer = {ours: [(p + theirs, ())] for ours, theirs in names.items()}
-        layer["shared_w13"] = [
-            (p + "mlp.shared_experts.gate_proj.weight", (slice(0, S),)),
-            (p + "mlp.shared_experts.up_proj.weight", (slice(S, 2 * S),)),
-        ]
-        if layout == "fused":  # dInfer's pre-fused experts (its load_state_dict accepts them)
-            layer.update(w13=[(p + "mlp.w1", ())], w2=[(p + "mlp.w2", ())])
-        else:
-            layer.update(
-                _stacked_experts(
-                    p,
-                    config.num_experts,
-                    config.expert_intermediate_size,
-                    "gate_proj.weight",
-                    "up_proj.weight",
-                    "down_proj.weight",
-                )
-            )
-        plan.update({f"layers.{i}.{ours}": sources for ours, sources in layer.items()})
-    return plan
-
-
-def checkpoint_plan(config: ModelConfig, layout: str = "hf") -> Dict[str, List[Source]]:
+def checkpoint_plan(config: ModelConfig, layout: str = "hf") -> Plan:
     """Canonical name -> the released tensors that fill it, for the names this config has."""
-    if layout not in ("hf", "fused"):
+    if layout not in LAYOUTS:
         raise ValueError(f"layout must be 'hf' or 'fused', got {layout!r}")
-    if layout == "fused" and not config.is_moe:
+    if layout not in config.family_spec.layouts:
         raise ValueError("the fused layout exists only for MoE checkpoints")
-    if config.family == LLADA2:
-        plan = _llada2_plan(config, layout)
-    else:
-        plan = _moe_plan(config, layout) if config.is_moe else _dense_plan(config)
+    plan = config.family_spec.plan(config, layout)
     return {name: plan[name] for name in expected_shapes(config)}
 
 
@@ -376,13 +254,6 @@ def _read_index(index: str) -> Dict[str, str]:
 
 # Buffers some exports save that are recomputed from config.json (RoPE frequencies from rope_theta).
 _DERIVED = (".rotary_emb.inv_freq",)
-_LAYER = {
-    DENSE: re.compile(r"model\.transformer\.blocks\.(\d+)\."),
-    MOE: re.compile(r"model\.layers\.(\d+)\."),
-    LLADA2: re.compile(r"model\.layers\.(\d+)\."),
-}
-_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
-_ROOT = {DENSE: "model.transformer.", MOE: "model.layers.", LLADA2: "model.layers."}
 
 
 def load_weights(
@@ -412,9 +283,7 @@ def open_checked(path, config: ModelConfig):
     """(the checkpoint in directory `path`, its plan: canonical name -> sources), checked against
     `config` from the headers alone (load_weights' checks; no tensor data is read)."""
     ckpt = _Checkpoint(os.fspath(path))
-    # dInfer's fused layout is recognised by its tensor names, whatever config.json says.
-    first_moe = f"model.layers.{config.first_k_dense}.mlp.w1"
-    layout = "fused" if config.is_moe and first_moe in ckpt.where else "hf"
+    layout = _layout(ckpt, config)
     plan = checkpoint_plan(config, layout)
     _check_structure(ckpt, config, layout, plan)
     symbols, sizes = _symbolic_shapes(config), _dim_sizes(config)
@@ -426,44 +295,47 @@ def open_checked(path, config: ModelConfig):
     return ckpt, plan
 
 
+def _layout(ckpt: _Checkpoint, config: ModelConfig) -> str:
+    """dInfer's fused layout, recognised by its tensor names (the first MoE layer's stacked w13)
+    whatever config.json says, or the released one."""
+    i = config.first_k_dense
+    if "fused" not in config.family_spec.layouts or i >= config.num_layers:
+        return "hf"
+    ((stacked, _),) = config.family_spec.plan(config, "fused")[f"layers.{i}.w13"]
+    return "fused" if stacked in ckpt.where else "hf"
+
+
 def kept_fp32(config: ModelConfig, name: str) -> bool:
-    """The routers stay fp32 (as dInfer keeps its gate), and so does LLaDA2's expert bias (an fp32
-    buffer in the release: its selection-only bias would otherwise reorder near-tied experts)."""
-    return name.endswith("router") or (config.family == LLADA2 and name.endswith("expert_bias"))
+    """Whether canonical tensor `name` loads in fp32 whatever the dtype (its family's fp32_tensors: the
+    routers, as dInfer keeps its gate, and LLaDA2's expert bias)."""
+    return name.endswith(config.family_spec.fp32_tensors)
 
 
-def _check_structure(
-    ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: Dict[str, List[Source]]
-) -> None:
+def _check_structure(ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: Plan) -> None:
     """The checkpoint's tensor names against config: family, layer and expert counts, optional
     tensors, then every planned tensor present and every present tensor planned."""
-    names, key = set(ckpt.where), config.hf_key
-    other = DENSE if config.family != DENSE else MOE
-    if not any(n.startswith(_ROOT[config.family]) for n in names) and any(
-        n.startswith(_ROOT[other]) for n in names
-    ):
-        example = min(n for n in names if n.startswith(_ROOT[other]))
-        raise CheckpointError(
-            f"{CONFIG_FILE}: architectures {list(config.architectures)} describe a "
-            f"{config.family} model but {ckpt.source} holds {other} tensors such as {example!r}"
-        )
-    counts = [(key("num_layers"), config.num_layers, "layers", _LAYER[config.family])]
+    names, key, spec = set(ckpt.where), config.hf_key, config.family_spec
+    if not any(n.startswith(spec.tensor_root) for n in names):
+        for other in FAMILIES.values():  # the first family whose tensors these are, by their root
+            theirs = [n for n in names if n.startswith(other.tensor_root)]
+            if other.tensor_root != spec.tensor_root and theirs:
+                raise CheckpointError(
+                    f"{CONFIG_FILE}: architectures {list(config.architectures)} describe a "
+                    f"{config.family} model but {ckpt.source} holds {other.name} tensors such as {min(theirs)!r}"
+                )
+    layer = re.escape(spec.layer_prefix)
+    counts = [(key("num_layers"), config.num_layers, "layers", re.compile(layer + r"(\d+)\."))]
     if config.is_moe and layout == "hf" and config.first_k_dense < config.num_layers:
-        counts.append((key("num_experts"), config.num_experts, "experts", _EXPERT))
+        expert = re.compile(layer + r"\d+\." + re.escape(EXPERTS) + r"(\d+)\.")
+        counts.append((key("num_experts"), config.num_experts, "experts", expert))
     for config_key, want, what, pattern in counts:
         found = {int(m.group(1)) for m in map(pattern.match, names) if m}
         if not found or max(found) + 1 != want:
             held = f"{what} 0..{max(found)}" if found else f"no {what}"
             raise CheckpointError(f"{CONFIG_FILE}: {config_key} is {want} but {ckpt.source} holds {held}")
     wanted = {src for sources in plan.values() for src, _ in sources}
-    if config.family == MOE:  # the optional MoE tensors say which flag is wrong
-        every = _moe_plan(dataclasses.replace(config, num_layers=1), layout)  # layer 0's names suffice
-        optional = (("layers.0.q_norm", "qk_norm"), ("layers.0.expert_bias", "expert_bias"))
-    elif config.family == LLADA2 and config.first_k_dense < config.num_layers:
-        every, i = _llada2_plan(config, layout), config.first_k_dense  # the first MoE layer's names
-        optional = ((f"layers.{i}.expert_bias", "expert_bias"),)
-    else:
-        optional = ()
+    optional = spec.optional_tensors(config)  # a tensor a flag adds says which flag is wrong
+    every = spec.plan(config, layout) if optional else {}  # the names of the tensors the config lacks too
     for name, field in optional:
         ((src, _),) = every[name]
         if (src in names) != (name in plan):

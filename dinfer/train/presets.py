@@ -12,16 +12,8 @@ block-causal attention it decodes with.
 from dataclasses import dataclass
 from typing import Tuple
 
-from ..models.config import (
-    DENSE,
-    DENSE_ARCH,
-    LLADA2,
-    LLADA2_ARCH,
-    LLADA2_BLOCK_LENGTH,
-    MOE,
-    MOE_ARCH,
-    ModelConfig,
-)
+from ..models import llada, llada2, llada_moe
+from ..models.config import ModelConfig
 from .curriculum import RECALL_CURRICULUM, RecallCurriculum
 from .tokenizer import EOS, MASK, special_ids, vocab_size
 
@@ -96,25 +88,25 @@ def _config(family: str, **kw) -> ModelConfig:
 PRESETS = {
     "tiny-llada-moe": TrainPreset(
         _config(
-            MOE,
+            llada_moe.NAME,
             intermediate_size=None,
             num_experts=8,
             top_k=2,
             expert_intermediate_size=256,
             qk_norm=True,
-            architectures=(MOE_ARCH,),
+            architectures=(llada_moe.ARCH,),
         ),
         steps=3400,
     ),
     "tiny-llada": TrainPreset(
         _config(
-            DENSE,
+            llada.NAME,
             intermediate_size=768,
             num_experts=0,
             top_k=0,
             expert_intermediate_size=None,
             qk_norm=False,
-            architectures=(DENSE_ARCH,),
+            architectures=(llada.ARCH,),
         ),
         steps=4200,
         # The dense model's sort needs the most (68% exact at a double share); it only serves the
@@ -123,7 +115,7 @@ PRESETS = {
     ),
     "tiny-llada2": TrainPreset(
         _config(
-            LLADA2,
+            llada2.NAME,
             num_kv_heads=2,  # GQA: 4 query heads per KV head, as the release's 16 / 4
             rotary_dim=16,  # partial RoPE on half of each head, as the release's 64 of 128
             rms_eps=1e-6,
@@ -142,11 +134,11 @@ PRESETS = {
             routed_scaling=2.5,
             # what loading the checkpoint gives (config.json has no block length); the model decodes
             # with the preset's block_length, which its generation_config.json sets
-            block_length=LLADA2_BLOCK_LENGTH,
-            architectures=(LLADA2_ARCH,),
+            block_length=llada2.BLOCK_LENGTH,
+            architectures=(llada2.ARCH,),
         ),
         steps=2400,
-        block_length=LLADA2_BLOCK_LENGTH,
+        block_length=llada2.BLOCK_LENGTH,
         expert_bias_update=1e-3,
     ),
 }

@@ -21,6 +21,7 @@ from dinfer.models import (
     random_weights,
     save_checkpoint,
 )
+from dinfer.models.families import FAMILIES
 
 # Released config.json values, used both as parsing tests and as templates.
 DENSE_8B = {
@@ -293,6 +294,35 @@ def test_moe_dispatch(architectures):
 
 def test_dense_dispatch_on_keys_without_architectures():
     assert ModelConfig.from_hf({k: v for k, v in DENSE_8B.items() if k != "architectures"}).family == "llada"
+
+
+def test_dispatch_precedence():
+    """LLaDA2's grouped-routing keys name it whatever `architectures` says (another family would read
+    the config and run it wrongly); otherwise a named architecture wins over another family's keys,
+    and between two families' keys the more specific one wins."""
+    assert ModelConfig.from_hf(dict(TINY_LLADA2, architectures=["LLaDAMoEModelLM"])).family == "llada2_moe"
+    assert ModelConfig.from_hf(dict(TINY_DENSE, expert_intermediate_size=40)).family == "llada"
+    no_arch = {k: v for k, v in TINY_MOE.items() if k != "architectures"}
+    assert ModelConfig.from_hf(dict(no_arch, n_layers=2)).family == "llada_moe"
+    with pytest.raises(
+        CheckpointError,
+        match=r"config\.json: unsupported architectures \['X'\]: it has neither LLaDA's d_model/n_layers "
+        r"nor LLaDA-MoE's expert_intermediate_size/moe_layer_freq$",
+    ):
+        ModelConfig.from_hf({"architectures": ["X"], "hidden_size": 8})
+
+
+def test_every_family_has_a_tiny_config_that_round_trips_in_each_layout():
+    """A family added to the table needs a tiny config here; its config.json, written in each of its
+    layouts, reads back as the same config (the fused layout may name another architecture)."""
+    tiny_configs = {"llada": TINY_DENSE, "llada_moe": TINY_MOE, "llada2_moe": TINY_LLADA2}
+    assert set(tiny_configs) == set(FAMILIES)
+    for name, family in FAMILIES.items():
+        c = ModelConfig.from_hf(tiny_configs[name])
+        assert c.family == name and c.family_spec is family
+        for layout in family.layouts:
+            again = ModelConfig.from_hf(c.to_hf(layout))
+            assert dataclasses.replace(again, architectures=c.architectures) == c, (name, layout)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

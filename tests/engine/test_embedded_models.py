@@ -13,8 +13,9 @@ from conftest import ROOT
 
 from dinfer import LLM
 from dinfer.evaluate import evaluate
+from dinfer.models import llada, llada2, llada_moe
 from dinfer.models.checkpoint import load_weights
-from dinfer.models.config import DENSE_ARCH, LLADA2_ARCH, MOE_ARCH, ModelConfig
+from dinfer.models.config import ModelConfig
 from dinfer.models.embedded import DEFAULT, EMBEDDED, generation_defaults, model_dir
 from dinfer.tasks import TASKS, eval_problems
 from dinfer.train import PRESETS
@@ -51,14 +52,14 @@ def test_released_layout_size_and_provenance(name):
     assert config == PRESETS[name].config
     raw = json.load(open(os.path.join(path, "config.json")))
     if name == "tiny-llada-moe":
-        assert raw["architectures"] == [MOE_ARCH] and raw["num_experts"] == 8 and raw["qk_layernorm"]
+        assert raw["architectures"] == [llada_moe.ARCH] and raw["num_experts"] == 8 and raw["qk_layernorm"]
     elif name == "tiny-llada2":
-        assert raw["architectures"] == [LLADA2_ARCH] and raw["first_k_dense_replace"] == 1
+        assert raw["architectures"] == [llada2.ARCH] and raw["first_k_dense_replace"] == 1
         assert raw["num_key_value_heads"] < raw["num_attention_heads"] and raw["num_shared_experts"] == 1
         assert raw["score_function"] == "sigmoid" and raw["moe_router_enable_expert_bias"]
         assert raw["rotary_dim"] == raw["head_dim"] // 2 and raw["n_group"] > 1
     else:
-        assert raw["architectures"] == [DENSE_ARCH] and "d_model" in raw
+        assert raw["architectures"] == [llada.ARCH] and "d_model" in raw
     weights = load_weights(path, config, dtype=torch.bfloat16)
     assert weights["embed"].dtype == torch.bfloat16 and weights["embed"].shape[0] == config.vocab_size
     record = json.load(open(os.path.join(path, "training.json")))

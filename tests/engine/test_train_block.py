@@ -14,8 +14,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 import dinfer_kernels as dk
 from dinfer import LLM
+from dinfer.models import llada2
 from dinfer.models.checkpoint import random_weights
-from dinfer.models.config import LLADA2
 from dinfer.models.transformer import DiffusionLM, KVCache
 from dinfer.tasks import sample
 from dinfer.train import PRESETS, ops, train
@@ -368,7 +368,7 @@ def test_train_llada2_writes_a_block_causal_checkpoint(tmp_path):
         assert bias.dtype == torch.float32 and bias.abs().max() > 0  # 3 steps of 1e-3 each
         assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
     llm = LLM(a, device="cpu")
-    assert llm.model.config.family == LLADA2 and llm.model.config.block_causal
+    assert llm.model.config.family == llada2.NAME and llm.model.config.block_causal
     assert llm.defaults["block_length"] == 32  # the trained block length, from generation_config.json
     out = llm.generate(["add:12+34"], decoder="fixed", steps_per_block=0)  # its paged cache
     assert len(out.token_ids) == 1 and out.stats["forwards"] >= 1
