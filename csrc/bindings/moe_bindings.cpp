@@ -57,8 +57,7 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   const DType dt = hidden.dtype();
   const bool on_host = !hidden.on_cuda();
 
-  TensorArg w13(w13_o, "w13");
-  w13.expect_dtype({dt});
+  TensorArg w13(w13_o, "w13"), w2(w2_o, "w2"), out(out_o, "out");
   if (w13.ndim() != 3) throw_value_error("w13: expected a 3-D array [E, 2I, H]");
   const int64_t E = w13.size(0), two_i = w13.size(1);
   if (E < 1) throw_value_error("w13: expected at least one expert");
@@ -68,54 +67,30 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   if (two_i < 2 || two_i % 2)
     throw_value_error("w13: the middle dimension is gate + up rows (2 * I), got " + std::to_string(two_i));
   const int64_t I = two_i / 2;
-  w13.expect_shape({E, two_i, H});
-  w13.expect_contiguous();
-  w13.expect_same_device(hidden);
-
-  TensorArg w2(w2_o, "w2");
-  w2.expect_dtype({dt});
-  w2.expect_shape({E, H, I});
-  w2.expect_contiguous();
-  w2.expect_same_device(hidden);
-
   if (router_weight_o.is_none() == router_logits_o.is_none())
     throw_value_error("router_weight: give exactly one of router_weight [E, H] and router_logits [T, E]");
+  // Kept alive until the launch.
+  const std::unique_ptr<TensorArg> router_weight = optional_arg(router_weight_o, "router_weight"),
+                                   router_logits = optional_arg(router_logits_o, "router_logits"),
+                                   bias = optional_arg(expert_bias_o, "expert_bias");
+  const TensorArg* router = router_weight ? router_weight.get() : router_logits.get();
+  expect_arrays(hidden, {
+                            {&w13, {dt}, {E, two_i, H}, kContiguous},
+                            {&w2, {dt}, {E, H, I}, kContiguous},
+                            {router_weight.get(), {DType::kFloat32, dt}, {E, H}, kContiguous},
+                            {router_logits.get(), {DType::kFloat32}, {T, E}, kContiguous},
+                            {bias.get(), {DType::kFloat32}, {E}, kContiguous},
+                            {&out, {dt}, {T, H}, kContiguous | kWritable},
+                        });
+  expect_disjoint({&out}, {&hidden, &w13, &w2, router, bias.get()});
   MoeParams p;
-  // Keeps the imported view alive until the launch.
-  std::unique_ptr<TensorArg> router;
-  if (!router_weight_o.is_none()) {
-    router.reset(new TensorArg(router_weight_o, "router_weight"));
-    router->expect_dtype({DType::kFloat32, dt});
-    router->expect_shape({E, H});
-    router->expect_contiguous();
-    router->expect_same_device(hidden);
-    p.router_weight = router->data<void>();
-    p.router_dtype = scalar_type(router->dtype());
+  if (router_weight) {
+    p.router_weight = router_weight->data<void>();
+    p.router_dtype = scalar_type(router_weight->dtype());
   } else {
-    router.reset(new TensorArg(router_logits_o, "router_logits"));
-    router->expect_dtype({DType::kFloat32});
-    router->expect_shape({T, E});
-    router->expect_contiguous();
-    router->expect_same_device(hidden);
-    p.router_logits = router->data<float>();
+    p.router_logits = router_logits->data<float>();
   }
-  std::unique_ptr<TensorArg> bias;
-  if (!expert_bias_o.is_none()) {
-    bias.reset(new TensorArg(expert_bias_o, "expert_bias"));
-    bias->expect_dtype({DType::kFloat32});
-    bias->expect_shape({E});
-    bias->expect_contiguous();
-    bias->expect_same_device(hidden);
-    p.expert_bias = bias->data<float>();
-  }
-
-  TensorArg out(out_o, "out");
-  out.expect_dtype({dt});
-  out.expect_shape({T, H});
-  out.expect_contiguous();
-  out.expect_writable();
-  out.expect_same_device(hidden);
-  expect_disjoint({&out}, {&hidden, &w13, &w2, router.get(), bias.get()});
+  if (bias) p.expert_bias = bias->data<float>();
 
   in_range(num_groups, 1, E, "num_groups");
   if (E % num_groups)
@@ -160,7 +135,7 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   }
   run_cuda(
       "moe_cuda", "moe_workspace_bytes", hidden, workspace_o, stream,
-      {&hidden, &w13, &w2, router.get(), bias.get(), &out},
+      {&hidden, &w13, &w2, router, bias.get(), &out},
       [&] { return dinfer_kernels::moe_cuda_workspace_bytes(T, E, static_cast<int32_t>(top_k), H, I); },
       [&](void* ws, size_t bytes, cudaStream_t s) { return dinfer_kernels::moe_cuda(p, ws, bytes, s); });
 }
