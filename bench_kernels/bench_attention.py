@@ -60,9 +60,10 @@ def flex_available():
 
 def make_inputs(W, S, Hq, Hkv, D, density, dtype, device, q_block, kv_block, seed=0):
     import dinfer_kernels as dk
+    from dinfer_kernels import op_inputs
 
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
+    a = op_inputs.attention_inputs(1, W, S, Hq, Hkv, D, dtype=dtype, device=device, generator=g)
     start = 0 if W >= S else (S - W) // 2 // 32 * 32
     pos = (start + torch.arange(W))[None].to(device)
     lens = torch.tensor([S], dtype=torch.int32, device=device)
@@ -74,11 +75,11 @@ def make_inputs(W, S, Hq, Hkv, D, density, dtype, device, q_block, kv_block, see
         dense[..., 0] = True  # every list non-empty
     bm = dk.BlockMask.from_dense(dense.to(device), q_block, kv_block)
     return dict(
-        q=r(1, W, Hq, D),
-        k=r(1, W, Hkv, D),
-        v=r(1, W, Hkv, D),
-        kc=r(1, S, Hkv, D),
-        vc=r(1, S, Hkv, D),
+        q=a["q"],
+        k=a["k"],
+        v=a["v"],
+        kc=a["k_cache"],
+        vc=a["v_cache"],
         pos=pos,
         lens=lens,
         start=start,

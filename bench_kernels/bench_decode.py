@@ -33,21 +33,24 @@ UNMASK_EVERY = 16
 
 
 def make_inputs(N, V, dtype, device, seed=0):
-    """Logits with a spread of confidences: z = 2*randn plus, on half the rows, a peak of random height
-    (so a realistic share of rows clears tau = 0.9). Every 16th position is already decoded."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    z = torch.randn(N, V, generator=g) * 2.0
-    peak_rows = torch.rand(N, generator=g) < 0.5
-    peak_tok = torch.randint(0, V, (N,), generator=g)
-    peak_h = 10.0 + 15.0 * torch.rand(N, generator=g)  # p(top-1) from ~0.02 to ~1
-    z[peak_rows, peak_tok[peak_rows]] += peak_h[peak_rows]
-    mask_id = LLADA_MOE_MASK if V > LLADA_MOE_MASK else V - 1
-    tokens = torch.full((N,), mask_id, dtype=torch.int64)
-    keep = torch.arange(N) % UNMASK_EVERY == UNMASK_EVERY - 1
-    other = torch.randint(0, V - 1, (N,), generator=g)
-    other = other + (other >= mask_id).to(torch.int64)
-    tokens[keep] = other[keep]
-    return z.to(dtype).to(device), tokens.to(device), mask_id
+    """Logits with a spread of confidences: z = 2*randn plus, on every other row, a peak of random
+    height (so a realistic share of rows clears tau = 0.9). One position in UNMASK_EVERY is already
+    decoded."""
+    from dinfer_kernels import op_inputs
+
+    a = op_inputs.decode_step_inputs(
+        N,
+        V,
+        dtype=dtype,
+        device=device,
+        generator=torch.Generator(device="cpu").manual_seed(seed),
+        mask_id=LLADA_MOE_MASK if V > LLADA_MOE_MASK else V - 1,
+        masked_frac=1 - 1 / UNMASK_EVERY,
+        scale=2.0,
+        peak_rows=0.5,
+        peak=(10.0, 25.0),  # p(top-1) from ~0.02 to ~1
+    )
+    return a["logits"], a["tokens"], a["mask_id"]
 
 
 def joint_tokens(N, V, mask_id, seed=1):

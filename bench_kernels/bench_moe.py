@@ -206,7 +206,7 @@ def grouped_mm_available(device, dtype):
 # ------------------------------------------------------------------------------------------- run
 def run(args):
     import dinfer_kernels
-    from dinfer_kernels import _backend
+    from dinfer_kernels import _backend, op_inputs
     from dinfer_kernels.reference.moe import moe_reference
 
     device = args.device
@@ -245,10 +245,20 @@ def run(args):
     )
 
     g = torch.Generator(device=device).manual_seed(0)  # on the device: 0.8 GB of weights
-    rand = lambda *shape: torch.randn(*shape, generator=g, device=device)
-    router = rand(E, H) * H**-0.5  # fp32, as loaders keep it
-    w13 = (rand(E, 2 * inter, H) * H**-0.5).to(dtype)
-    w2 = (rand(E, H, inter) * inter**-0.5).to(dtype)
+    # the router in fp32, as loaders keep it; the largest T's hidden rows, the first T of them per T
+    layer = op_inputs.moe_inputs(
+        max(tokens),
+        E,
+        H,
+        inter,
+        k,
+        dtype=dtype,
+        device=device,
+        generator=g,
+        weight_scale=1.0,
+        router_scale=H**-0.5,
+    )
+    router, w13, w2 = layer["router_weight"], layer["w13"], layer["w2"]
     ours = [b for b in dinfer_kernels.available_backends(device, "moe") if b != "torch"]
     if device == "cpu" and _backend.triton_interpreted() and dtype != torch.bfloat16 and "triton" not in ours:
         ours.append("triton")
@@ -264,7 +274,7 @@ def run(args):
 
     results, tables = [], []
     for T in tokens:
-        hidden = rand(T, H).to(dtype)
+        hidden = layer["hidden"][:T]
         touched = touched_experts(hidden, router, k)
         wbytes = touched * 3 * H * inter * w13.element_size()
         flops = 6.0 * T * k * H * inter

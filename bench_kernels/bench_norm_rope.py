@@ -43,6 +43,7 @@ def cached_rope(cos_sin):
 
 def run(args):
     import dinfer_kernels as dk
+    from dinfer_kernels import op_inputs
     from dinfer_kernels.reference.rope import cos_sin_table
 
     device, dtype = args.device, common.torch_dtype(args.dtype)
@@ -62,11 +63,12 @@ def run(args):
     torch_rope = cached_rope(table)
     results, tables, notes = [], [], []
     for rows in rows_list:
-        x = (torch.randn(rows, H, generator=g) * 2).to(dtype).to(device)
-        w = (torch.rand(H, generator=g) + 0.5).to(dtype).to(device)
-        qk = (torch.randn(rows, heads, D, generator=g) * 2).to(dtype).to(device)
-        wqk = (torch.rand(D, generator=g) + 0.5).to(dtype).to(device)
-        q = torch.randn(1, rows, heads, D, generator=g).to(dtype).to(device)
+        norm = op_inputs.rms_norm_inputs((rows, H), dtype=dtype, device=device, generator=g, scale=2.0)
+        qk_norm = op_inputs.rms_norm_inputs(
+            (rows, heads, D), dtype=dtype, device=device, generator=g, scale=2.0
+        )
+        x, w, qk, wqk = norm["x"], norm["weight"], qk_norm["x"], qk_norm["weight"]
+        q = op_inputs.rope_inputs(1, rows, heads, D, dtype=dtype, device=device, generator=g)["x"]
         pos = (100 + torch.arange(rows))[None].to(device)
         ops = [
             (

@@ -33,6 +33,7 @@ def torch_soft_embedding(logits, embedding, tokens, mask_id, weight, tau=1.0):
 
 def run(args):
     import dinfer_kernels
+    from dinfer_kernels import op_inputs
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -55,10 +56,22 @@ def run(args):
     bw = common.copy_bandwidth(device, quick=args.quick)
     print(f"copy bandwidth: {bw['GBps']:.1f} GB/s")
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    E = (torch.randn(V, d, generator=g) * 0.02).to(dtype).to(device)
-    mask_id = V - 289 if V > 289 else V - 1
     w = torch.full((1,), 0.3, dtype=torch.float32, device=device)
+    # the largest M's rows, the first M of them per M; one position in UNMASK_EVERY already decoded
+    inputs = op_inputs.soft_embedding_inputs(
+        max(rows),
+        V,
+        d,
+        dtype=dtype,
+        device=device,
+        generator=torch.Generator(device="cpu").manual_seed(0),
+        mask_id=V - 289 if V > 289 else V - 1,
+        masked_frac=1 - 1 / UNMASK_EVERY,
+        scale=2.0,
+        embedding_scale=0.02,
+        weight=w,
+    )
+    E, mask_id = inputs["embedding"], inputs["mask_id"]
     backends = [
         b
         for b in dinfer_kernels.available_backends(device, "soft_embedding")
@@ -66,11 +79,7 @@ def run(args):
     ]
     results, tables = [], []
     for M in rows:
-        z = (torch.randn(M, V, generator=g) * 2.0).to(dtype).to(device)
-        tok = torch.full((M,), mask_id, dtype=torch.int64)
-        keep = torch.arange(M) % UNMASK_EVERY == UNMASK_EVERY - 1
-        tok[keep] = torch.randint(0, mask_id, (int(keep.sum()),), generator=g)
-        tok = tok.to(device)
+        z, tok = inputs["logits"][:M], inputs["tokens"][:M]
         copies = common.num_copies(z.numel() * z.element_size(), device) if device == "cuda" else 1
         zs = [z] + [z.clone() for _ in range(copies - 1)]
         nbytes = z.numel() * z.element_size() + E.numel() * E.element_size() + M * d * E.element_size()

@@ -80,19 +80,27 @@ def decode(args):
 
 def moe(args):
     import dinfer_kernels as dk
-    from dinfer_kernels import _backend
+    from dinfer_kernels import _backend, op_inputs
     from dinfer_kernels.reference.moe import moe_reference
 
     g = torch.Generator().manual_seed(0)
     for shape in args.shapes:
         kind, T = shape.rstrip("0123456789"), int(shape.lstrip("abcdefghijklmnopqrstuvwxyz"))
         E, H, inter = SHAPES[kind]
-        router = torch.randn(E, H, generator=g) * H**-0.5
         for dn in args.dtypes:
             dt = common.torch_dtype(dn)
-            w13 = (torch.randn(E, 2 * inter, H, generator=g) * H**-0.5).to(dt)
-            w2 = (torch.randn(E, H, inter, generator=g) * inter**-0.5).to(dt)
-            x = torch.randn(T, H, generator=g).to(dt)
+            a = op_inputs.moe_inputs(
+                T,
+                E,
+                H,
+                inter,
+                8,
+                dtype=dt,
+                generator=g,
+                weight_scale=1.0,
+                router_scale=H**-0.5,
+            )
+            x, router, w13, w2 = a["hidden"], a["router_weight"], a["w13"], a["w2"]
 
             def ours(isa):
                 def run():

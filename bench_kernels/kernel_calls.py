@@ -21,35 +21,35 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing: both pa
 import torch  # noqa: E402
 
 import dinfer_kernels as dk  # noqa: E402
+from dinfer_kernels import _backend, op_inputs  # noqa: E402
 
 
-def decode_calls(backend, dev, dtype):
-    N, V = 37, 32003
-    logits = (torch.randn(N, V, device=dev) * 3).to(dtype)
-    tokens = torch.randint(0, V, (N,), device=dev)
-    tokens[::2] = 7
-    offsets = torch.tensor([0, 5, 5, N], dtype=torch.int32, device=dev)
-    yield "decode_step threshold", lambda: dk.decode_step(logits, tokens.clone(), offsets, 7, backend=backend)
+def decode_step_calls(backend, dev, dtype):
+    N = 37
+    a = op_inputs.decode_step_inputs(
+        N, 32003, dtype=dtype, device=dev, seq_offsets=[0, 5, 5, N], mask_id=7, masked_frac=0.5
+    )
+    tokens = a.pop("tokens")
+    yield "decode_step threshold", lambda: dk.decode_step(tokens=tokens.clone(), **a, backend=backend)
     credit = dk.CreditState.empty(N, 16, device=dev)
     yield (
         "decode_step credit",
-        lambda: dk.decode_step(logits, tokens.clone(), offsets, 7, credit=credit, backend=backend),
+        lambda: dk.decode_step(tokens=tokens.clone(), **a, credit=credit, backend=backend),
     )
     yield (
         "decode_step fixed",
-        lambda: dk.decode_step(
-            logits, tokens.clone(), offsets, 7, rule="fixed", num_commit=2, backend=backend
-        ),
+        lambda: dk.decode_step(tokens=tokens.clone(), **a, rule="fixed", num_commit=2, backend=backend),
     )
 
 
 def attention_calls(backend, dev, dtype):
     B, W, S, Hq, Hkv = 2, 33, 200, 4, 2
+    # windows at 0 and 100, one ending at its sequence's end, one with keys past it
+    pos = (torch.tensor([[0], [100]], device=dev) + torch.arange(W, device=dev)).long()
+    lens = torch.tensor([W, 170], dtype=torch.int32, device=dev)
     for D in (64, 128):
-        r = lambda *s: torch.randn(*s, device=dev).to(dtype)
-        q, k, v, kc, vc = r(B, W, Hq, D), r(B, W, Hkv, D), r(B, W, Hkv, D), r(B, S, Hkv, D), r(B, S, Hkv, D)
-        pos = (torch.tensor([[0], [100]], device=dev) + torch.arange(W, device=dev)).long()
-        lens = torch.tensor([W, 170], dtype=torch.int32, device=dev)
+        a = op_inputs.attention_inputs(B, W, S, Hq, Hkv, D, dtype=dtype, device=dev)
+        q, k, v, kc, vc = (a[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
         yield (
             f"attention D={D} dense",
             lambda: dk.attention(q, k, v, kc, vc, pos, lens, return_lse=True, backend=backend),
@@ -75,12 +75,10 @@ def attention_calls(backend, dev, dtype):
         # The paged layout: pages of 3 rows in shuffled order, spare pages, unchecked ids outside the
         # pool (one under window rows of sequence 1, one past its length).
         ps = 3
-        MP = -(-S // ps)
-        P = B * MP + 2
-        table = torch.randperm(P, device=dev)[: B * MP].view(B, MP).to(torch.int32)
-        table[1, 110 // ps], table[1, -1] = -1, P + 5
-        pk, pv = r(P, ps, Hkv, D), r(P, ps, Hkv, D)
-        pbm = dk.BlockMask.full(B, Hkv, W, MP * ps, q_block=16, kv_block=96, device=dev)
+        paged = op_inputs.attention_inputs(B, W, S, Hq, Hkv, D, dtype=dtype, device=dev, page_size=ps)
+        pk, pv, table = paged["k_cache"], paged["v_cache"], paged["block_table"]
+        table[1, 110 // ps], table[1, -1] = -1, pk.shape[0] + 5
+        pbm = dk.BlockMask.full(B, Hkv, W, table.shape[1] * ps, q_block=16, kv_block=96, device=dev)
         for wb in (True, False):
             yield (
                 f"attention D={D} paged write_back={wb}",
@@ -104,11 +102,9 @@ def attention_calls(backend, dev, dtype):
 
 
 def moe_calls(backend, dev, dtype):
-    T, E, H, inter = 37, 64, 256, 128
-    hidden = torch.randn(T, H, device=dev).to(dtype)
-    router = torch.randn(E, H, device=dev) * 0.2
-    w13 = (torch.randn(E, 2 * inter, H, device=dev) * 0.05).to(dtype)
-    w2 = (torch.randn(E, H, inter, device=dev) * 0.05).to(dtype)
+    E = 64
+    a = op_inputs.moe_inputs(37, E, 256, 128, 8, dtype=dtype, device=dev)
+    hidden, router, w13, w2 = a["hidden"], a["router_weight"], a["w13"], a["w2"]
     yield "moe softmax top-8", lambda: dk.moe(hidden, router, w13, w2, 8, backend=backend)
     bias = torch.rand(E, device=dev) * 0.1
     yield (
@@ -131,7 +127,21 @@ def moe_calls(backend, dev, dtype):
     yield "moe one token", lambda: dk.moe(hidden[:1], router, w13, w2, 8, backend=backend)
 
 
-CALLS = {"decode_step": decode_calls, "attention": attention_calls, "moe": moe_calls}
+def rms_norm_calls(backend, dev, dtype):
+    a = op_inputs.rms_norm_inputs((37, 1000), dtype=dtype, device=dev)
+    yield "rms_norm", lambda: dk.rms_norm(**a, backend=backend)
+
+
+def rope_calls(backend, dev, dtype):
+    a = op_inputs.rope_inputs(2, 37, 3, 72, dtype=dtype, device=dev)
+    yield "rope", lambda: dk.rope(**a, backend=backend)
+    yield "rope partial", lambda: dk.rope(**a, rotary_dim=36, backend=backend)
+
+
+# The calls of every compiled kernel family (csrc/kernel_families.h, as the extension lists them):
+# <op>_calls above.
+_EXT = _backend.compiled()
+CALLS = {op: globals()[f"{op}_calls"] for op in (_EXT.host_kernels() if _EXT else ())}
 
 
 def main(argv=None):

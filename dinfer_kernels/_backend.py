@@ -30,6 +30,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .ops import OPS
+
 BACKENDS = ("auto", "cuda", "triton", "cpu", "torch")
 
 
@@ -152,20 +154,22 @@ def moe_host_wins(dtype, rows_per_expert: float, weight_bytes: int, isa: Optiona
 # The kernel backends, fastest first: each is a package dinfer_kernels/<backend>/ holding one module per
 # op it implements. "torch", the reference, implements every op.
 KERNEL_BACKENDS = ("cuda", "triton", "cpu")
-# The module of an op in each kernel backend's package, where it is not named after the op.
-_MODULES = {"decode_step": "decode"}
 
 
 def _find_kernels() -> dict[str, tuple[str, ...]]:
     """{op: the kernel backends with a module for it, fastest first}, from the modules that exist
-    (none is imported: Triton loads only when used)."""
-    ops_of = {module: op for op, module in _MODULES.items()}
+    (none is imported: Triton loads only when used); a module must belong to an op of OPS."""
+    ops_of = {module: op for op, module in OPS.items()}
     here = os.path.dirname(os.path.abspath(__file__))
     found: dict[str, tuple[str, ...]] = {}
     for backend in KERNEL_BACKENDS:
         for info in pkgutil.iter_modules([os.path.join(here, backend)]):
             if not info.name.startswith("_"):
-                op = ops_of.get(info.name, info.name)
+                if info.name not in ops_of:
+                    raise ImportError(
+                        f"dinfer_kernels/{backend}/{info.name}.py: no op of ops.OPS has that module"
+                    )
+                op = ops_of[info.name]
                 found[op] = found.get(op, ()) + (backend,)
     return found
 
@@ -186,7 +190,7 @@ def module(op: str, backend: str) -> ModuleType:
     from . import cpu, cuda, triton  # torch.compile traces import statements (not importlib)
 
     package = {"cpu": cpu, "cuda": cuda, "triton": triton}[backend]
-    return getattr(package, _MODULES.get(op, op))
+    return getattr(package, OPS[op])
 
 
 def impl(op: str, backend: str) -> Callable[..., None]:

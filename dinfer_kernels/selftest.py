@@ -23,7 +23,8 @@ import warnings
 
 import torch
 
-from . import _backend, precision
+from . import _backend, op_inputs, precision
+from .ops import OPS
 from .ops.attention import attention
 from .ops.decode import decode_step
 from .ops.moe import moe
@@ -77,33 +78,29 @@ def _dtypes(backend, device):
 
 
 def _decode(backend, device, dtype, N, V):
-    z = torch.randn(N, V, device=device) * 3
-    peaks = torch.arange(N, device=device) % 3 == 0  # a third of the rows confident in one token
-    z[peaks, torch.randint(0, V, (int(peaks.sum()),), device=device)] += 20.0
-    logits = z.to(dtype)
-    mask_id = V // 2
-    offsets = torch.tensor([0, N // 3, N], dtype=torch.int32, device=device)
+    outs, sames, truths, exact = [], [], [], {}
     thr = torch.full((2,), 0.3, device=device)
     k = torch.zeros(2, dtype=torch.int32, device=device)
-    outs, sames, truths, exact = [], [], [], {}
     for rule, masked_share in (("threshold", 0.7), ("joint", 0.5)):
-        tokens = torch.randint(0, V, (N,), device=device)
-        tokens[torch.rand(N, device=device) < masked_share] = mask_id
+        # a third of the rows confident in one token
+        a = op_inputs.decode_step_inputs(
+            N,
+            V,
+            dtype=dtype,
+            device=device,
+            seq_offsets=[0, N // 3, N],
+            masked_frac=masked_share,
+            peak_rows=1 / 3,
+        )
         edits = {}
         if rule == "joint":
             edits = dict(editable=torch.rand(N, device=device) < 0.7, edit_threshold=0.5)
+        tokens = a.pop("tokens")
         tok_b, tok_s, tok_t = tokens.clone(), tokens.clone(), tokens.clone()
-        out = decode_step(logits, tok_b, offsets, mask_id, rule=rule, threshold=0.3, backend=backend, **edits)
-        same = decode_step_reference(
-            logits, tok_s, offsets, decode_params(mask_id, rule=rule, threshold=thr, num_commit=k, **edits)
-        )
-        truth = decode_step_reference(
-            logits,
-            tok_t,
-            offsets,
-            decode_params(mask_id, rule=rule, threshold=thr, num_commit=k, **edits),
-            compute_dtype=F64,
-        )
+        out = decode_step(tokens=tok_b, **a, rule=rule, threshold=0.3, backend=backend, **edits)
+        params = decode_params(a["mask_id"], rule=rule, threshold=thr, num_commit=k, **edits)
+        same = decode_step_reference(a["logits"], tok_s, a["seq_offsets"], params)
+        truth = decode_step_reference(a["logits"], tok_t, a["seq_offsets"], params, compute_dtype=F64)
         outs.append(out.confidence)
         sames.append(same.confidence)
         truths.append(truth.confidence)
@@ -118,70 +115,35 @@ def _decode(backend, device, dtype, N, V):
 
 
 def _soft_embedding(backend, device, dtype, M, V, d):
-    logits = (torch.randn(M, V, device=device) * 3).to(dtype)
-    emb = torch.randn(V, d, device=device).to(dtype)
-    mask_id = V // 2
-    tokens = torch.randint(0, V, (M,), device=device)
-    tokens[torch.rand(M, device=device) < 0.5] = mask_id
-    out = soft_embedding(logits, emb, tokens, mask_id, 0.3, backend=backend)
-    same = soft_embedding_reference(logits, emb, tokens, mask_id, 0.3)
-    truth = soft_embedding_reference(logits, emb.double(), tokens, mask_id, 0.3, compute_dtype=F64)
+    a = op_inputs.soft_embedding_inputs(M, V, d, dtype=dtype, device=device)
+    out = soft_embedding(**a, backend=backend)
+    same = soft_embedding_reference(**a)
+    truth = soft_embedding_reference(**dict(a, embedding=a["embedding"].double()), compute_dtype=F64)
     return [out], [same], [truth], {}
 
 
 def _rms_norm(backend, device, dtype, T, D):
-    x = (torch.randn(T, D, device=device) * 3).to(dtype)
-    w = (torch.rand(D, device=device) + 0.5).to(dtype)
-    out = rms_norm(x, w, 1e-6, backend=backend)
-    return [out], [rms_norm_reference(x, w, 1e-6)], [rms_norm_reference(x, w, 1e-6, compute_dtype=F64)], {}
+    a = op_inputs.rms_norm_inputs((T, D), dtype=dtype, device=device)
+    out = rms_norm(**a, backend=backend)
+    return [out], [rms_norm_reference(**a)], [rms_norm_reference(**a, compute_dtype=F64)], {}
 
 
 def _rope(backend, device, dtype, B, T, H, D):
-    x = torch.randn(B, T, H, D, device=device).to(dtype)
-    pos = torch.randint(0, 32768, (B, T), device=device)
-    out = rope(x, pos, 500000.0, backend=backend)
-    return (
-        [out],
-        [rope_reference(x, pos, 500000.0)],
-        [rope_reference(x, pos, 500000.0, compute_dtype=F64)],
-        {},
-    )
-
-
-def _pool(cache, table, num_pages):
-    """The cache [B, S, Hkv, D] laid out in a pool of num_pages pages through block_table [B, MP]."""
-    B, S = cache.shape[:2]
-    MP = table.shape[1]
-    page_size = -(-S // MP)
-    padded = cache.new_zeros(B, MP * page_size, *cache.shape[2:])
-    padded[:, :S] = cache
-    pool = cache.new_zeros(num_pages, page_size, *cache.shape[2:])
-    pool[table.flatten().long()] = padded.view(B * MP, page_size, *cache.shape[2:])
-    return pool
+    a = op_inputs.rope_inputs(B, T, H, D, dtype=dtype, device=device)
+    out = rope(**a, backend=backend)
+    return [out], [rope_reference(**a)], [rope_reference(**a, compute_dtype=F64)], {}
 
 
 def _attention(backend, device, dtype, B, W, S, Hq, Hkv, D, page_size):
-    """A window refreshed in place over contiguous caches, then the same call over a paged layout
-    (pages of page_size rows in shuffled order in a pool with spare pages)."""
-    r = lambda *s: torch.randn(*s, device=device).to(dtype)
-    q, k, v, kc, vc = r(B, W, Hq, D), r(B, W, Hkv, D), r(B, W, Hkv, D), r(B, S, Hkv, D), r(B, S, Hkv, D)
-    start = torch.randint(0, S - W + 1, (B,))
-    pos = (start[:, None] + torch.arange(W)).to(device)  # a window refreshed in place
-    extra = (torch.rand(B) * (S - W - start + 1)).long()  # keys past the window too
-    lens = (start + W + extra).to(torch.int32).to(device)
+    """A window refreshed in place over contiguous caches, then one over a paged layout (pages of
+    page_size rows in shuffled order in a pool with spare pages)."""
     outs, sames, truths = [], [], []
-    MP = -(-S // page_size)
-    table = torch.randperm(B * MP + 3)[: B * MP].view(B, MP).to(torch.int32).to(device)
-    pools = _pool(kc, table, B * MP + 3), _pool(vc, table, B * MP + 3)
-    for caches, kw in (((kc, vc), {}), (pools, {"block_table": table})):
-        kca, vca = caches
-        out, lse = attention(
-            q, k, v, kca.clone(), vca.clone(), pos, lens, return_lse=True, backend=backend, **kw
-        )
-        same = attention_reference(q, k, v, kca.clone(), vca.clone(), pos, lens, return_lse=True, **kw)
-        truth = attention_reference(
-            q, k, v, kca.clone(), vca.clone(), pos, lens, return_lse=True, compute_dtype=F64, **kw
-        )
+    for pages in (None, page_size):
+        a = op_inputs.attention_inputs(B, W, S, Hq, Hkv, D, dtype=dtype, device=device, page_size=pages)
+        caches = lambda: dict(k_cache=a["k_cache"].clone(), v_cache=a["v_cache"].clone())
+        out, lse = attention(**dict(a, **caches()), return_lse=True, backend=backend)
+        same = attention_reference(**dict(a, **caches()), return_lse=True)
+        truth = attention_reference(**dict(a, **caches()), return_lse=True, compute_dtype=F64)
         outs += [out, lse]
         sames += list(same)
         truths += list(truth)
@@ -189,24 +151,16 @@ def _attention(backend, device, dtype, B, W, S, Hq, Hkv, D, page_size):
 
 
 def _moe(backend, device, dtype, T, E, k, H, I):
-    hidden = torch.randn(T, H, device=device).to(dtype)
-    router = torch.randn(E, H, device=device) * 0.2
-    w13 = (torch.randn(E, 2 * I, H, device=device) * 0.9 / H**0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, device=device) * 0.9 / I**0.5).to(dtype)
-    out = moe(hidden, router, w13, w2, k, backend=backend)
-    same = moe_reference(hidden, router, w13, w2, k)
-    truth = moe_reference(hidden.double(), router, w13.double(), w2.double(), k, compute_dtype=F64)
+    a = op_inputs.moe_inputs(T, E, H, I, k, dtype=dtype, device=device)
+    out = moe(**a, backend=backend)
+    same = moe_reference(**a)
+    wide = {n: a[n].double() for n in ("hidden", "w13", "w2")}
+    truth = moe_reference(**dict(a, **wide), compute_dtype=F64)
     return [out], [same], [truth], {}
 
 
-CASES = {
-    "decode_step": _decode,
-    "soft_embedding": _soft_embedding,
-    "rms_norm": _rms_norm,
-    "rope": _rope,
-    "attention": _attention,
-    "moe": _moe,
-}
+# Every op's case, by the op's name: _<op> above, or _decode for decode_step (its module's name).
+CASES = {op: globals()[f"_{module}"] for op, module in OPS.items()}
 DTYPE_NAMES = {F32: "fp32", F16: "fp16", BF16: "bf16"}
 
 

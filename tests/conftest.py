@@ -1,5 +1,5 @@
 """Shared test setup: which backends can run here, the `gpu` marker, the precision-tied comparison
-helpers, attention's paged KV layout built from contiguous caches, and a loader for the bench_kernels
+helpers and a loader for the bench_kernels
 scripts (a folder of scripts, not a package).
 
 The `gpu` marker: every test case that exercises a GPU backend carries it, so that the GPU check runs
@@ -87,40 +87,6 @@ def assert_precision(out, same_precision, truth, name):
     """The precision-tied tolerance (dinfer_kernels.precision.within_precision) as an assert."""
     ok, msg, _, _ = precision.within_precision(out, same_precision, truth)
     assert ok, f"{name}: {msg}"
-
-
-def paged_caches(caches, page_size, seq_lens=None, *, seed=0, extra_pages=2, shuffle=True, absent=False):
-    """Contiguous attention caches [B, S, Hkv, D] laid out page by page in page pools (vLLM style):
-    ([pool [P, page_size, Hkv, D] per cache], block_table [B, MP] int32) with MP = ceil(S / page_size)
-    and P = B * MP + extra_pages, so that sequence b's position s holds caches[b, s]. Page ids are a
-    random permutation of the pool (shuffle) or in order (the pool is then the caches' own memory
-    when S divides into pages and extra_pages is 0: a view, no copy). Pool rows past S and the pages
-    no sequence uses hold NaN (never read). absent (needs seq_lens): each page wholly at or past
-    seq_lens[b] gets an id outside the pool (-1 or >= P) with probability 1/2."""
-    B, S = caches[0].shape[:2]
-    MP = -(-S // page_size)
-    P = B * MP + extra_pages
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randperm(P, generator=g) if shuffle else torch.arange(P)
-    table = ids[: B * MP].view(B, MP).to(torch.int32)
-    if not shuffle and extra_pages == 0 and S == MP * page_size:
-        pools = [c.view(P, page_size, *c.shape[2:]) for c in caches]
-    else:
-        pools = []
-        for c in caches:
-            pool = torch.full((P, page_size, *c.shape[2:]), float("nan"), dtype=c.dtype)
-            padded = torch.full((B, MP * page_size, *c.shape[2:]), float("nan"), dtype=c.dtype)
-            padded[:, :S] = c
-            pool[table.flatten().long()] = padded.view(B * MP, page_size, *c.shape[2:])
-            pools.append(pool)
-    if absent:
-        past = torch.arange(MP)[None, :] * page_size >= seq_lens[:, None].long()
-        coin = torch.rand(B, MP, generator=g) < 0.5
-        bad = torch.where(
-            torch.rand(B, MP, generator=g) < 0.5, -1, P + int(torch.randint(4, (1,), generator=g))
-        )
-        table = torch.where(past & coin, bad.to(torch.int32), table)
-    return pools, table
 
 
 # A per-test time limit where pytest-timeout is missing: DINFER_TEST_TIMEOUT_S=seconds fails a test

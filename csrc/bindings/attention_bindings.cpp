@@ -68,15 +68,8 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
                       std::to_string(D));
   if (Hq < 1) throw_value_error("q: needs at least one head");
   // With a block table the caches are page pools [P, page_size, Hkv, D] and S = MP * page_size.
-  std::unique_ptr<TensorArg> table;
-  if (!block_table_o.is_none()) {
-    table.reset(new TensorArg(block_table_o, "block_table"));
-    table->expect_dtype({DType::kInt32});
-    if (table->ndim() != 2) throw_value_error("block_table: expected a 2-D array [B, max_pages]");
-    table->expect_shape({B, -1});
-    table->expect_contiguous();
-  }
-  k_cache.expect_dtype({q.dtype()});
+  const std::unique_ptr<TensorArg> table = optional_arg(block_table_o, "block_table");
+  if (table && table->ndim() != 2) throw_value_error("block_table: expected a 2-D array [B, max_pages]");
   if (k_cache.ndim() != 4)
     throw_value_error(table ? "k_cache: expected a 4-D page pool [P, page_size, Hkv, D]"
                             : "k_cache: expected a 4-D array [B, S, Hkv, D]");
@@ -87,7 +80,6 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
     if (pages < 1 || page_size < 1)
       throw_value_error("k_cache: a page pool needs >= 1 page of >= 1 row, got [" + std::to_string(pages) +
                         ", " + std::to_string(page_size) + ", ...]");
-    k_cache.expect_shape({pages, page_size, Hkv, D});
     // The kernels keep positions in int32 (the CUDA launcher below 2^30).
     if (table->size(1) >= ((int64_t{1} << 30) + page_size - 1) / page_size)
       throw_value_error("block_table: max_pages * page_size (" + std::to_string(table->size(1)) + " * " +
@@ -97,38 +89,10 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
     p.max_pages = table->size(1);
     p.page_size = page_size;
     p.num_pages = pages;
-  } else {
-    k_cache.expect_shape({B, S, Hkv, D});
   }
   if (Hkv < 1 || Hq % Hkv != 0)
     throw_value_error("k_cache: query heads (" + std::to_string(Hq) + ") must be a multiple of kv heads (" +
                       std::to_string(Hkv) + ")");
-  v_cache.expect_dtype({q.dtype()});
-  v_cache.expect_shape({k_cache.size(0), k_cache.size(1), Hkv, D});
-  k.expect_dtype({q.dtype()});
-  k.expect_shape({B, W, Hkv, D});
-  v.expect_dtype({q.dtype()});
-  v.expect_shape({B, W, Hkv, D});
-  positions.expect_dtype({DType::kInt64});
-  positions.expect_shape({B, W});
-  positions.expect_contiguous();
-  seq_lens.expect_dtype({DType::kInt32});
-  seq_lens.expect_shape({B});
-  seq_lens.expect_contiguous();
-  out.expect_dtype({q.dtype()});
-  out.expect_shape({B, W, Hq, D});
-  out.expect_writable();
-  k_cache.expect_writable();
-  v_cache.expect_writable();
-
-  row_layout(q, !on_host, p.q_stride);
-  row_layout(k, !on_host, p.k_stride);
-  row_layout(v, !on_host, p.v_stride);
-  row_layout(k_cache, !on_host, p.k_cache_stride);
-  row_layout(v_cache, !on_host, p.v_cache_stride);
-  row_layout(out, !on_host, p.out_stride);
-  for (TensorArg* t : {&k, &v, &k_cache, &v_cache, &positions, &seq_lens, &out}) t->expect_same_device(q);
-  if (table) table->expect_same_device(q);
 
   const int64_t nqb = dinfer_kernels::attention_num_q_blocks(W, q_block);
   const int64_t nkb = dinfer_kernels::attention_num_kv_blocks(S, kv_block);
@@ -136,43 +100,42 @@ void attention(py::handle q_o, py::handle k_o, py::handle v_o, py::handle k_cach
   if (has_counts != has_indices)
     throw_value_error(std::string(has_counts ? "kv_indices" : "kv_num_blocks") +
                       ": kv_num_blocks and kv_indices must be given together");
-  int64_t max_blocks = -1;
   // The optional arrays, kept alive until the launch.
-  std::unique_ptr<TensorArg> counts, indices, lse, mass;
-  if (has_counts) {
-    counts.reset(new TensorArg(kv_num_blocks_o, "kv_num_blocks"));
-    indices.reset(new TensorArg(kv_indices_o, "kv_indices"));
-    counts->expect_dtype({DType::kInt32});
-    counts->expect_shape({B, Hkv, nqb});
-    counts->expect_contiguous();
-    indices->expect_dtype({DType::kInt32});
-    if (indices->ndim() != 4) throw_value_error("kv_indices: expected a 4-D array [B, Hkv, NQB, MAXB]");
-    max_blocks = indices->size(3);
-    indices->expect_shape({B, Hkv, nqb, max_blocks});
-    indices->expect_contiguous();
-    counts->expect_same_device(q);
-    indices->expect_same_device(q);
+  const std::unique_ptr<TensorArg> counts = optional_arg(kv_num_blocks_o, "kv_num_blocks"),
+                                   indices = optional_arg(kv_indices_o, "kv_indices"),
+                                   lse = optional_arg(lse_o, "lse"),
+                                   mass = optional_arg(block_mass_o, "block_mass");
+  if (indices && indices->ndim() != 4)
+    throw_value_error("kv_indices: expected a 4-D array [B, Hkv, NQB, MAXB]");
+  const int64_t max_blocks = indices ? indices->size(3) : -1;
+  const auto dt = {q.dtype()};
+  expect_arrays(q, {
+                       {table.get(), {DType::kInt32}, {B, -1}, kContiguous},
+                       // a page pool [P, page_size, Hkv, D] with a block table, else [B, S, Hkv, D]
+                       {&k_cache, dt, {table ? -1 : B, -1, Hkv, D}, kWritable},
+                       {&v_cache, dt, {k_cache.size(0), k_cache.size(1), Hkv, D}, kWritable},
+                       {&k, dt, {B, W, Hkv, D}},
+                       {&v, dt, {B, W, Hkv, D}},
+                       {&positions, {DType::kInt64}, {B, W}, kContiguous},
+                       {&seq_lens, {DType::kInt32}, {B}, kContiguous},
+                       {&out, dt, {B, W, Hq, D}, kWritable},
+                       {counts.get(), {DType::kInt32}, {B, Hkv, nqb}, kContiguous},
+                       {indices.get(), {DType::kInt32}, {B, Hkv, nqb, max_blocks}, kContiguous},
+                       {lse.get(), {DType::kFloat32}, {B, W, Hq}, kContiguous | kWritable},
+                       {mass.get(), {DType::kFloat32}, {B, Hq, nkb}, kContiguous | kWritable},
+                   });
+  row_layout(q, !on_host, p.q_stride);
+  row_layout(k, !on_host, p.k_stride);
+  row_layout(v, !on_host, p.v_stride);
+  row_layout(k_cache, !on_host, p.k_cache_stride);
+  row_layout(v_cache, !on_host, p.v_cache_stride);
+  row_layout(out, !on_host, p.out_stride);
+  if (counts) {
     p.kv_num_blocks = counts->data<int32_t>();
     p.kv_indices = indices->data<int32_t>();
   }
-  if (!lse_o.is_none()) {
-    lse.reset(new TensorArg(lse_o, "lse"));
-    lse->expect_dtype({DType::kFloat32});
-    lse->expect_shape({B, W, Hq});
-    lse->expect_contiguous();
-    lse->expect_writable();
-    lse->expect_same_device(q);
-    p.lse = lse->data<float>();
-  }
-  if (!block_mass_o.is_none()) {
-    mass.reset(new TensorArg(block_mass_o, "block_mass"));
-    mass->expect_dtype({DType::kFloat32});
-    mass->expect_shape({B, Hq, nkb});
-    mass->expect_contiguous();
-    mass->expect_writable();
-    mass->expect_same_device(q);
-    p.block_mass = mass->data<float>();
-  }
+  if (lse) p.lse = lse->data<float>();
+  if (mass) p.block_mass = mass->data<float>();
   // The caches are only written with write_back (without it they are read like q, k and v).
   const TensorArg* kc_written = write_back ? &k_cache : nullptr;
   const TensorArg* vc_written = write_back ? &v_cache : nullptr;

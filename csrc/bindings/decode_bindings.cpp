@@ -112,69 +112,33 @@ void decode_step(py::handle logits_o, py::handle tokens_o, py::handle offsets_o,
   const int64_t row_stride = N > 1 ? logits.stride(0) : V;
   if (N > 1 && row_stride < V) throw_value_error("logits: the row stride must be >= V");
 
-  tokens.expect_dtype({DType::kInt64});
-  tokens.expect_shape({N});
-  tokens.expect_contiguous();
-  tokens.expect_writable();
-  offsets.expect_dtype({DType::kInt32});
   if (offsets.ndim() != 1 || offsets.size(0) < 1)
     throw_value_error("seq_offsets: expected a 1-D array [B + 1] with B >= 0");
-  offsets.expect_contiguous();
   const int64_t B = offsets.size(0) - 1;
-  threshold.expect_dtype({DType::kFloat32});
-  threshold.expect_shape({B});
-  threshold.expect_contiguous();
-  num_commit.expect_dtype({DType::kInt32});
-  num_commit.expect_shape({B});
-  num_commit.expect_contiguous();
-  credit_ids.expect_dtype({DType::kInt32});
-  credit_vals.expect_dtype({DType::kFloat32});
   if (credit_ids.ndim() != 2) throw_value_error("credit_ids: expected a 2-D array [N, K]");
   const int64_t K = credit_ids.size(1);
   if (K > 1024) throw_value_error("credit_ids: at most 1024 slots per row");
-  credit_ids.expect_shape({N, K});
-  credit_vals.expect_shape({N, K});
-  credit_ids.expect_contiguous();
-  credit_vals.expect_contiguous();
-  credit_ids.expect_writable();
-  credit_vals.expect_writable();
-  candidate.expect_dtype({DType::kInt64});
-  confidence.expect_dtype({DType::kFloat32});
-  commit.expect_dtype({DType::kBool, DType::kUInt8});
-  for (TensorArg* out : {&candidate, &confidence, &commit}) {
-    out->expect_shape({N});
-    out->expect_contiguous();
-    out->expect_writable();
-  }
-  for (TensorArg* t : {&tokens, &offsets, &threshold, &num_commit, &credit_ids, &credit_vals, &candidate,
-                       &confidence, &commit})
-    t->expect_same_device(logits);
   // Optional: per-row noise keys (any values: they only feed the hash), the non-finite flags and the
   // joint rule's editable rows (any values: nonzero is editable). Held until the launch: a TensorArg
   // owns its DLPack reference.
-  std::unique_ptr<TensorArg> row_keys, nonfinite, editable;
-  if (!row_keys_o.is_none()) {
-    row_keys.reset(new TensorArg(row_keys_o, "row_keys"));
-    row_keys->expect_dtype({DType::kInt64});
-    row_keys->expect_shape({N});
-    row_keys->expect_contiguous();
-    row_keys->expect_same_device(logits);
-  }
-  if (!nonfinite_o.is_none()) {
-    nonfinite.reset(new TensorArg(nonfinite_o, "nonfinite"));
-    nonfinite->expect_dtype({DType::kBool, DType::kUInt8});
-    nonfinite->expect_shape({N});
-    nonfinite->expect_contiguous();
-    nonfinite->expect_writable();
-    nonfinite->expect_same_device(logits);
-  }
-  if (!editable_o.is_none()) {
-    editable.reset(new TensorArg(editable_o, "editable"));
-    editable->expect_dtype({DType::kBool, DType::kUInt8});
-    editable->expect_shape({N});
-    editable->expect_contiguous();
-    editable->expect_same_device(logits);
-  }
+  const std::unique_ptr<TensorArg> row_keys = optional_arg(row_keys_o, "row_keys"),
+                                   nonfinite = optional_arg(nonfinite_o, "nonfinite"),
+                                   editable = optional_arg(editable_o, "editable");
+  const auto flags = {DType::kBool, DType::kUInt8};
+  expect_arrays(logits, {
+                            {&tokens, {DType::kInt64}, {N}, kContiguous | kWritable},
+                            {&offsets, {DType::kInt32}, {}, kContiguous},  // 1-D: checked above
+                            {&threshold, {DType::kFloat32}, {B}, kContiguous},
+                            {&num_commit, {DType::kInt32}, {B}, kContiguous},
+                            {&credit_ids, {DType::kInt32}, {N, K}, kContiguous | kWritable},
+                            {&credit_vals, {DType::kFloat32}, {N, K}, kContiguous | kWritable},
+                            {&candidate, {DType::kInt64}, {N}, kContiguous | kWritable},
+                            {&confidence, {DType::kFloat32}, {N}, kContiguous | kWritable},
+                            {&commit, flags, {N}, kContiguous | kWritable},
+                            {row_keys.get(), {DType::kInt64}, {N}, kContiguous},
+                            {nonfinite.get(), flags, {N}, kContiguous | kWritable},
+                            {editable.get(), flags, {N}, kContiguous},
+                        });
   expect_disjoint({&tokens, &credit_ids, &credit_vals, &candidate, &confidence, &commit, nonfinite.get()},
                   {&logits, &offsets, &threshold, &num_commit, row_keys.get(), editable.get()});
 

@@ -11,12 +11,11 @@
 #include "dinfer_kernels/build_info.h"
 #include "dinfer_kernels/cpu_isa.h"
 
+#include "kernel_families.h"
+
 namespace dinfer_bindings {
-void register_decode(pybind11::module_& m);
-void register_attention(pybind11::module_& m);
-void register_rms_norm(pybind11::module_& m);
-void register_rope(pybind11::module_& m);
-void register_moe(pybind11::module_& m);
+#define DINFER_DECLARE_REGISTER(op, family, Params, cuda) void register_##family(pybind11::module_& m);
+DINFER_KERNEL_FAMILIES(DINFER_DECLARE_REGISTER)
 }  // namespace dinfer_bindings
 
 PYBIND11_MODULE(_C, m) {
@@ -31,13 +30,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_isas_supported", &dinfer_kernels::cpu_isas_supported);
   m.def("set_cpu_isa", &dinfer_kernels::set_cpu_isa, pybind11::arg("isa"));
   m.def("cpu_isa_fast_ops", &dinfer_kernels::cpu_isa_fast_ops);
-  dinfer_bindings::register_decode(m);
-  dinfer_bindings::register_attention(m);
-  dinfer_bindings::register_rms_norm(m);
-  dinfer_bindings::register_rope(m);
-  dinfer_bindings::register_moe(m);
-  // Which ops have a host kernel in this build (a binding alone does not say: before the host MoE,
-  // CUDA builds had a moe binding that refused host arrays).
-  m.def("host_kernels",
-        [] { return std::vector<std::string>{"decode_step", "attention", "rms_norm", "rope", "moe"}; });
+#define DINFER_REGISTER(op, family, Params, cuda) dinfer_bindings::register_##family(m);
+  DINFER_KERNEL_FAMILIES(DINFER_REGISTER)
+  // The ops with a host kernel: every kernel family has one.
+#define DINFER_OP_NAME(op, family, Params, cuda) #op,
+  m.def("host_kernels", [] { return std::vector<std::string>{DINFER_KERNEL_FAMILIES(DINFER_OP_NAME)}; });
 }

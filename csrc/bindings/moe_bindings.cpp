@@ -58,8 +58,7 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   const DType dt = hidden.dtype();
   const bool on_host = !hidden.on_cuda();
 
-  TensorArg w13(w13_o, "w13");
-  w13.expect_dtype({dt});
+  TensorArg w13(w13_o, "w13"), w2(w2_o, "w2"), out(out_o, "out");
   if (w13.ndim() != 3) throw_value_error("w13: expected a 3-D array [E_local, 2I, H]");
   const int64_t El = w13.size(0), two_i = w13.size(1);
   if (El < 1) throw_value_error("w13: expected at least one local expert");
@@ -69,16 +68,6 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   if (two_i < 2 || two_i % 2)
     throw_value_error("w13: the middle dimension is gate + up rows (2 * I), got " + std::to_string(two_i));
   const int64_t I = two_i / 2;
-  w13.expect_shape({El, two_i, H});
-  w13.expect_contiguous();
-  w13.expect_same_device(hidden);
-
-  TensorArg w2(w2_o, "w2");
-  w2.expect_dtype({dt});
-  w2.expect_shape({El, H, I});
-  w2.expect_contiguous();
-  w2.expect_same_device(hidden);
-
   const bool given = !topk_ids_o.is_none();
   if (given != !topk_weights_o.is_none())
     throw_value_error("topk_ids: topk_ids and topk_weights come together");
@@ -87,65 +76,48 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
       1)
     throw_value_error(
         "router_weight: give exactly one of router_weight [E, H], router_logits [T, E] and topk_ids [T, k]");
+  // Kept alive until the launch.
+  const std::unique_ptr<TensorArg> router_weight = optional_arg(router_weight_o, "router_weight"),
+                                   router_logits = optional_arg(router_logits_o, "router_logits"),
+                                   ids = optional_arg(topk_ids_o, "topk_ids"),
+                                   weights = optional_arg(topk_weights_o, "topk_weights"),
+                                   bias = optional_arg(expert_bias_o, "expert_bias");
+  const TensorArg* router = router_weight ? router_weight.get() : router_logits.get();
+  // The router's experts (all E; w13 / w2 hold the local ones), read before the table checks the rest.
+  int64_t E = 0;
+  if (router_weight) {
+    if (router_weight->ndim() != 2) throw_value_error("router_weight: expected a 2-D array [E, H]");
+    E = router_weight->size(0);
+  } else if (router_logits) {
+    if (router_logits->ndim() != 2) throw_value_error("router_logits: expected a 2-D array [T, E]");
+    E = router_logits->size(1);
+  }
+  expect_arrays(hidden, {
+                            {&w13, {dt}, {El, two_i, H}, kContiguous},
+                            {&w2, {dt}, {El, H, I}, kContiguous},
+                            {router_weight.get(), {DType::kFloat32, dt}, {E, H}, kContiguous},
+                            {router_logits.get(), {DType::kFloat32}, {T, E}, kContiguous},
+                            {ids.get(), {DType::kInt32}, {T, top_k}, kContiguous},
+                            {weights.get(), {DType::kFloat32}, {T, top_k}, kContiguous},
+                            {bias.get(), {DType::kFloat32}, {E}, kContiguous},
+                            {&out, {dt}, {T, H}, kContiguous | kWritable},
+                        });
+  if (!given && (E < El || (!on_host && E > dinfer_kernels::kMoeMaxExperts)))
+    throw_value_error(std::string(router_weight ? "router_weight" : "router_logits") + ": the router's " +
+                      std::to_string(E) + " experts must be >= the " + std::to_string(El) + " local ones" +
+                      (on_host ? "" : " and <= " + std::to_string(dinfer_kernels::kMoeMaxExperts)));
+  expect_disjoint({&out}, {&hidden, &w13, &w2, router, ids.get(), weights.get(), bias.get()});
   MoeParams p;
-  // Keep the imported views alive until the launch.
-  std::unique_ptr<TensorArg> router, ids, weights;
-  int64_t E = 0;  // the router's experts
-  if (!router_weight_o.is_none()) {
-    router.reset(new TensorArg(router_weight_o, "router_weight"));
-    router->expect_dtype({DType::kFloat32, dt});
-    if (router->ndim() != 2) throw_value_error("router_weight: expected a 2-D array [E, H]");
-    E = router->size(0);
-    router->expect_shape({E, H});
-    router->expect_contiguous();
-    router->expect_same_device(hidden);
-    p.router_weight = router->data<void>();
-    p.router_dtype = scalar_type(router->dtype());
-  } else if (!router_logits_o.is_none()) {
-    router.reset(new TensorArg(router_logits_o, "router_logits"));
-    router->expect_dtype({DType::kFloat32});
-    if (router->ndim() != 2) throw_value_error("router_logits: expected a 2-D array [T, E]");
-    E = router->size(1);
-    router->expect_shape({T, E});
-    router->expect_contiguous();
-    router->expect_same_device(hidden);
-    p.router_logits = router->data<float>();
+  if (router_weight) {
+    p.router_weight = router_weight->data<void>();
+    p.router_dtype = scalar_type(router_weight->dtype());
+  } else if (router_logits) {
+    p.router_logits = router_logits->data<float>();
   } else {
-    ids.reset(new TensorArg(topk_ids_o, "topk_ids"));
-    ids->expect_dtype({DType::kInt32});
-    ids->expect_shape({T, top_k});
-    ids->expect_contiguous();
-    ids->expect_same_device(hidden);
-    weights.reset(new TensorArg(topk_weights_o, "topk_weights"));
-    weights->expect_dtype({DType::kFloat32});
-    weights->expect_shape({T, top_k});
-    weights->expect_contiguous();
-    weights->expect_same_device(hidden);
     p.topk_ids = ids->data<int32_t>();
     p.topk_weights = weights->data<float>();
   }
-  if (!given && (E < El || (!on_host && E > dinfer_kernels::kMoeMaxExperts)))
-    throw_value_error(std::string(router_weight_o.is_none() ? "router_logits" : "router_weight") +
-                      ": the router's " + std::to_string(E) + " experts must be >= the " +
-                      std::to_string(El) + " local ones" +
-                      (on_host ? "" : " and <= " + std::to_string(dinfer_kernels::kMoeMaxExperts)));
-  std::unique_ptr<TensorArg> bias;
-  if (!expert_bias_o.is_none()) {
-    bias.reset(new TensorArg(expert_bias_o, "expert_bias"));
-    bias->expect_dtype({DType::kFloat32});
-    bias->expect_shape({E});
-    bias->expect_contiguous();
-    bias->expect_same_device(hidden);
-    p.expert_bias = bias->data<float>();
-  }
-
-  TensorArg out(out_o, "out");
-  out.expect_dtype({dt});
-  out.expect_shape({T, H});
-  out.expect_contiguous();
-  out.expect_writable();
-  out.expect_same_device(hidden);
-  expect_disjoint({&out}, {&hidden, &w13, &w2, router.get(), ids.get(), weights.get(), bias.get()});
+  if (bias) p.expert_bias = bias->data<float>();
 
   if (given) {
     if (num_groups != 1 || topk_groups != 1 || bias)
@@ -197,7 +169,7 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   }
   run_cuda(
       "moe_cuda", "moe_workspace_bytes", hidden, workspace_o, stream,
-      {&hidden, &w13, &w2, router.get(), ids.get(), weights.get(), bias.get(), &out},
+      {&hidden, &w13, &w2, router, ids.get(), weights.get(), bias.get(), &out},
       [&] { return dinfer_kernels::moe_cuda_workspace_bytes(T, E, El, static_cast<int32_t>(top_k), H, I); },
       [&](void* ws, size_t bytes, cudaStream_t s) { return dinfer_kernels::moe_cuda(p, ws, bytes, s); });
 }

@@ -20,14 +20,10 @@ void rms_norm(py::handle x_o, py::handle weight_o, py::handle out_o, py::handle 
   if (x.on_cuda()) throw_value_error("x: host arrays only (the GPU path is the Triton backend)");
   if (x.ndim() != 2) throw_value_error("x: expected a 2-D array [N, D]");
   const int64_t N = x.size(0), D = x.size(1);
-  weight.expect_dtype({x.dtype()});
-  weight.expect_shape({D});
-  weight.expect_contiguous();
-  out.expect_dtype({x.dtype()});
-  out.expect_shape({N, D});
-  out.expect_writable();
-  weight.expect_same_device(x);
-  out.expect_same_device(x);
+  expect_arrays(x, {
+                       {&weight, {x.dtype()}, {D}, kContiguous},
+                       {&out, {x.dtype()}, {N, D}, kWritable},
+                   });
   expect_disjoint({&out}, {&x, &weight}, {{&out, &x}});
 
   dinfer_kernels::RmsNormParams p;

@@ -18,20 +18,15 @@ void rope(py::handle x_o, py::handle positions_o, py::handle cos_sin_o, py::hand
   if (x.on_cuda()) throw_value_error("x: host arrays only (the GPU path is the Triton backend)");
   if (x.ndim() != 4) throw_value_error("x: expected a 4-D array [B, T, H, D]");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3);
-  positions.expect_dtype({DType::kInt64});
-  positions.expect_shape({B, T});
-  positions.expect_contiguous();
-  cos_sin.expect_dtype({DType::kFloat32});
-  if (cos_sin.ndim() != 2) throw_value_error("cos_sin: expected a 2-D array [table_len, rotary_dim]");
-  cos_sin.expect_contiguous();
+  expect_arrays(x, {
+                       {&positions, {DType::kInt64}, {B, T}, kContiguous},
+                       {&cos_sin, {DType::kFloat32}, {-1, -1}, kContiguous},  // [table_len, rotary_dim]
+                       {&out, {x.dtype()}, {B, T, H, D}, kWritable},
+                   });
   const int64_t P = cos_sin.size(0), rd = cos_sin.size(1);
   if (rd < 2 || rd % 2 != 0 || rd > D)
     throw_value_error("cos_sin: rotary_dim (its second dim, " + std::to_string(rd) +
                       ") must be even and in [2, D=" + std::to_string(D) + "]");
-  out.expect_dtype({x.dtype()});
-  out.expect_shape({B, T, H, D});
-  out.expect_writable();
-  for (TensorArg* t : {&positions, &cos_sin, &out}) t->expect_same_device(x);
   expect_disjoint({&out}, {&x, &positions, &cos_sin}, {{&out, &x}});
   const int64_t* pos = positions.data<int64_t>();
   for (int64_t i = 0; i < B * T; ++i)

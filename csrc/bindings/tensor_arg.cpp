@@ -341,4 +341,20 @@ void expect_disjoint(std::initializer_list<const TensorArg*> written,
   }
 }
 
+std::unique_ptr<TensorArg> optional_arg(py::handle obj, const char* name) {
+  return obj.is_none() ? nullptr : std::make_unique<TensorArg>(obj, name);
+}
+
+void expect_arrays(const TensorArg& lead, std::initializer_list<ArrayExpect> table) {
+  for (const ArrayExpect& e : table) {
+    if (e.array == nullptr) continue;
+    if (e.dtypes.size()) e.array->expect_dtype(e.dtypes);
+    if (e.shape.size()) e.array->expect_shape(e.shape);
+    if (e.flags & kContiguous) e.array->expect_contiguous();
+    if (e.flags & kWritable) e.array->expect_writable();
+  }
+  for (const ArrayExpect& e : table)
+    if (e.array != nullptr && e.array != &lead) e.array->expect_same_device(lead);
+}
+
 }  // namespace dinfer_bindings

@@ -72,6 +72,22 @@ class TensorArg {
   DType dtype_ = DType::kOther;
 };
 
+// An optional array argument: null for None.
+std::unique_ptr<TensorArg> optional_arg(py::handle obj, const char* name);
+
+// A binding's argument checks are one table of expectations (expect_arrays), one row per array
+// whose dims follow from the lead array's: its dtypes, its shape and its layout.
+enum ArrayFlags : unsigned { kContiguous = 1, kWritable = 2 };
+struct ArrayExpect {
+  const TensorArg* array;  // nullptr: an absent optional array (skipped)
+  std::initializer_list<DType> dtypes;  // empty: any
+  std::initializer_list<int64_t> shape;  // empty: any; -1: any size of that dim
+  unsigned flags = 0;  // kContiguous | kWritable
+};
+// Checks each row in order (dtype, shape, contiguity, writability), then that every array is on
+// `lead`'s device; the first failing check throws, naming its array.
+void expect_arrays(const TensorArg& lead, std::initializer_list<ArrayExpect> table);
+
 [[noreturn]] void throw_value_error(const std::string& msg);
 [[noreturn]] void throw_type_error(const std::string& msg);
 

@@ -11,27 +11,31 @@
 #include <cpuid.h>
 #endif
 
-#include "dinfer_kernels/attention.h"
 #include "dinfer_kernels/cpu_isa.h"
-#include "dinfer_kernels/decode.h"
-#include "dinfer_kernels/moe.h"
-#include "dinfer_kernels/rms_norm.h"
-#include "dinfer_kernels/rope.h"
-
-// Each ISA's copy of the launchers, defined by the host-kernel sources compiled with
-// DINFER_ISA_NS=isa_<name> (csrc/include/dinfer_kernels/detail/isa_namespace.h).
-#define DINFER_DECLARE_HOST_KERNELS(ns)                         \
-  namespace ns {                                                \
-  void decode_step_cpu(const DecodeStepParams& p, int threads); \
-  void attention_cpu(const AttentionParams& p, int threads);    \
-  void moe_cpu(const MoeParams& p, int threads);                \
-  void rms_norm_cpu(const RmsNormParams& p, int threads);       \
-  void rope_cpu(const RopeParams& p, int threads);              \
-  }
-#define DINFER_HOST_KERNELS(ns) \
-  ns::decode_step_cpu, ns::attention_cpu, ns::moe_cpu, ns::rms_norm_cpu, ns::rope_cpu
+#include "kernel_families.h"
 
 namespace dinfer_kernels {
+
+// The launchers take their parameters by reference: declaring the structs is enough here.
+#define DINFER_DECLARE_PARAMS(op, family, Params, cuda) struct Params;
+DINFER_KERNEL_FAMILIES(DINFER_DECLARE_PARAMS)
+
+// One copy of the host launchers, one per kernel family.
+struct HostKernels {
+#define DINFER_LAUNCHER_POINTER(op, family, Params, cuda) void (*op)(const Params&, int);
+  DINFER_KERNEL_FAMILIES(DINFER_LAUNCHER_POINTER)
+};
+
+// Each ISA's copy of the launchers, defined by the host-kernel sources compiled with
+// DINFER_ISA_NS=isa_<name> (csrc/include/dinfer_kernels/detail/isa_namespace.h), and its table:
+// <ns>::launchers().
+#define DINFER_DECLARE_LAUNCHER(op, family, Params, cuda) void op##_cpu(const Params& p, int threads);
+#define DINFER_LAUNCHER(op, family, Params, cuda) op##_cpu,
+#define DINFER_DECLARE_HOST_KERNELS(ns)                                                    \
+  namespace ns {                                                                           \
+  DINFER_KERNEL_FAMILIES(DINFER_DECLARE_LAUNCHER)                                          \
+  HostKernels launchers() { return HostKernels{DINFER_KERNEL_FAMILIES(DINFER_LAUNCHER)}; } \
+  }
 
 DINFER_DECLARE_HOST_KERNELS(isa_generic)
 #if defined(DINFER_HOST_ISAS_X86)
@@ -45,11 +49,7 @@ namespace {
 struct HostIsa {
   const char* name;
   bool (*supported)();
-  void (*decode_step)(const DecodeStepParams&, int);
-  void (*attention)(const AttentionParams&, int);
-  void (*moe)(const MoeParams&, int);
-  void (*rms_norm)(const RmsNormParams&, int);
-  void (*rope)(const RopeParams&, int);
+  HostKernels kernels;
   // Ops this copy runs faster than the torch reference (bench_kernels/bench_host_isa.py); "auto"
   // picks the host kernel only for these.
   std::vector<std::string> fast_ops;
@@ -96,16 +96,13 @@ bool avx512bf16() { return avx512() && __builtin_cpu_supports("avx512bf16"); }
 // Re-measure when a copy changes.
 const std::vector<HostIsa>& isas() {
   static const std::vector<HostIsa> table = {
-      {"generic", always, DINFER_HOST_KERNELS(isa_generic), {"decode_step", "moe", "rms_norm", "rope"}},
+      {"generic", always, isa_generic::launchers(), {"decode_step", "moe", "rms_norm", "rope"}},
 #if defined(DINFER_HOST_ISAS_X86)
-      {"avx2", avx2, DINFER_HOST_KERNELS(isa_avx2), {"decode_step", "attention", "moe", "rms_norm", "rope"}},
-      {"avx512",
-       avx512,
-       DINFER_HOST_KERNELS(isa_avx512),
-       {"decode_step", "attention", "moe", "rms_norm", "rope"}},
+      {"avx2", avx2, isa_avx2::launchers(), {"decode_step", "attention", "moe", "rms_norm", "rope"}},
+      {"avx512", avx512, isa_avx512::launchers(), {"decode_step", "attention", "moe", "rms_norm", "rope"}},
       {"avx512bf16",
        avx512bf16,
-       DINFER_HOST_KERNELS(isa_avx512bf16),
+       isa_avx512bf16::launchers(),
        {"decode_step", "attention", "moe", "rms_norm", "rope"}},
 #endif
   };
@@ -172,10 +169,8 @@ void set_cpu_isa(const std::string& isa) { g_current.store(&find(isa, "isa="), s
 
 std::vector<std::string> cpu_isa_fast_ops() { return current().fast_ops; }
 
-void decode_step_cpu(const DecodeStepParams& p, int threads) { current().decode_step(p, threads); }
-void attention_cpu(const AttentionParams& p, int threads) { current().attention(p, threads); }
-void moe_cpu(const MoeParams& p, int threads) { current().moe(p, threads); }
-void rms_norm_cpu(const RmsNormParams& p, int threads) { current().rms_norm(p, threads); }
-void rope_cpu(const RopeParams& p, int threads) { current().rope(p, threads); }
+#define DINFER_DEFINE_LAUNCHER(op, family, Params, cuda) \
+  void op##_cpu(const Params& p, int threads) { current().kernels.op(p, threads); }
+DINFER_KERNEL_FAMILIES(DINFER_DEFINE_LAUNCHER)
 
 }  // namespace dinfer_kernels

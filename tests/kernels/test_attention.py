@@ -10,10 +10,11 @@ import math
 
 import pytest
 import torch
-from conftest import assert_precision, device_backends, paged_caches
+from conftest import assert_precision, device_backends
 
 import dinfer_kernels as dk
 from dinfer_kernels import _backend
+from dinfer_kernels.op_inputs import paged_caches
 from dinfer_kernels.reference.attention import attention_reference, block_mask_dense
 
 # The interpreter runs the kernels in numpy: -inf arithmetic and the NaN-poisoned padding rows raise

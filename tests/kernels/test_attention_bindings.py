@@ -5,10 +5,11 @@ CUDA arrays, the CUDA-only layout rules are enforced and a small call matches th
 
 import pytest
 import torch
-from conftest import EXT, assert_precision, paged_caches
+from conftest import EXT, assert_precision
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dinfer_kernels.op_inputs import paged_caches
 from dinfer_kernels.reference.attention import attention_reference
 
 pytestmark = pytest.mark.skipif(

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import assert_precision, device_backends
 
+from dinfer_kernels import op_inputs
 from dinfer_kernels.reference import decode_params, decode_step_reference
 
 RULES = ("threshold", "hierarchical", "fixed", "joint")
@@ -169,11 +170,10 @@ def check_backend(
 
 
 def make_case(N, V, offsets, dtype=torch.float32, mask_id=None, masked_frac=0.7, scale=3.0):
-    mask_id = V // 2 if mask_id is None else mask_id
-    logits = (torch.randn(N, V) * scale).to(dtype)
-    tokens = torch.randint(0, V, (N,))
-    tokens[torch.rand(N) < masked_frac] = mask_id
-    return logits, tokens, torch.tensor(offsets, dtype=torch.int32), mask_id
+    a = op_inputs.decode_step_inputs(
+        N, V, dtype=dtype, seq_offsets=offsets, mask_id=mask_id, masked_frac=masked_frac, scale=scale
+    )
+    return a["logits"], a["tokens"], a["seq_offsets"], a["mask_id"]
 
 
 def ragged_offsets(N, B):

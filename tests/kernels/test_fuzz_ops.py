@@ -36,10 +36,11 @@ if __name__ == "__main__":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, as under pytest: conftest
 
-from conftest import paged_caches
 
 import dinfer_kernels as dk
-from dinfer_kernels import _backend, precision
+from dinfer_kernels import _backend, op_inputs, precision
+from dinfer_kernels.op_inputs import paged_caches
+from dinfer_kernels.ops import OPS
 from dinfer_kernels.reference.attention import attention_reference
 from dinfer_kernels.reference.decode import decode_params, decode_step_reference
 from dinfer_kernels.reference.moe import moe_reference
@@ -48,7 +49,6 @@ from dinfer_kernels.reference.rope import rope_reference
 from dinfer_kernels.reference.soft_embedding import soft_embedding_reference
 
 CALLS = 500
-OPS = ("decode_step", "attention", "moe", "rms_norm", "rope", "soft_embedding")
 SIZES = (1, 2, 3, 5, 7, 11, 13, 6)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # The Triton interpreter computes bf16 arithmetic wrongly (it is a correctness tool for fp16/fp32).
@@ -207,13 +207,17 @@ def fuzz(op, backend, calls=CALLS, seed=0):
 
 
 def rand(r, shape, dtype, scale=1.0, nonfinite=0.0, strided=None):
-    """A random float tensor; with probability `nonfinite` some elements become NaN / +-inf, and
-    `strided` (default: a coin flip) makes it a non-contiguous view whose last dim is still dense."""
-    t = torch.randn(*shape) * scale
+    """A random float tensor, perturbed (see perturb)."""
+    return perturb(r, (torch.randn(*shape) * scale).to(dtype), nonfinite, strided)
+
+
+def perturb(r, t, nonfinite=0.0, strided=None):
+    """t (a factory's valid input), where with probability `nonfinite` some elements become NaN /
+    +-inf, and `strided` (default: a coin flip) makes it a non-contiguous view whose last dim is
+    still dense."""
     if nonfinite and r.random() < nonfinite and t.numel():
         hit = torch.rand(t.shape) < 0.15
         t[hit] = r.choice([float("nan"), float("inf"), float("-inf")])
-    t = t.to(dtype)
     return strided_copy(r, t) if (r.random() < 0.3 if strided is None else strided) else t
 
 
@@ -256,11 +260,8 @@ def gen_rms_norm(r, backend, floats, valid):
     dt = r.choice(floats)
     D = r.choice(SIZES + (16, 33))
     lead = tuple(r.choice(SIZES) for _ in range(r.randint(0, 2)))
-    a = dict(
-        x=rand(r, lead + (D,), dt, nonfinite=0.2),
-        weight=rand(r, (D,), dt, strided=False),
-        eps=r.choice((1e-6, 1e-5, 0.25)),
-    )
+    a = op_inputs.rms_norm_inputs(lead + (D,), dtype=dt, scale=1.0, eps=r.choice((1e-6, 1e-5, 0.25)))
+    a["x"] = perturb(r, a["x"], nonfinite=0.2)
     if valid:
         x, w, eps = a["x"], a["weight"], a["eps"]
 
@@ -303,11 +304,12 @@ def gen_rope(r, backend, floats, valid):
     D = r.choice((2, 4, 6, 10, 14, 16, 22))
     rd = r.choice((None, 2, D - D % 4 or 2))
     far = r.random() < 0.1  # past the host backend's cached table
-    pos = torch.randint(0, 70000 if far else 300, (B, T))
-    a = dict(
-        x=rand(r, (B, T, H, D), dt, nonfinite=0.2),
-        positions=pos.to(r.choice((torch.int64, torch.int32))),
-        theta=r.choice((10000.0, 500000.0, 1.5)),
+    a = op_inputs.rope_inputs(
+        B, T, H, D, dtype=dt, max_position=70000 if far else 300, theta=r.choice((10000.0, 500000.0, 1.5))
+    )
+    a.update(
+        x=perturb(r, a["x"], nonfinite=0.2),
+        positions=a["positions"].to(r.choice((torch.int64, torch.int32))),
         rotary_dim=rd,
     )
     if valid:
@@ -346,14 +348,19 @@ def gen_soft_embedding(r, backend, floats, valid):
     dt = r.choice(floats)
     M, V, d = r.choice(SIZES), r.choice(SIZES + (17, 40)), r.choice(SIZES + (16,))
     mask_id = r.randrange(V)
-    tokens = torch.randint(0, V, (M,))
-    tokens[torch.rand(M) < 0.5] = mask_id
-    a = dict(
-        logits=rand(r, (M, V), r.choice(floats), scale=3, nonfinite=0.2),
-        embedding=rand(r, (V, d), dt),
-        tokens=tokens,
-        mask_id=r.choice((mask_id, np.int64(mask_id))),
+    a = op_inputs.soft_embedding_inputs(
+        M,
+        V,
+        d,
+        dtype=dt,
+        logits_dtype=r.choice(floats),
+        mask_id=mask_id,
         weight=r.choice((0.5, 1.0, torch.tensor([0.3]), torch.rand(M))),
+    )
+    a.update(
+        logits=perturb(r, a["logits"], nonfinite=0.2),
+        embedding=perturb(r, a["embedding"]),
+        mask_id=r.choice((mask_id, np.int64(mask_id))),
         tau=r.choice((1.0, 0.7, 2.0)),
     )
     if valid:
@@ -407,15 +414,15 @@ def credit_state(r, N, V, K):
 def gen_decode_step(r, backend, floats, valid):
     N, V, K = r.choice(SIZES + (16,)), r.choice(SIZES + (37, 64)), r.choice((0, 1, 3, 4))
     B = r.randint(1, 4)
-    offsets = torch.tensor([0] + sorted(r.randint(0, N) for _ in range(B - 1)) + [N], dtype=torch.int32)
+    offsets = [0] + sorted(r.randint(0, N) for _ in range(B - 1)) + [N]
     mask_id = r.randrange(V)
-    tokens = torch.randint(0, V, (N,))
-    tokens[torch.rand(N) < 0.6] = mask_id
     rule = r.choice(("threshold", "hierarchical", "fixed", "joint"))
-    a = dict(
-        logits=rand(r, (N, V), r.choice(floats), scale=3, nonfinite=0.3),
-        tokens=tokens,
-        seq_offsets=offsets,
+    a = op_inputs.decode_step_inputs(
+        N, V, dtype=r.choice(floats), seq_offsets=offsets, mask_id=mask_id, masked_frac=0.6
+    )
+    tokens, offsets = a["tokens"], a["seq_offsets"]
+    a.update(
+        logits=perturb(r, a["logits"], nonfinite=0.3),
         mask_id=r.choice((mask_id, np.int64(mask_id), np.int32(mask_id))),
         rule=rule,
         threshold=r.choice((0.9, 0.3, torch.rand(B))),
@@ -606,17 +613,13 @@ def gen_attention(r, backend, floats, valid):
     if page_size:
         S = -(-S // page_size) * page_size  # positions cover whole pages
     Hq = Hkv * group
-    positions = torch.stack([torch.randperm(S)[:W] for _ in range(B)])
-    seq_lens = torch.randint(0, S + 1, (B,), dtype=torch.int32)
     scale = r.choice((None, 0.3))
-    a = dict(
-        q=rand(r, (B, W, Hq, D), dt),
-        k=rand(r, (B, W, Hkv, D), dt),
-        v=rand(r, (B, W, Hkv, D), dt),
-        k_cache=rand(r, (B, S, Hkv, D), dt, strided=False),
-        v_cache=rand(r, (B, S, Hkv, D), dt, strided=False),
-        positions=positions,
-        seq_lens=seq_lens,
+    a = op_inputs.attention_inputs(B, W, S, Hq, Hkv, D, dtype=dt, scattered=True)
+    positions, seq_lens = a["positions"], a["seq_lens"]
+    a.update(
+        q=perturb(r, a["q"]),
+        k=perturb(r, a["k"]),
+        v=perturb(r, a["v"]),
         write_back=r.random() < 0.6,
         scale=scale,
     )
@@ -761,7 +764,10 @@ def paged_corruptions(r, a, page_size, P):
     covered = [(b, j) for b in range(B) for j in range(MP) if j * page_size < int(lens[b])]
     if covered:
         b, j = r.choice(covered)
-        out.append((("block_table",), lambda a: table.__setitem__((b, j), r.choice((-1, P, P + 7)))))
+        # b and j bound now: the loops below rebind b
+        out.append(
+            (("block_table",), lambda a, b=b, j=j: table.__setitem__((b, j), r.choice((-1, P, P + 7))))
+        )
     # a second attended position on the pool row of a valid window row
     clashes = []
     for b in range(B):
@@ -791,11 +797,10 @@ def gen_moe(r, backend, floats, valid):
     top_k = r.randint(1, topk_groups * (E // num_groups))
     scoring = r.choice(("softmax", "sigmoid"))
     use_logits = r.random() < 0.3
-    a = dict(
-        hidden=rand(r, (T, H), dt, nonfinite=0.1, strided=False),
-        router_weight=None if use_logits else rand(r, (E, H), r.choice((torch.float32, dt)), strided=False),
-        w13=rand(r, (E, 2 * I, H), dt, scale=0.3, strided=False),
-        w2=rand(r, (E, H, I), dt, scale=0.3, strided=False),
+    a = op_inputs.moe_inputs(T, E, H, I, top_k, dtype=dt, router_scale=1.0)
+    a.update(
+        hidden=perturb(r, a["hidden"], nonfinite=0.1, strided=False),
+        router_weight=None if use_logits else a["router_weight"].to(r.choice((torch.float32, dt))),
         top_k=r.choice((top_k, np.int64(top_k))),
         router_logits=rand(r, (T, E), torch.float32, strided=False) if use_logits else None,
         renormalize=r.random() < 0.5,
@@ -861,14 +866,8 @@ def gen_moe(r, backend, floats, valid):
     return Case(f"moe broken {names[0]}", lambda: (dk.moe(**a, backend=backend),), names)
 
 
-GENERATORS = {
-    "decode_step": gen_decode_step,
-    "attention": gen_attention,
-    "moe": gen_moe,
-    "rms_norm": gen_rms_norm,
-    "rope": gen_rope,
-    "soft_embedding": gen_soft_embedding,
-}
+# Every op's generator, by the op's name: gen_<op> above (dinfer_kernels.ops.OPS lists the ops).
+GENERATORS = {op: globals()[f"gen_{op}"] for op in OPS}
 
 
 # ---- the tests ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from conftest import HAS_GPU, assert_precision
 
 import dinfer_kernels as dk
-from dinfer_kernels import _backend
+from dinfer_kernels import _backend, op_inputs
 from dinfer_kernels.reference.moe import moe_reference, route
 
 H, I = 200, 72
@@ -40,11 +40,8 @@ WIDE = {"bn1": 64, "bn2": 128}
 
 def make(T, E, dtype=torch.float32, h=H, inter=I, seed=0, scale=0.3):
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(T, h, generator=g).to(dtype)
-    router = torch.randn(E, h, generator=g) * 0.2
-    w13 = (torch.randn(E, 2 * inter, h, generator=g) * scale / h**0.5 * 3).to(dtype)
-    w2 = (torch.randn(E, h, inter, generator=g) * scale / inter**0.5 * 3).to(dtype)
-    return hidden, router, w13, w2
+    a = op_inputs.moe_inputs(T, E, h, inter, dtype=dtype, generator=g, weight_scale=scale * 3)
+    return a["hidden"], a["router_weight"], a["w13"], a["w2"]
 
 
 def call_backend(

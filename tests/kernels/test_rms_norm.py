@@ -12,7 +12,7 @@ from conftest import EXT, HAS_GPU, assert_precision
 from torch.utils.dlpack import to_dlpack
 
 import dinfer_kernels as dk
-from dinfer_kernels import _backend
+from dinfer_kernels import _backend, op_inputs
 from dinfer_kernels.reference.rms_norm import rms_norm_reference
 
 BACKENDS = _backend.available_backends("cpu", "rms_norm")
@@ -21,9 +21,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def case(shape, dtype, scale=3.0):
-    x = (torch.randn(shape) * scale).to(dtype)
-    w = (torch.rand(shape[-1]) + 0.5).to(dtype)
-    return x, w
+    a = op_inputs.rms_norm_inputs(shape, dtype=dtype, scale=scale)
+    return a["x"], a["weight"]
 
 
 def interpreter_trap(backend, dtype):

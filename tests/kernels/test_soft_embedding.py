@@ -17,6 +17,7 @@ import torch
 from conftest import HAS_GPU, HAS_TRITON, assert_precision
 
 import dinfer_kernels as dk
+from dinfer_kernels import op_inputs
 from dinfer_kernels.reference import soft_embedding_reference
 
 # With a GPU every case here runs the Triton kernel on it.
@@ -69,12 +70,10 @@ def check(logits, embedding, tokens, mask_id, weight=0.3, tau=1.0):
 
 
 def make_case(M, V, d, dtype, masked_frac=0.5, logit_dtype=None):
-    logits = (torch.randn(M, V) * 3).to(logit_dtype or dtype)
-    embedding = torch.randn(V, d).to(dtype)
-    mask_id = V // 2
-    tokens = torch.randint(0, V, (M,))
-    tokens[torch.rand(M) < masked_frac] = mask_id
-    return logits, embedding, tokens, mask_id
+    a = op_inputs.soft_embedding_inputs(
+        M, V, d, dtype=dtype, logits_dtype=logit_dtype, masked_frac=masked_frac
+    )
+    return a["logits"], a["embedding"], a["tokens"], a["mask_id"]
 
 
 def test_reference_matches_hand_formula():

@@ -1,4 +1,4 @@
-// Fused diffusion decode step: C ABI-free, torch-free launchers.
+// Fused diffusion decode step: torch-free C++ launchers (host and CUDA).
 //
 // A C++ runtime links libdinfer_kernels (or the Python extension's object files) and calls these with
 // raw pointers plus a stream. The contract (shapes, dtypes, edge cases) is the pure-torch reference
