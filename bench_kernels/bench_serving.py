@@ -132,8 +132,8 @@ def main(argv=None):
     if args.quick:
         args.num_problems, levels = min(args.num_problems, 2), [c for c in levels if c <= 4] or [1]
     runs = common.repeats(args)
-    sys.path.insert(0, str(common.ROOT / "tests" / "engine"))
-    from serving import ServerProcess
+    sys.path.insert(0, str(common.ROOT / "tests"))
+    from helpers.serving import ServerProcess
 
     llm = common.engine_llm(args)
     per_task = [eval_problems(t, args.num_problems) for t in check_tasks(args.tasks)]
