@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import assert_precision
-from test_block_diffusion import BL, Float64Ops, llada2_model
-from test_checkpoint import tiny
+from helpers.block_diffusion import BL, Float64Ops, llada2_model
+from helpers.hf_configs import tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dinfer_kernels as dk
