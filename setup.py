@@ -3,7 +3,7 @@ Ninja (CPU kernels always, CUDA kernels when nvcc is found).
 
 Environment:
   DINFER_CUDA        auto (default) | 1 (fail if nvcc is missing) | 0
-  DINFER_CUDA_ARCHS  default "80;90a"
+  DINFER_CUDA_ARCHS  default "80;90a", and "100a" too when the nvcc is CUDA 12.8+ (CMakeLists.txt)
   DINFER_WERROR      1 (default): compiler warnings are errors; 0: warnings only
   MAX_JOBS           parallel compile jobs
 The host kernels are compiled once per x86-64 ISA (generic, avx2, avx512, avx512bf16; generic only
@@ -68,7 +68,7 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DDINFER_CUDA={'1' if nvcc else '0'}",
-            f"-DDINFER_CUDA_ARCHS={os.environ.get('DINFER_CUDA_ARCHS', '80;90a')}",
+            f"-DDINFER_CUDA_ARCHS={os.environ.get('DINFER_CUDA_ARCHS', '')}",
             f"-DDINFER_WERROR={'OFF' if os.environ.get('DINFER_WERROR', '1').strip() == '0' else 'ON'}",
         ]
         if nvcc:

@@ -42,7 +42,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import environment
+import markdown_tables
+import results_json
+import timing
 import torch
 import torch.nn.functional as F
 
@@ -105,11 +110,11 @@ def kv_bytes(dense, S, Hkv, D, itemsize, kv_block):
 def build_cases(W, S, density, args, device, notes, flex_state):
     import dinfer_kernels as dk
 
-    dtype = common.torch_dtype(args.dtype)
+    dtype = cli_options.torch_dtype(args.dtype)
     Hq, Hkv, D = args.heads, args.kv_heads, args.head_dim
     x = make_inputs(W, S, Hq, Hkv, D, density, dtype, device, Q_BLOCK, KV_BLOCK)
     per_copy = 2 * S * Hkv * D * x["kc"].element_size()
-    copies = common.num_copies(per_copy, device)
+    copies = timing.num_copies(per_copy, device)
     kcs = [x["kc"]] + [x["kc"].clone() for _ in range(copies - 1)]
     vcs = [x["vc"]] + [x["vc"].clone() for _ in range(copies - 1)]
     # dInfer's layout: [B, H, S, D] caches, window merged out of place every call
@@ -133,7 +138,7 @@ def build_cases(W, S, density, args, device, notes, flex_state):
         ).transpose(1, 2)
 
     cases = [
-        ("sdpa", "sdpa+merge", "torch", common.Case(f"sdpa+merge W={W} S={S} d={density}", sdpa, copies))
+        ("sdpa", "sdpa+merge", "torch", timing.Case(f"sdpa+merge W={W} S={S} d={density}", sdpa, copies))
     ]
 
     if flex_state["on"]:
@@ -158,14 +163,14 @@ def build_cases(W, S, density, args, device, notes, flex_state):
 
             t0 = time.perf_counter()
             flex_call(0)
-            common.sync(device)
+            timing.sync(device)
             flex_state["compile_s"] += time.perf_counter() - t0
             cases.append(
                 (
                     "flex",
                     "flex+merge",
                     "inductor",
-                    common.Case(f"flex+merge W={W} S={S} d={density}", flex_call, copies),
+                    timing.Case(f"flex+merge W={W} S={S} d={density}", flex_call, copies),
                 )
             )
             if flex_state["compile_s"] > flex_state["budget_s"]:
@@ -211,7 +216,7 @@ def build_cases(W, S, density, args, device, notes, flex_state):
                     f"ours_{tag}_{be}",
                     f"ours {tag}",
                     be,
-                    common.Case(f"ours {tag}[{be}] W={W} S={S} d={density}", ours, copies),
+                    timing.Case(f"ours {tag}[{be}] W={W} S={S} d={density}", ours, copies),
                 )
             )
     meta = dict(
@@ -225,7 +230,7 @@ def paged_cases(args, device, env, notes):
     """The LLaDA2 paged block-decoding case (module docstring): (rows, tables)."""
     import dinfer_kernels as dk
 
-    dtype = common.torch_dtype(args.dtype)
+    dtype = cli_options.torch_dtype(args.dtype)
     Hq, Hkv, D, W, ps = (
         args.paged_heads,
         args.paged_kv_heads,
@@ -234,7 +239,7 @@ def paged_cases(args, device, env, notes):
         args.page_size,
     )
     if args.paged_prefixes:
-        prefixes = common.parse_ints(args.paged_prefixes)
+        prefixes = cli_options.parse_ints(args.paged_prefixes)
     elif args.quick:
         prefixes = [1024] if device == "cpu" else [1024, 8192]
     else:
@@ -275,7 +280,7 @@ def paged_cases(args, device, env, notes):
             padded[:, :S] = c
             pool[table[0].long()] = padded.view(MP, ps, Hkv, D)
         bm = dk.BlockMask.block_causal(1, Hkv, W, MP * ps, W, W, W, start=prefix, device=device)
-        copies = common.num_copies(2 * pool_k.numel() * pool_k.element_size(), device)
+        copies = timing.num_copies(2 * pool_k.numel() * pool_k.element_size(), device)
         pools = [(pool_k, pool_v)] + [(pool_k.clone(), pool_v.clone()) for _ in range(copies - 1)]
         peer = [(kct, vct)] + [(kct.clone(), vct.clone()) for _ in range(copies - 1)]
         flat = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
@@ -291,7 +296,7 @@ def paged_cases(args, device, env, notes):
             ).transpose(1, 2)
 
         cases = [
-            ("sdpa", "sdpa dense-mask", "torch", common.Case(f"paged sdpa prefix={prefix}", sdpa, copies))
+            ("sdpa", "sdpa dense-mask", "torch", timing.Case(f"paged sdpa prefix={prefix}", sdpa, copies))
         ]
         for be in backends:
 
@@ -319,7 +324,7 @@ def paged_cases(args, device, env, notes):
                     f"paged_{be}",
                     "ours paged",
                     be,
-                    common.Case(f"paged ours[{be}] prefix={prefix}", ours, copies),
+                    timing.Case(f"paged ours[{be}] prefix={prefix}", ours, copies),
                 )
             )
             cases.append(
@@ -327,18 +332,18 @@ def paged_cases(args, device, env, notes):
                     f"contiguous_{be}",
                     "ours contiguous",
                     be,
-                    common.Case(f"paged-case ours contiguous[{be}] prefix={prefix}", contiguous, copies),
+                    timing.Case(f"paged-case ours contiguous[{be}] prefix={prefix}", contiguous, copies),
                 )
             )
         ref, shape_rows = None, []
         for key, label, be, case in cases:
             try:
                 y = case.fn(0).float()
-                common.sync(device)
+                timing.sync(device)
                 if key == "sdpa":
                     ref = y
                 err = None if ref is None else float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-                m = common.measure(case, device, quick=args.quick, reps=args.reps)
+                m = timing.measure(case, device, quick=args.quick, reps=args.reps)
             except Exception as e:
                 print(f"  paged {label}[{be}]: FAILED ({type(e).__name__}: {e})")
                 notes.append(
@@ -387,7 +392,7 @@ def paged_cases(args, device, env, notes):
             ("rel err vs sdpa", "rel_err", ".2g"),
             ("timer", "timer", None),
         ]
-        table = f"**{title}**\n\n" + common.markdown_table(rows, cols)
+        table = f"**{title}**\n\n" + markdown_tables.markdown_table(rows, cols)
         print("\n" + table + "\n")
         tables.append(table)
     return rows, tables
@@ -404,7 +409,7 @@ def run(args):
         args.kv_heads = args.heads
     win_w = args.window_rows if not cpu or args.full_size else min(args.window_rows, 16)
     if args.windows:
-        windows = common.parse_ints(args.windows)
+        windows = cli_options.parse_ints(args.windows)
     else:
         windows = (
             ([256, 1024] if cpu else [1024, 4096, 8192])
@@ -412,18 +417,18 @@ def run(args):
             else ([256, 1024, 2048] if cpu else [1024, 2048, 4096, 8192])
         )
     if args.refresh:
-        refresh = common.parse_ints(args.refresh)
+        refresh = cli_options.parse_ints(args.refresh)
     else:
         refresh = [256] if cpu else [2048, 8192]
     densities = [float(d) for d in args.densities.split(",")]
     notes = []
-    env = common.environment(device)
+    env = environment.environment(device)
     print(
         f"# bench_attention  device={device} ({env.get('gpu') or env['cpu']})  dtype={args.dtype}  "
         f"heads={args.heads}/{args.kv_heads}x{args.head_dim}  commit={env['commit']}"
     )
-    bw = common.copy_bandwidth(device, quick=args.quick)
-    mm = common.matmul_rate(device, common.torch_dtype(args.dtype), args.quick)
+    bw = timing.copy_bandwidth(device, quick=args.quick)
+    mm = timing.matmul_rate(device, cli_options.torch_dtype(args.dtype), args.quick)
     print(f"copy bandwidth: {bw['GBps']:.1f} GB/s; {args.dtype} matmul: {mm['TFLOPs']:.1f} TFLOP/s")
     flex_on = flex_available() and not args.no_flex and (device == "cuda" or args.flex)
     if not flex_available():
@@ -452,7 +457,7 @@ def run(args):
             for key, label, be, case in cases:
                 try:
                     y = case.fn(0).float()
-                    common.sync(device)
+                    timing.sync(device)
                     if key == "sdpa":
                         ref = y
                     err = (
@@ -460,7 +465,7 @@ def run(args):
                         if ref is None
                         else float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
                     )
-                    m = common.measure(case, device, quick=args.quick, reps=args.reps)
+                    m = timing.measure(case, device, quick=args.quick, reps=args.reps)
                 except Exception as e:
                     print(f"  {label}[{be}]: FAILED ({type(e).__name__}: {e})")
                     notes.append(
@@ -519,7 +524,7 @@ def run(args):
                 ("rel err vs sdpa", "rel_err", ".2g"),
                 ("timer", "timer", None),
             ]
-            table = f"**{title}**\n\n" + common.markdown_table(rows, cols)
+            table = f"**{title}**\n\n" + markdown_tables.markdown_table(rows, cols)
             print("\n" + table + "\n")
             tables.append(table)
             del cases
@@ -553,18 +558,18 @@ def run(args):
         ]
         table = (
             "**block-sparse speedup over the dense (density 1) run of the same method**\n\n"
-            + common.markdown_table(sparse, cols)
+            + markdown_tables.markdown_table(sparse, cols)
         )
         print(table + "\n")
         tables.append(table)
     if flex_state["compile_s"]:
         notes.append(f"flex: {flex_state['compile_s']:.1f}s of torch.compile (first calls, not timed)")
     env["matmul_rate"] = mm
-    return common.finish("attention", env, args, bw, results, tables, notes)
+    return results_json.finish("attention", env, args, bw, results, tables, notes)
 
 
 def main(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = cli_options.base_parser(__doc__.splitlines()[0])
     p.add_argument("--windows", default=None, help="comma-separated S of the window steps")
     p.add_argument("--refresh", default=None, help="comma-separated S of the full refreshes (W = S)")
     p.add_argument("--window-rows", type=int, default=96, help="W of the window steps")

@@ -20,7 +20,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import engine_runs
+import markdown_tables
 from bench_e2e import RECIPES
 
 from dinfer.tasks import TASKS, check_tasks, eval_problems
@@ -52,19 +55,19 @@ def measure_once(llm, problems, batch, runs, options):
 
 
 def main(argv=None):
-    p = common.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 30)
+    p = cli_options.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 30)
     p.add_argument("--batch", type=int, default=8)
     args = p.parse_args(argv)
     if args.quick:
         args.num_problems = min(args.num_problems, 8)
-    llm = common.engine_llm(args)
+    llm = engine_runs.engine_llm(args)
     per_task = [eval_problems(t, args.num_problems) for t in check_tasks(args.tasks)]
     problems = [prob for group in zip(*per_task) for prob in group]  # add, sort, ..., add, sort, ...
     options = dict(RECIPES["dinfer-full"], align_blocks=False)
     llm.generate([q for q, _ in problems[: args.batch]], batch_size=args.batch, **options)  # warm-up
     modes = [(1, False), (args.batch, True), (args.batch, False)]
-    results = common.interleaved_medians(
-        modes, lambda mode, i: measure_once(llm, problems, *mode, options), common.repeats(args)
+    results = engine_runs.interleaved_medians(
+        modes, lambda mode, i: measure_once(llm, problems, *mode, options), cli_options.repeats(args)
     )
     one, runs, cont = results
     for r in results:
@@ -83,7 +86,9 @@ def main(argv=None):
         f"continuous / runs, forwards: {cont['forwards'] / runs['forwards']:.2f}",
         f"batch {args.batch} continuous / batch 1, tokens/s: {cont['speedup_vs_batch1']}",
     ]
-    common.finish_engine("batching", args, results, common.markdown_table(results, columns), notes)
+    engine_runs.finish_engine(
+        "batching", args, results, markdown_tables.markdown_table(results, columns), notes
+    )
 
 
 if __name__ == "__main__":

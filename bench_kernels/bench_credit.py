@@ -17,7 +17,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import engine_runs
+import markdown_tables
+import results_json
 from bench_e2e import RECIPES
 
 from dinfer.tasks import TASKS, check_tasks, eval_problems
@@ -38,17 +42,17 @@ def measure(llm, problems, options):
 
 
 def main(argv=None):
-    p = common.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 30, timed=False)
+    p = cli_options.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 30, timed=False)
     p.add_argument("--thresholds", default="0.9,0.95,0.99,0.999")
     p.add_argument("--block-lengths", default=None, help="default: the model's and the whole canvas")
     args = p.parse_args(argv)
     thresholds = [float(t) for t in args.thresholds.split(",")]
     if args.quick:
         args.num_problems, thresholds = min(args.num_problems, 4), [thresholds[0], thresholds[-1]]
-    llm = common.engine_llm(args)
+    llm = engine_runs.engine_llm(args)
     gen_length = llm.defaults["gen_length"]
     block_lengths = (
-        common.parse_ints(args.block_lengths)
+        cli_options.parse_ints(args.block_lengths)
         if args.block_lengths
         else sorted({llm.defaults["block_length"], gen_length})
     )
@@ -80,7 +84,7 @@ def main(argv=None):
                 r["tpf_vs_threshold"] = round(r["tokens_per_forward"] / base["tokens_per_forward"], 3)
                 r["ceiling"] = round(base["forwards"] / base["blocks"], 3)
                 results.append(r)
-                common.record(f"bl {bl} tau {tau} {label}", r)
+                results_json.record(f"bl {bl} tau {tau} {label}", r)
                 print(
                     f"bl {bl:3d} tau {tau:<6} {label:<17} forwards {r['forwards']:5d} blocks {r['blocks']:4d} "
                     f"TPF {r['tokens_per_forward']:5.2f} x{r['tpf_vs_threshold']:.2f} (ceiling "
@@ -105,7 +109,9 @@ def main(argv=None):
         f"credit+smoothing TPF / threshold-only, best: x{best['tpf_vs_threshold']} at block "
         f"{best['block_length']}, tau {best['threshold']}"
     ]
-    common.finish_engine("credit", args, results, common.markdown_table(results, columns), notes)
+    engine_runs.finish_engine(
+        "credit", args, results, markdown_tables.markdown_table(results, columns), notes
+    )
 
 
 if __name__ == "__main__":

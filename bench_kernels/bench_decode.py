@@ -21,11 +21,18 @@ speedup vs each dInfer baseline, time / max(-1) time, time / ours-threshold's on
 (first step from the same state; ours-joint: as the torch reference, dInfer has no joint rule).
 """
 
+import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import environment
+import markdown_tables
+import results_json
+import timing
 import torch
 
 LLADA_MOE_VOCAB, LLADA_MOE_MASK = 157184, 156895
@@ -68,9 +75,9 @@ def build_cases(N, V, args, device, notes):
 
     import dinfer_kernels
 
-    dtype = common.torch_dtype(args.dtype)
+    dtype = cli_options.torch_dtype(args.dtype)
     logits0, tok0, mask_id = make_inputs(N, V, dtype, device)
-    copies = common.num_copies(logits0.numel() * logits0.element_size(), device)
+    copies = timing.num_copies(logits0.numel() * logits0.element_size(), device)
     logits = [logits0] + [logits0.clone() for _ in range(copies - 1)]
     tok_init = tok0.unsqueeze(0).expand(copies, N).contiguous()
     tok = tok_init.clone()  # one row of tokens per rotating copy
@@ -96,7 +103,7 @@ def build_cases(N, V, args, device, notes):
                 key,
                 label,
                 backend,
-                common.Case(f"{label}[{backend}] N={N}", fn, copies, restore, setup, graph),
+                timing.Case(f"{label}[{backend}] N={N}", fn, copies, restore, setup, graph),
                 kind,
             )
         )
@@ -122,13 +129,13 @@ def build_cases(N, V, args, device, notes):
 
     if not args.no_compile:
         try:
-            t0 = common.time.perf_counter()
+            t0 = time.perf_counter()
             x = tok[0].clone().view(1, N)
             db.dinfer_threshold_decode_compiled(logits[0].view(1, N, V), x, mask_id, tau)
-            common.sync(device)
+            timing.sync(device)
             notes.append(
                 f"N={N}: torch.compile of dInfer's threshold rule took "
-                f"{common.time.perf_counter() - t0:.1f}s (first call)"
+                f"{time.perf_counter() - t0:.1f}s (first call)"
             )
             add(
                 "dinfer_compiled",
@@ -257,20 +264,20 @@ def run(args):
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible")
-    rows = common.parse_ints(args.rows) if args.rows else ([32, 512] if args.quick else [32, 64, 512])
+    rows = cli_options.parse_ints(args.rows) if args.rows else ([32, 512] if args.quick else [32, 64, 512])
     V = args.vocab
     notes = []
-    env = common.environment(device)
+    env = environment.environment(device)
     print(
         f"# bench_decode  device={device} ({env.get('gpu') or env['cpu']})  V={V}  dtype={args.dtype}  "
         f"rows={rows}  commit={env['commit']}"
     )
-    if device == "cpu" and env["loadavg_1min"] > 0.5 * (common.os.cpu_count() or 1):
+    if device == "cpu" and env["loadavg_1min"] > 0.5 * (os.cpu_count() or 1):
         notes.append(
-            f"busy host: 1-min load average {env['loadavg_1min']} on {common.os.cpu_count()} CPUs; "
+            f"busy host: 1-min load average {env['loadavg_1min']} on {os.cpu_count()} CPUs; "
             "CPU times are noisy (OMP_NUM_THREADS=1 steadies them)"
         )
-    bw = common.copy_bandwidth(device, quick=args.quick)
+    bw = timing.copy_bandwidth(device, quick=args.quick)
     print(f"copy bandwidth: {bw['GBps']:.1f} GB/s (read + write, {bw['bytes'] >> 20} MiB, {bw['timer']})")
 
     results, tables = [], []
@@ -282,7 +289,7 @@ def run(args):
         rows_out = []
         for key, label, be, case, kind in cases:
             try:
-                m = common.measure(case, device, quick=args.quick, reps=args.reps)
+                m = timing.measure(case, device, quick=args.quick, reps=args.reps)
             except Exception as e:
                 print(f"  {label}[{be}]: FAILED ({type(e).__name__}: {e})")
                 notes.append(f"N={N} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}")
@@ -347,18 +354,20 @@ def run(args):
             ("commits", "commits", None),
             ("timer", "timer", None),
         ]
-        table = f"**{title}**\n\n" + common.markdown_table([r for r in rows_out if "median_s" in r], cols)
+        table = f"**{title}**\n\n" + markdown_tables.markdown_table(
+            [r for r in rows_out if "median_s" in r], cols
+        )
         print("\n" + table + "\n")
         tables.append(table)
         del cases, state
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    return common.finish("decode", env, args, bw, results, tables, notes)
+    return results_json.finish("decode", env, args, bw, results, tables, notes)
 
 
 def main(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = cli_options.base_parser(__doc__.splitlines()[0])
     p.add_argument("--rows", default=None, help="comma-separated N (default 32,64,512; --quick 32,512)")
     p.add_argument("--vocab", type=int, default=LLADA_MOE_VOCAB)
     p.add_argument("--threshold", type=float, default=0.9)

@@ -37,7 +37,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import engine_runs
+import markdown_tables
+import timing
 
 import dinfer_kernels as dk
 from dinfer.evaluate import evaluate
@@ -87,7 +91,7 @@ def run_once(llm, row, args, first):
     recipe, backend, batch = row
     table, shared = recipes(llm)
     options = dict(table[recipe], **shared)
-    with dk.prefer_backend(backend), common.nvtx_range(f"{recipe}/{backend}/b{batch}"):
+    with dk.prefer_backend(backend), timing.nvtx_range(f"{recipe}/{backend}/b{batch}"):
         r = evaluate(
             llm, args.tasks, num_problems=args.num_problems, batch_size=batch, warmup=first, **options
         )
@@ -109,12 +113,12 @@ def run_once(llm, row, args, first):
 
 
 def main(argv=None):
-    p = common.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 40)
+    p = cli_options.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 40)
     p.add_argument("--plot", default=None, help="PNG of accuracy against tokens/s (needs matplotlib)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_problems = min(args.num_problems, 4)
-    llm = common.engine_llm(args)
+    llm = engine_runs.engine_llm(args)
     table, _ = recipes(llm)
     rows = [(recipe, backend, 1) for recipe in table for backend in ("auto", "torch")]
     rows.append(("threshold" if llm.model.config.block_causal else "dinfer-full", "auto", 8))
@@ -124,7 +128,7 @@ def main(argv=None):
         print(f"pass {i + 1}  " + _row(r), flush=True)
         return r
 
-    results = common.interleaved_medians(rows, once, common.repeats(args))
+    results = engine_runs.interleaved_medians(rows, once, cli_options.repeats(args))
     get = {(r["recipe"], r["backend"], r["batch"]): r for r in results}
     if llm.model.config.block_causal:
         return finish_block_diffusion(llm, args, results, get)
@@ -161,7 +165,7 @@ def main(argv=None):
     speedups = [("x vanilla", "speedup_vs_vanilla", ".2f"), ("x fast-dllm", "speedup_vs_fast_dllm", ".2f")]
     columns = table_columns(speedups)
     notes = [f"{k}: {v}" for k, v in checks.items()]
-    common.finish_engine("e2e", args, results, common.markdown_table(results, columns), notes)
+    engine_runs.finish_engine("e2e", args, results, markdown_tables.markdown_table(results, columns), notes)
     if args.plot:
         plot(results, args.plot, os.path.basename(llm.path))
 
@@ -203,7 +207,7 @@ def finish_block_diffusion(llm, args, results, get):
         f"{round(get['threshold', 'auto', 8]['tokens_per_second'] / thr['tokens_per_second'], 2)}",
     ]
     columns = table_columns([("x one-token", "speedup_vs_one_token", ".2f")])
-    common.finish_engine("e2e", args, results, common.markdown_table(results, columns), notes)
+    engine_runs.finish_engine("e2e", args, results, markdown_tables.markdown_table(results, columns), notes)
     if args.plot:
         plot(results, args.plot, os.path.basename(llm.path), BLOCK_RECIPES)
 

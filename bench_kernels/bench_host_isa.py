@@ -28,7 +28,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import environment
+import markdown_tables
+import results_json
 import torch
 
 # (op, bench module, its arguments, pick): pick(results) -> (ours, reference, extras) rows.
@@ -98,7 +102,7 @@ def auto_choice(op, dtype, ours):
 
     if op != "moe":
         return _backend.resolve("auto", "cpu", op)
-    dt = common.torch_dtype(dtype)
+    dt = cli_options.torch_dtype(dtype)
     weight_bytes = 3 * ours["E"] * ours["H"] * ours["I"] * torch.empty((), dtype=dt).element_size()
     return _backend.resolve(
         "auto",
@@ -117,7 +121,7 @@ def run(args):
         torch.set_num_threads(args.threads)
     isas = args.isas.split(",") if args.isas else _backend.cpu_isas()
     dtypes = args.dtypes.split(",")
-    env = common.environment("cpu")
+    env = environment.environment("cpu")
     print(
         f"# bench_host_isa  cpu={env['cpu']}  ISAs={isas}  dtypes={dtypes}  threads={torch.get_num_threads()}"
         f"  commit={env['commit']}"
@@ -171,9 +175,9 @@ def run(args):
         f"host kernels per ISA, {env['cpu']}, {torch.get_num_threads()} threads "
         f"(× ref: reference time / ours, then what auto picks there; decode also ÷ one max(-1) pass and × dInfer's eager threshold decode)"
     )
-    table = f"**{title}**\n\n" + common.markdown_table(rows, cols)
+    table = f"**{title}**\n\n" + markdown_tables.markdown_table(rows, cols)
     print("\n" + table + "\n")
-    return common.finish("host_isa", env, args, None, results, [table], notes)
+    return results_json.finish("host_isa", env, args, None, results, [table], notes)
 
 
 def main(argv=None):

@@ -12,7 +12,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import environment
+import markdown_tables
+import results_json
 
 from dinfer.decoders import DecoderConfig
 from dinfer.generate import GenerationConfig, generate
@@ -32,7 +35,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="a shorter generation (the GPU check script)")
-    p.add_argument("--json", default=None, type=common.json_path)
+    p.add_argument("--json", default=None, type=results_json.json_path)
     a = p.parse_args(argv)
     if a.quick:
         a.gen_length = min(a.gen_length, 64)
@@ -85,7 +88,7 @@ def main(argv=None):
         _, stats = generate(model, prompts, g)
         d = stats.as_dict()
         rows.append({"config": name, **d})
-        common.record(name, rows[-1])
+        results_json.record(name, rows[-1])
         print(
             f"{name:44s} forwards {d['forwards']:4d}  TPF {d['tokens_per_forward']:.2f}  "
             f"TPS {d['tokens_per_second']:.1f}  phases {d['phase_seconds']}  "
@@ -98,8 +101,14 @@ def main(argv=None):
         ("tokens/s", "tokens_per_second", ".1f"),
         ("loop overhead", "loop_overhead_fraction", ".1%"),
     ]
-    common.finish(
-        "loop", common.environment(a.device), a, None, rows, [common.markdown_table(rows, columns)], []
+    results_json.finish(
+        "loop",
+        environment.environment(a.device),
+        a,
+        None,
+        rows,
+        [markdown_tables.markdown_table(rows, columns)],
+        [],
     )
     return rows
 

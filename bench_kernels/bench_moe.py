@@ -14,7 +14,7 @@ renormalisation); --small (default on the CPU) shrinks it to E = 8, H = 256, I =
   triton plain     our routing/alignment kernel, then a plain Triton grouped GEMM (no fused epilogue)
                    over w13, torch silu*mul, the same GEMM over w2, a torch weighted index_add
   ours[b]          dinfer_kernels.moe(backend=b) for the kernel backends available here
-Measured in the same run: the device copy bandwidth (common.copy_bandwidth) and the dense matmul
+Measured in the same run: the device copy bandwidth (timing.copy_bandwidth) and the dense matmul
 rate of the dtype (a square torch matmul). Columns: median time, GB/s over the expert weights
 actually read (touched experts x 3*H*I*itemsize), % of the copy bandwidth, TFLOP/s over the routed
 rows (6*T*k*H*I), % of the matmul rate, speedup vs the torch loop, max |diff| vs the torch loop
@@ -26,7 +26,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import environment
+import markdown_tables
+import results_json
+import timing
 import torch
 
 SMALL = dict(experts=8, hidden=256, inter=128)
@@ -218,7 +223,7 @@ def run(args):
     inter = args.inter or (SMALL["inter"] if small else 1024)
     k = min(args.top_k, E)
     tokens = (
-        common.parse_ints(args.tokens)
+        cli_options.parse_ints(args.tokens)
         if args.tokens
         else (
             [4, 32]
@@ -230,15 +235,15 @@ def run(args):
     )
     if args.dtype is None:  # the host's bf16 matmul is very slow: fp32 there by default
         args.dtype = "bf16" if device == "cuda" else "fp32"
-    dtype = common.torch_dtype(args.dtype)
-    env = common.environment(device)
+    dtype = cli_options.torch_dtype(args.dtype)
+    env = environment.environment(device)
     notes = []
     print(
         f"# bench_moe  device={device} ({env.get('gpu') or env['cpu']})  E={E} top-{k} H={H} I={inter}  "
         f"dtype={args.dtype}  T={tokens}  commit={env['commit']}"
     )
-    bw = common.copy_bandwidth(device, quick=args.quick)
-    mm = common.matmul_rate(device, dtype, args.quick)
+    bw = timing.copy_bandwidth(device, quick=args.quick)
+    mm = timing.matmul_rate(device, dtype, args.quick)
     print(
         f"copy bandwidth: {bw['GBps']:.1f} GB/s   {args.dtype} matmul ({mm['n']}^3): "
         f"{mm['TFLOPs']:.3g} TFLOP/s"
@@ -326,13 +331,13 @@ def run(args):
         for key, label, be, fn, graph in cases:
             try:
                 first = fn(0)
-                common.sync(device)
+                timing.sync(device)
                 err = float((first.float() - base_out).abs().max()) / scale
                 repeat = None
                 if key.startswith("ours"):
                     repeat = "yes" if torch.equal(first, fn(0)) else "NO"
-                m = common.measure(
-                    common.Case(f"{label}[{be}] T={T}", fn, 1, graph=graph),
+                m = timing.measure(
+                    timing.Case(f"{label}[{be}] T={T}", fn, 1, graph=graph),
                     device,
                     quick=args.quick,
                     reps=args.reps,
@@ -396,7 +401,7 @@ def run(args):
             ("auto picks", "auto", None),
             ("timer", "timer", None),
         ]
-        table = f"**{title}**\n\n" + common.markdown_table(rows_out, cols)
+        table = f"**{title}**\n\n" + markdown_tables.markdown_table(rows_out, cols)
         print("\n" + table + "\n")
         tables.append(table)
         if device == "cuda":
@@ -405,11 +410,11 @@ def run(args):
         f"{args.dtype} matmul rate {mm['TFLOPs']:.3g} TFLOP/s ({mm['n']}^3, {mm['timer']}); "
         f"copy bandwidth {bw['GBps']:.0f} GB/s"
     )
-    return common.finish("moe", env, args, bw, results, tables, notes)
+    return results_json.finish("moe", env, args, bw, results, tables, notes)
 
 
 def main(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = cli_options.base_parser(__doc__.splitlines()[0])
     p.add_argument(
         "--tokens",
         default=None,

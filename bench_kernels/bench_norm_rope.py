@@ -20,7 +20,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import environment
+import markdown_tables
+import results_json
+import timing
 import torch
 
 SHAPES = {"tiny": (256, 8, 32), "llada-moe": (2048, 16, 128)}
@@ -46,18 +51,18 @@ def run(args):
     from dinfer_kernels import op_inputs
     from dinfer_kernels.reference.rope import cos_sin_table
 
-    device, dtype = args.device, common.torch_dtype(args.dtype)
+    device, dtype = args.device, cli_options.torch_dtype(args.dtype)
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible")
     shape = args.shape or ("tiny" if device == "cpu" else "llada-moe")
     H, heads, D = SHAPES[shape]
-    rows_list = common.parse_ints(args.rows) if args.rows else ([1, 70] if args.quick else [1, 70, 560])
-    env = common.environment(device)
+    rows_list = cli_options.parse_ints(args.rows) if args.rows else ([1, 70] if args.quick else [1, 70, 560])
+    env = environment.environment(device)
     print(
         f"# bench_norm_rope  device={device} ({env.get('gpu') or env['cpu']})  shape={shape} "
         f"(hidden {H}, {heads} x {D})  dtype={args.dtype}  rows={rows_list}  commit={env['commit']}"
     )
-    bw = common.copy_bandwidth(device, quick=args.quick)
+    bw = timing.copy_bandwidth(device, quick=args.quick)
     g = torch.Generator().manual_seed(0)
     table = cos_sin_table(torch.arange(8192), THETA, D).to(device)
     torch_rope = cached_rope(table)
@@ -102,8 +107,8 @@ def run(args):
             ]
             timed = []
             for method, be, fn in cases:
-                m = common.measure(
-                    common.Case(f"{op}/{method}[{be}] rows={rows}", lambda i, fn=fn: fn()),
+                m = timing.measure(
+                    timing.Case(f"{op}/{method}[{be}] rows={rows}", lambda i, fn=fn: fn()),
                     device,
                     quick=args.quick,
                     reps=args.reps,
@@ -144,15 +149,15 @@ def run(args):
             f"{rows} rows, {shape} (hidden {H}, {heads} x {D}), {args.dtype}, {device} "
             f"({env.get('gpu') or env['cpu']}, {torch.get_num_threads()} threads)"
         )
-        table_md = f"**{title}**\n\n" + common.markdown_table(rows_out, cols)
+        table_md = f"**{title}**\n\n" + markdown_tables.markdown_table(rows_out, cols)
         print("\n" + table_md + "\n")
         tables.append(table_md)
         results += rows_out
-    return common.finish("norm_rope", env, args, bw, results, tables, notes)
+    return results_json.finish("norm_rope", env, args, bw, results, tables, notes)
 
 
 def main(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = cli_options.base_parser(__doc__.splitlines()[0])
     p.add_argument("--rows", default=None, help="comma-separated tokens per call (default 1,70,560)")
     p.add_argument(
         "--shape",

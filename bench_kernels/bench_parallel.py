@@ -26,7 +26,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # puts the checkout's engine and kernels on sys.path
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import environment
+import markdown_tables
+import results_json
+import timing
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -35,10 +40,10 @@ import torch.multiprocessing as mp
 def _median_time(fn, reps, device):
     times = []
     for _ in range(reps + 2):
-        common.sync(device)
+        timing.sync(device)
         t0 = time.perf_counter()
         fn()
-        common.sync(device)
+        timing.sync(device)
         times.append(time.perf_counter() - t0)
     return sorted(times[2:])[len(times[2:]) // 2]
 
@@ -68,7 +73,7 @@ def _rank(rank, world, port, args, out):
     comm = Comm()
     path = model_dir(args.model)
     config = ModelConfig.from_dir(path)
-    dtype = common.torch_dtype(args.dtype)
+    dtype = cli_options.torch_dtype(args.dtype)
     results = []
     for ep in args.ep if config.is_moe and world > 1 else ["-"]:
         if world == 1:
@@ -168,7 +173,7 @@ def main():
     args.ep = args.ep.split(",")
     if args.quick:
         args.reps, args.rows = 5, 32
-    requested = worlds = common.parse_ints(args.world)
+    requested = worlds = cli_options.parse_ints(args.world)
     if args.device == "cuda":
         worlds = [w for w in worlds if w <= torch.cuda.device_count()]
     from dinfer.parallel.launch import free_port
@@ -183,7 +188,7 @@ def main():
             rows += torch.load(out, weights_only=False)
     model = [r for r in rows if r["case"] == "model"]
     decode = [r for r in rows if r["case"] == "decode"]
-    model_table = common.markdown_table(
+    model_table = markdown_tables.markdown_table(
         model,
         [
             ("TP", "world", None),
@@ -196,7 +201,7 @@ def main():
         ],
     )
     columns = [("TP", "world", None), ("method", "method", None), ("ms", "ms", ".3g")]
-    decode_table = common.markdown_table(decode, columns + [("bytes sent", "bytes_sent", None)])
+    decode_table = markdown_tables.markdown_table(decode, columns + [("bytes sent", "bytes_sent", None)])
     print(f"model {args.model} ({args.device}, {args.dtype}), forward over {args.batch}x{args.seq} tokens")
     print(model_table)
     print(f"\ndecode step, {args.rows} rows, vocabulary {args.vocab}")
@@ -210,9 +215,9 @@ def main():
     ]
     if len(worlds) < len(requested):
         notes.append(f"world sizes {requested} asked, {worlds} run ({torch.cuda.device_count()} GPUs)")
-    env = common.environment(args.device)
+    env = environment.environment(args.device)
     env["model"] = args.model
-    common.finish("parallel", env, args, None, rows, [model_table, decode_table], notes)
+    results_json.finish("parallel", env, args, None, rows, [model_table, decode_table], notes)
 
 
 if __name__ == "__main__":

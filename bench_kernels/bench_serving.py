@@ -32,7 +32,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common
+import checkout
+import cli_options
+import engine_runs
+import markdown_tables
+import results_json
 
 from dinfer.tasks import TASKS, check_tasks, eval_problems
 
@@ -122,20 +126,20 @@ def measure_once(server_url, llm, prompts, concurrency, options):
 
 
 def main(argv=None):
-    p = common.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 20)
+    p = cli_options.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 20)
     p.add_argument("--concurrency", default="1,8,32", help="concurrent clients per row (default: 1,8,32)")
     p.add_argument("--block-length", type=int, default=4, help="block_length of every request (default: 4)")
     p.add_argument("--max-batch", type=int, default=32, help="the server's slots (default: 32)")
     p.set_defaults(threads=1)
     args = p.parse_args(argv)
-    levels = common.parse_ints(args.concurrency)
+    levels = cli_options.parse_ints(args.concurrency)
     if args.quick:
         args.num_problems, levels = min(args.num_problems, 2), [c for c in levels if c <= 4] or [1]
-    runs = common.repeats(args)
-    sys.path.insert(0, str(common.ROOT / "tests" / "engine"))
-    from serving import ServerProcess
+    runs = cli_options.repeats(args)
+    sys.path.insert(0, str(checkout.ROOT / "tests"))
+    from helpers.serving import ServerProcess
 
-    llm = common.engine_llm(args)
+    llm = engine_runs.engine_llm(args)
     per_task = [eval_problems(t, args.num_problems) for t in check_tasks(args.tasks)]
     prompts = [q for group in zip(*per_task) for q, _ in group]
     options = dict(block_length=args.block_length)
@@ -151,7 +155,7 @@ def main(argv=None):
         for i in range(runs):  # round-robin: the host's drift lands on every row alike
             for c in levels:
                 timed[c].append(measure_once(server.url, llm, prompts, c, options))
-                common.record(f"{c} clients run {i}", timed[c][-1])
+                results_json.record(f"{c} clients run {i}", timed[c][-1])
     finally:
         server.stop()
     results = []
@@ -179,7 +183,9 @@ def main(argv=None):
         + ("" if r["same_answers"] else " -- ANSWERS DIFFER")
         for r in results
     ]
-    return common.finish_engine("serving", args, results, common.markdown_table(results, columns), notes)
+    return engine_runs.finish_engine(
+        "serving", args, results, markdown_tables.markdown_table(results, columns), notes
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
+import environment
+import markdown_tables
+import results_json
+import timing
 import torch
 
 SMALL = (16384, 512)
@@ -42,18 +47,18 @@ def run(args):
     V = args.vocab or (SMALL[0] if small else 157184)
     d = args.dim or (SMALL[1] if small else 2048)
     rows = (
-        common.parse_ints(args.rows)
+        cli_options.parse_ints(args.rows)
         if args.rows
         else ([64] if args.quick and device == "cpu" else [64, 1024] if args.quick else [64, 256, 1024])
     )
-    dtype = common.torch_dtype(args.dtype)
-    env = common.environment(device)
+    dtype = cli_options.torch_dtype(args.dtype)
+    env = environment.environment(device)
     notes = []
     print(
         f"# bench_soft_embedding  device={device} ({env.get('gpu') or env['cpu']})  V={V} d={d}  "
         f"dtype={args.dtype}  rows={rows}  commit={env['commit']}"
     )
-    bw = common.copy_bandwidth(device, quick=args.quick)
+    bw = timing.copy_bandwidth(device, quick=args.quick)
     print(f"copy bandwidth: {bw['GBps']:.1f} GB/s")
 
     w = torch.full((1,), 0.3, dtype=torch.float32, device=device)
@@ -80,7 +85,7 @@ def run(args):
     results, tables = [], []
     for M in rows:
         z, tok = inputs["logits"][:M], inputs["tokens"][:M]
-        copies = common.num_copies(z.numel() * z.element_size(), device) if device == "cuda" else 1
+        copies = timing.num_copies(z.numel() * z.element_size(), device) if device == "cuda" else 1
         zs = [z] + [z.clone() for _ in range(copies - 1)]
         nbytes = z.numel() * z.element_size() + E.numel() * E.element_size() + M * d * E.element_size()
         flops = 2.0 * M * V * d
@@ -109,8 +114,8 @@ def run(args):
         for key, label, be, fn in cases:
             try:
                 err = float((fn(0).float() - base_out).abs().max()) / scale
-                m = common.measure(
-                    common.Case(f"{label}[{be}] M={M}", fn, copies), device, quick=args.quick, reps=args.reps
+                m = timing.measure(
+                    timing.Case(f"{label}[{be}] M={M}", fn, copies), device, quick=args.quick, reps=args.reps
                 )
             except Exception as e:
                 print(f"  {label}[{be}]: FAILED ({type(e).__name__}: {e})")
@@ -158,17 +163,17 @@ def run(args):
             ("rel. max diff", "rel_err", ".1e"),
             ("timer", "timer", None),
         ]
-        table = f"**{title}**\n\n" + common.markdown_table(rows_out, cols)
+        table = f"**{title}**\n\n" + markdown_tables.markdown_table(rows_out, cols)
         print("\n" + table + "\n")
         tables.append(table)
         zs = z = base_out = None  # frees this shape before the next (the lambdas above read zs)
         if device == "cuda":
             torch.cuda.empty_cache()
-    return common.finish("soft_embedding", env, args, bw, results, tables, notes)
+    return results_json.finish("soft_embedding", env, args, bw, results, tables, notes)
 
 
 def main(argv=None):
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = cli_options.base_parser(__doc__.splitlines()[0])
     p.add_argument("--rows", default=None, help="comma-separated M (default 64,256,1024)")
     p.add_argument("--vocab", type=int, default=None, help="V (default 157184, --small 16384)")
     p.add_argument("--dim", type=int, default=None, help="d (default 2048, --small 512)")

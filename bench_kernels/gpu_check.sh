@@ -123,7 +123,7 @@ else
   run_step nvidia-smi 20 nvidia-smi
 fi
 # shellcheck disable=SC2016  # expanded by the inner shell
-run_step versions 60 bash -c '"$0" bench_kernels/common.py versions; nvcc --version | tail -1
+run_step versions 60 bash -c '"$0" bench_kernels/report.py versions; nvcc --version | tail -1
 cmake --version | head -1; echo "ninja $(ninja --version)"; gcc --version | head -1
 command -v compute-sanitizer || echo "compute-sanitizer: not found"; echo "cores $(nproc)"' "$PY"
 cp "$OUT_DIR/versions.log" "$OUT_DIR/environment.txt" 2>/dev/null
@@ -218,8 +218,8 @@ bench_tiny() {
   esac
 }
 if [ "$CALL" != 1 ] || [ "$DRY" = 1 ]; then
-  names=$("$PY" -c 'import sys; sys.path.insert(0, "bench_kernels"); import common
-print(" ".join(common.bench_names()))')
+  names=$("$PY" -c 'import sys; sys.path.insert(0, "bench_kernels"); import report
+print(" ".join(report.bench_names()))')
   for name in $names; do
     extra=()
     [ "$DRY" = 1 ] && read -r -a extra <<<"$(bench_tiny "$name")"
@@ -229,7 +229,7 @@ print(" ".join(common.bench_names()))')
 fi
 
 # ---- report --------------------------------------------------------------------------------------
-"$PY" bench_kernels/common.py report "$OUT_DIR" --mode "$MODE" 2>&1 | tee -a "$LOG"
+"$PY" bench_kernels/report.py report "$OUT_DIR" --mode "$MODE" 2>&1 | tee -a "$LOG"
 log "gpu_check: done in $(( $(date +%s) - START ))s"
 
 # What comes back from the device machine is at most 8 files: everything but the report and the log

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
+import cli_options
 import torch
 
 SHAPES = {"small": (8, 256, 128), "big": (64, 2048, 1024)}
@@ -50,7 +51,7 @@ def decode(args):
 
     N, V = 32, 157184
     for dn in args.dtypes:
-        logits, tok0, mask_id = make_inputs(N, V, common.torch_dtype(dn), "cpu")
+        logits, tok0, mask_id = make_inputs(N, V, cli_options.torch_dtype(dn), "cpu")
         off = torch.tensor([0, N], dtype=torch.int32)
         tok = tok0.clone()
 
@@ -88,7 +89,7 @@ def moe(args):
         kind, T = shape.rstrip("0123456789"), int(shape.lstrip("abcdefghijklmnopqrstuvwxyz"))
         E, H, inter = SHAPES[kind]
         for dn in args.dtypes:
-            dt = common.torch_dtype(dn)
+            dt = cli_options.torch_dtype(dn)
             a = op_inputs.moe_inputs(
                 T,
                 E,

@@ -4,8 +4,8 @@ bench_kernels/results/, so that both state exactly what the data holds.
     python bench_kernels/results_page.py            # rewrites RESULTS.md and the README's headline table
     python bench_kernels/results_page.py --check    # exits 1 if either differs from what the JSON gives
 
-Every *.json in the folder is one run of a bench_*.py script (the payload of common.finish(), or the
-partial one common.record() leaves when a run is cut short). The page has one section per benchmark,
+Every *.json in the folder is one run of a bench_*.py script (the payload of results_json.finish(), or the
+partial one results_json.record() leaves when a run is cut short). The page has one section per benchmark,
 and in it one subsection per JSON file: machine, date, commit and command from the file's `env`, then
 the tables and notes the benchmark printed. A GPU check's JSON (bench_kernels/gpu_check.sh writes
 OUT_DIR/bench_<name>.json) joins the page once it is copied into the folder: its `env` names the GPU.
@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import checkout
+import markdown_tables
+import report
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -43,7 +45,7 @@ is generated from the JSON files in `bench_kernels/results/` by `python bench_ke
 (tests/bench/test_results_page.py runs it). What the rows and columns of a benchmark mean is in the
 docstring of its script (`bench_kernels/bench_<name>.py`); how cases are timed (CUDA-graph replays or
 `do_bench` on a GPU, the median of single calls on the host, named in each row's `timer`) in
-`bench_kernels/common.py`. The dated history of these measurements, with what was learned from them,
+`bench_kernels/timing.py`. The dated history of these measurements, with what was learned from them,
 is in `docs/notes/results-log.md`; the training of the embedded models in `docs/training.md`.
 
 To add or replace a result: run the benchmark with `--json bench_kernels/results/<name>_<machine>.json`
@@ -102,14 +104,14 @@ def run_lines(path, data, page_dir):
         f"- data: `{os.path.relpath(path, page_dir)}`",
     ]
     plot = (data.get("args") or {}).get("plot")
-    if plot and (common.ROOT / plot).exists():
-        lines.append(f"- plot: `{os.path.relpath(common.ROOT / plot, page_dir)}`")
+    if plot and (checkout.ROOT / plot).exists():
+        lines.append(f"- plot: `{os.path.relpath(checkout.ROOT / plot, page_dir)}`")
     lines.append("")
     if data.get("complete") is False:
         cases = data.get("cases", [])
         columns = [("case", "case", None), ("median s", "median_s", ".3g"), ("timer", "timer", None)]
         lines += [f"Incomplete: {len(cases)} cases finished before the run stopped.", ""]
-        return lines + ([common.markdown_table(cases, columns), ""] if cases else [])
+        return lines + ([markdown_tables.markdown_table(cases, columns), ""] if cases else [])
     for table in data.get("tables", []):
         lines += [table, ""]
     notes = [f"- note: {n}" for n in data.get("notes", [])]
@@ -119,7 +121,7 @@ def run_lines(path, data, page_dir):
 def bench_order(runs):
     """The benchmarks present, in bench_kernels' order (the kernels' first), then any others."""
     present = {bench_name(data) for _, data in runs}
-    known = [n.removeprefix("bench_") for n in common.bench_names()]
+    known = [n.removeprefix("bench_") for n in report.bench_names()]
     return [b for b in known if b in present] + sorted(present - set(known))
 
 
@@ -288,7 +290,7 @@ def kernel_rows(results_dir):
 def headline(results_dir=RESULTS_DIR):
     """The README's headline tables, from the JSON of results_dir."""
     place = [("machine", "machine", None), ("date", "date", None), ("commit", "commit", None)]
-    e2e = common.markdown_table(
+    e2e = markdown_tables.markdown_table(
         e2e_rows(results_dir),
         [
             ("model", "model", None),
@@ -301,7 +303,7 @@ def headline(results_dir=RESULTS_DIR):
             *place,
         ],
     )
-    kernels = common.markdown_table(
+    kernels = markdown_tables.markdown_table(
         kernel_rows(results_dir),
         [
             ("op", "op", None),

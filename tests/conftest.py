@@ -12,6 +12,7 @@ marked); it is refused for a real run."""
 import faulthandler
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -87,6 +88,17 @@ def assert_precision(out, same_precision, truth, name):
     """The precision-tied tolerance (dinfer_kernels.precision.within_precision) as an assert."""
     ok, msg, _, _ = precision.within_precision(out, same_precision, truth)
     assert ok, f"{name}: {msg}"
+
+
+def assert_no_spills(build_log, archs):
+    """The `-Xptxas -v` report in a build log: every kernel compiled for each of `archs` (e.g. "90a")
+    with 0 spill bytes."""
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", build_log)
+    kernels = re.findall(r"Compiling entry function '(\w+)' for '(sm_\w+)'", build_log)
+    assert kernels, "no ptxas report in the build log (is -Xptxas -v set?)"
+    assert spills and len(spills) >= len(kernels)
+    assert all(s == ("0", "0") for s in spills), f"register spills: {spills}"
+    assert {arch for _, arch in kernels} >= {f"sm_{a}" for a in archs}
 
 
 # A per-test time limit where pytest-timeout is missing: DINFER_TEST_TIMEOUT_S=seconds fails a test

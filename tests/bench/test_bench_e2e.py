@@ -76,8 +76,8 @@ def test_torch_rows_run_the_torch_backend(bench, model, monkeypatch):
 
     monkeypatch.setattr(_backend, "resolve", resolve)
     monkeypatch.setattr(_backend, "impl", lambda op, b: kernels.append((op, b)) or real_impl(op, b))
-    args = bench.common.engine_parser("e2e", "add", 1).parse_args(["--model", model])
-    llm = bench.common.engine_llm(args)
+    args = bench.cli_options.engine_parser("e2e", "add", 1).parse_args(["--model", model])
+    llm = bench.engine_runs.engine_llm(args)
     table, _ = bench.recipes(llm)
     recipe = "dinfer" if "dinfer" in table else "threshold"
     bench.run_once(llm, (recipe, "torch", 1), args, first=False)

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench_kernels"))
-import common
+import report
 
 
 def checkout_state():
@@ -42,7 +42,7 @@ def test_dry_run_writes_every_section(tmp_path):
         "report.md",
     ]
     md = (out / "report.md").read_text()
-    for title, _ in common.SECTIONS:
+    for title, _ in report.SECTIONS:
         assert f"## {title}" in md
     assert re.search(r"- selftest: (\d+)/\1 ok", md), "selftest did not pass"
     assert re.search(r"- GPU tests: 0 passed, 0 failed, 0 errors, [1-9]\d* skipped", md)
@@ -52,7 +52,7 @@ def test_dry_run_writes_every_section(tmp_path):
         raw = set(tar.getnames())
     assert {"junit.xml", "selftest.json", "steps.tsv", "gpu-tests.log"} <= raw
     rep = json.loads((out / "report.json").read_text())
-    for i, name in enumerate(common.bench_names()):
+    for i, name in enumerate(report.bench_names()):
         assert f"### {name}" in md
         step = next(s for s in rep["steps"] if s["step"] == name)
         # A benchmark finished (its whole JSON), or on a busy host was stopped at its limit, or (an

@@ -2,14 +2,13 @@
 bytes), and the torch-free C++ API used from a plain C++ program, on the host and on CUDA."""
 
 import os
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXT, build_cpp_examples
+from conftest import EXT, assert_no_spills, build_cpp_examples
 
 import dinfer_kernels
 
@@ -43,13 +42,7 @@ def test_cuda_required_means_built():
 def test_ptxas_reports_no_spills():
     if EXT is None or not EXT.built_with_cuda():
         pytest.skip("the extension was built without CUDA")
-    log = BUILD_LOG.read_text()
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    kernels = re.findall(r"Compiling entry function '(\w+)' for '(sm_\w+)'", log)
-    assert kernels, "no ptxas report in the build log (is -Xptxas -v set?)"
-    assert spills and len(spills) >= len(kernels)
-    assert all(s == ("0", "0") for s in spills), f"register spills: {spills}"
-    assert {arch for _, arch in kernels} >= {f"sm_{a}" for a in EXT.cuda_archs().split(",")}
+    assert_no_spills(BUILD_LOG.read_text(), EXT.cuda_archs().split(","))
 
 
 @pytest.mark.parametrize(

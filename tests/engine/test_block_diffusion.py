@@ -13,45 +13,16 @@ import dataclasses
 import pytest
 import torch
 from conftest import assert_precision
-from test_checkpoint import tiny
+from helpers.block_diffusion import BL, DECODERS, MIXING, Float64Ops, llada2_model
+from helpers.hf_configs import tiny
 
 import dinfer_kernels as dk
 from dinfer import LLM
-from dinfer.decoders import JOINT_SPEED, Decoder, DecoderConfig
+from dinfer.decoders import Decoder, DecoderConfig
 from dinfer.generate import GenerationConfig, Generator, generate
 from dinfer.kv.paged import PagePool
 from dinfer.models.checkpoint import random_weights, save_checkpoint
 from dinfer.models.transformer import DiffusionLM
-from dinfer_kernels.reference.attention import attention_reference
-from dinfer_kernels.reference.moe import moe_reference
-from dinfer_kernels.reference.rms_norm import rms_norm_reference
-from dinfer_kernels.reference.rope import rope_reference
-
-BL = 4
-
-
-MIXING = ("qkv", "o", "gate", "up", "down", "w13", "w2", "shared_w13", "shared_w2", "router")
-
-
-def llada2_model(seed=0):
-    cfg = dataclasses.replace(tiny("llada2"), block_length=BL)
-    w = random_weights(cfg, seed=seed)
-    for name in w:  # ~1/sqrt(fan-in) weights: rows depend on their context, so answers vary
-        if name.split(".")[-1] in MIXING:
-            w[name] = w[name] * 10
-    w["lm_head"] = w["lm_head"] * 3  # confident enough that thresholds commit several tokens
-    return DiffusionLM(cfg, w)
-
-
-class Float64Ops:
-    """The ops' references computing in float64 (the kernels take no fp64): a truth to hold the
-    cache to."""
-
-    f64 = dict(compute_dtype=torch.float64)
-    rms_norm = staticmethod(lambda x, w, eps: rms_norm_reference(x, w, eps, **Float64Ops.f64))
-    rope = staticmethod(lambda x, pos, theta, dim: rope_reference(x, pos, theta, dim, **Float64Ops.f64))
-    attention = staticmethod(lambda *a, **kw: attention_reference(*a, **kw, **Float64Ops.f64))
-    moe = staticmethod(lambda *a, **kw: moe_reference(*a, **kw, **Float64Ops.f64))
 
 
 def block_causal_mask(L):
@@ -121,15 +92,6 @@ def plain_block_diffusion(model, prompt, gen_length, decoder, early_stop):
 
 
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5], [3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7], [4] * 13]
-DECODERS = {
-    "threshold": DecoderConfig(threshold=0.5),
-    "fixed": DecoderConfig(name="fixed", steps_per_block=2),
-    "hierarchical": DecoderConfig(name="hierarchical", threshold=0.7, low_threshold=0.4),
-    "joint": DecoderConfig(
-        name="joint", threshold=0.5, edit_threshold=0.02, max_post_edit_steps=3
-    ),  # edits on this model
-    "joint-speed": dataclasses.replace(JOINT_SPEED),
-}
 
 
 def config(**kw):
@@ -354,7 +316,7 @@ def test_cuda_graph_replay_equals_eager_on_gpu(decoder):
 @pytest.fixture(scope="module")
 def llada2_checkpoint(tmp_path_factory):
     """A tiny LLaDA2 folder in the released layout, with test_llm_cli's word-level tokenizer."""
-    from test_llm_cli import EOS, MASK, VOCAB, write_tokenizer
+    from helpers.cli import EOS, MASK, VOCAB, write_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llada2")
     cfg = tiny("llada2", vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS, pad_token_id=EOS)
@@ -368,7 +330,7 @@ def llada2_checkpoint(tmp_path_factory):
 
 
 def test_llm_and_cli_on_a_llada2_checkpoint(llada2_checkpoint, capsys, monkeypatch):
-    from test_llm_cli import cli
+    from helpers.cli import cli
 
     llm = LLM(llada2_checkpoint, device="cpu", gen_length=12)
     assert llm.model.config.block_causal

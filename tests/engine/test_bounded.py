@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
+from helpers.engine_models import MOE, ScriptedModel, model_of, run
 from safetensors.torch import load_file, save_file
-from test_engine import MOE, ScriptedModel, model_of, run
 
 import dinfer.decoders
 from dinfer import LLM, NonFiniteLogitsError

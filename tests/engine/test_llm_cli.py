@@ -1,7 +1,6 @@
 """dinfer.LLM and the `dinfer generate` command on a tiny random LLaDA-MoE checkpoint in the released
 HF layout (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template)."""
 
-import io
 import json
 import os
 import re
@@ -13,30 +12,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
+from helpers.cli import EOS, MASK, TEMPLATE, VOCAB, cli, write_tokenizer
 
 from dinfer import LLM, GenerationConfig
-from dinfer.cli import main
 from dinfer.models import CheckpointError, ModelConfig, random_weights, save_checkpoint
 from dinfer.models.tokenizer import Tokenizer
 
-VOCAB, EOS, MASK = 60, 58, 59
-SPECIAL = {
-    "<unk>": 0,
-    "<|startoftext|>": 1,
-    "<role>": 2,
-    "</role>": 3,
-    "<|role_end|>": 4,
-    "<|endoftext|>": EOS,
-    "<|mask|>": MASK,
-}
-WORDS = ["hello", "world", "what", "is", "two", "plus", "three", "USER", "ASSISTANT"]
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<role>{{ m['role'] | upper }}</role>{{ m['content'] }}"
-    "<|role_end|>{% endfor %}{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}"
-)
 FAST = dict(gen_length=16, block_length=8)
 
 
@@ -66,25 +47,6 @@ def tiny_config() -> ModelConfig:
         expert_bias=False,
         architectures=("LLaDAMoEModelLM",),
     )
-
-
-def write_tokenizer(path):
-    vocab = dict(SPECIAL)
-    free = [i for i in range(VOCAB) if i not in vocab.values()]
-    words = WORDS + [f"w{i}" for i in range(len(free) - len(WORDS))]
-    vocab.update(zip(words, free))
-    tok = HFTokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    tok.add_special_tokens(list(SPECIAL))
-    tok.save(os.path.join(path, "tokenizer.json"))
-    config = {
-        "bos_token": "<|startoftext|>",
-        "eos_token": {"content": "<|endoftext|>", "special": True},
-        "pad_token": "<|endoftext|>",
-        "chat_template": TEMPLATE,
-    }
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f)
 
 
 def lively_weights(config: ModelConfig) -> dict:
@@ -127,17 +89,6 @@ def run_cli(*args, stdin=None):
         cwd=ROOT,
         timeout=120,
     )
-
-
-def cli(capsys, monkeypatch, *args, stdin=""):
-    """`dinfer ARGS` in this process (quicker than run_cli): (exit status, stdout, stderr)."""
-    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    try:
-        rc = main(list(args))
-    except SystemExit as e:  # -h
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 # ------------------------------------------------------------------------------------------- tokenizer

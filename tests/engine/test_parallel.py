@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import assert_precision
-from test_block_diffusion import BL, Float64Ops, llada2_model
-from test_checkpoint import tiny
+from helpers.block_diffusion import BL, Float64Ops, llada2_model
+from helpers.hf_configs import tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dinfer_kernels as dk
@@ -341,7 +341,11 @@ def checkpoints(tmp_path_factory):
     return dirs
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+# World size 4 repeats world 2's checks on more ranks; its spawned job is the costliest setup of the
+# quick run (~90 s of 320 on a busy 2-core host), so it runs with the slow tests.
+@pytest.fixture(
+    scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda w: f"world{w}"
+)
 def ranks(request, checkpoints):
     return request.param, spawn(request.param, equivalence_job, checkpoints)
 

@@ -17,9 +17,9 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from helpers.serving import MODEL, ROOT, dinfer_serve, get, parse_metrics, sse_events  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from serving import MODEL, ROOT, dinfer_serve, get, parse_metrics, sse_events  # noqa: E402
 
 from dinfer import LLM  # noqa: E402
 from dinfer.serve import protocol as P  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from serving import MODEL, dinfer_serve  # noqa: E402
+from helpers.serving import MODEL, dinfer_serve  # noqa: E402
 
 from dinfer import LLM  # noqa: E402
 from dinfer.tasks import TASKS, eval_problems  # noqa: E402

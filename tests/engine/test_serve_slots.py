@@ -4,7 +4,7 @@ block boundary; past --max-queue a request gets 429 with Retry-After, and 503 wh
 busy with other settings; a stop string ends the request in the engine, not only the answer. The
 server stays up and serves the next requests.
 
-The server runs the embedded model with EOS suppressed (tests/engine/endless_server.py): a request
+The server runs the embedded model with EOS suppressed (tests/helpers/endless_server.py): a request
 with a large max_tokens and blocks of 2 tokens stays in flight for ~100 rounds, long enough to act
 on it while it runs. One slot, two queued requests, one lane."""
 
@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from serving import MODEL, endless_serve  # noqa: E402
+from helpers.serving import MODEL, endless_serve  # noqa: E402
 
 CANCELLED = 'dinfer_requests_total{endpoint="chat",outcome="cancelled"}'
 LONG = dict(max_tokens=200, block_length=2)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
-from test_block_diffusion import DECODERS, llada2_model
-from test_engine import MOE, model_of
+from helpers.block_diffusion import DECODERS, llada2_model
+from helpers.engine_models import MOE, model_of
 
 from dinfer.engine import Engine, QueueFull
 from dinfer.generate import GenerationConfig, Generator, generate

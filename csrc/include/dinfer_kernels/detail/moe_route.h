@@ -324,6 +324,15 @@ DINFER_HD void align_entries(const RouteArgs& a, RouteShared& sh, int warp, int 
 // Tokens per routing CTA (the template argument TT below).
 DINFER_HD int tokens_per_cta(int64_t num_tokens) { return num_tokens > 256 ? 16 : 4; }
 
+// One token's routing: scored from its router logits, or its given top-k taken as it is.
+DINFER_HD inline void route_token(const RouteArgs& a, RouteShared& sh, int t, int warp, int lane) {
+  if (a.given_ids != nullptr) {
+    take_token(a, t, lane);
+  } else {
+    score_token(a, sh, t, warp, lane);
+  }
+}
+
 // Everything route_kernel does after the router logits exist (computed by this launch's CTAs, or
 // given; or takes a given top-k instead): CTA `tile` of `num_tiles` scores its TT tokens, one warp per token; the last CTA to finish
 // aligns the entries of all tokens.
@@ -331,12 +340,12 @@ template <int TT>
 DINFER_HD void score_and_align(const RouteArgs& a, RouteShared& sh, int tile, int num_tiles, int warp,
                                int lane) {
   const int t0 = tile * TT;
-  for (int t = t0 + warp; t < t0 + TT && t < a.T; t += kRouteWarps) {
-    if (a.given_ids != nullptr) {
-      take_token(a, t, lane);
-    } else {
-      score_token(a, sh, t, warp, lane);
-    }
+  // At most one token per warp without the loop: with it, nvcc 13.0 spills 4 bytes of route_kernel<4>
+  // for sm_100a (the same tokens, warps and order either way).
+  if constexpr (TT <= kRouteWarps) {
+    if (warp < TT && t0 + warp < a.T) route_token(a, sh, t0 + warp, warp, lane);
+  } else {
+    for (int t = t0 + warp; t < t0 + TT && t < a.T; t += kRouteWarps) route_token(a, sh, t, warp, lane);
   }
 
   simt::threadfence();

@@ -93,7 +93,7 @@ def dinfer_serve(*args) -> ServerProcess:
 
 
 def endless_serve(*args) -> ServerProcess:
-    """The embedded model that never writes EOS (tests/engine/endless_server.py): every request runs
+    """The embedded model that never writes EOS (tests/helpers/endless_server.py): every request runs
     to its max_tokens, as long as the test needs."""
     return ServerProcess([str(HERE / "endless_server.py"), *args])
 

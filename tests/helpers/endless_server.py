@@ -2,7 +2,7 @@
 early, so a request with a large max_tokens and small blocks stays in flight for many rounds -- what
 the tests of disconnects, backpressure and cancellation need to hold the engine's slots on purpose.
 
-    python tests/engine/endless_server.py --port P [dinfer serve options]
+    python tests/helpers/endless_server.py --port P [dinfer serve options]
 """
 
 import os

@@ -1,74 +1,76 @@
-"""bench_kernels/common.py's repeat helpers: the median timed run, and runs that disagree beyond
-timing refused."""
+"""The bench scripts' shared modules: the engine benchmarks' repeats (the median timed run, runs that
+disagree beyond timing refused), the JSON kept valid after every case, and the GPU check's report."""
 
 import argparse
 import json
+import sys
 
 import pytest
-from conftest import load_bench
+from conftest import ROOT
 
-
-@pytest.fixture(scope="module")
-def common():
-    return load_bench("common")
+sys.path.insert(0, str(ROOT / "bench_kernels"))  # as each bench script puts its own folder first
+import cli_options
+import engine_runs
+import report
+import results_json
 
 
 def run(tps, forwards=10):
     return {"tokens_per_second": tps, "seconds": 100.0 / tps, "forwards": forwards, "tokens": 100}
 
 
-def test_median_run_picks_the_middle_and_keeps_every_rate(common):
-    best, rates = common.median_run([run(90.0), run(120.0), run(100.0)], "tokens_per_second")
+def test_median_run_picks_the_middle_and_keeps_every_rate():
+    best, rates = engine_runs.median_run([run(90.0), run(120.0), run(100.0)], "tokens_per_second")
     assert best["tokens_per_second"] == 100.0 and rates == [90.0, 120.0, 100.0]
-    best, _ = common.median_run([run(120.0), run(90.0)], "tokens_per_second")
+    best, _ = engine_runs.median_run([run(120.0), run(90.0)], "tokens_per_second")
     assert best["tokens_per_second"] == 90.0  # even count: the lower middle
 
 
-def test_median_run_refuses_runs_that_differ_beyond_timing(common):
+def test_median_run_refuses_runs_that_differ_beyond_timing():
     with pytest.raises(RuntimeError, match="disagree"):
-        common.median_run([run(90.0), run(95.0, forwards=11)], "tokens_per_second")
+        engine_runs.median_run([run(90.0), run(95.0, forwards=11)], "tokens_per_second")
 
 
-def test_repeats_option(common):
-    p = common.engine_parser("x", "add", 1)
-    assert common.repeats(p.parse_args([])) == 3
-    assert common.repeats(p.parse_args(["--repeats", "5", "--quick"])) == 1
+def test_repeats_option():
+    p = cli_options.engine_parser("x", "add", 1)
+    assert cli_options.repeats(p.parse_args([])) == 3
+    assert cli_options.repeats(p.parse_args(["--repeats", "5", "--quick"])) == 1
     with pytest.raises(ValueError, match="--repeats"):
-        common.repeats(p.parse_args(["--repeats", "0"]))
-    untimed = common.engine_parser("x", "add", 1, timed=False)
+        cli_options.repeats(p.parse_args(["--repeats", "0"]))
+    untimed = cli_options.engine_parser("x", "add", 1, timed=False)
     with pytest.raises(SystemExit):
         untimed.parse_args(["--repeats", "2"])
     assert isinstance(untimed.parse_args([]), argparse.Namespace)
 
 
-def test_interleaved_medians_run_passes_over_all_rows(common):
+def test_interleaved_medians_run_passes_over_all_rows():
     calls = []
 
     def once(row, i):
         calls.append((row, i))
         return run(100.0 + 10 * i + row)
 
-    out = common.interleaved_medians([1, 2], once, 3)
+    out = engine_runs.interleaved_medians([1, 2], once, 3)
     assert calls == [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2)]  # round-robin passes
     assert [r["tokens_per_second"] for r in out] == [111.0, 112.0]
     assert out[0]["tps_runs"] == [101.0, 111.0, 121.0]
 
 
-def test_json_is_valid_after_every_case_and_whole_at_the_end(common, tmp_path, monkeypatch):
+def test_json_is_valid_after_every_case_and_whole_at_the_end(tmp_path, monkeypatch):
     path = str(tmp_path / "b.json")
-    args = common.base_parser("x").parse_args(["--device", "cpu", "--json", path])
+    args = cli_options.base_parser("x").parse_args(["--device", "cpu", "--json", path])
     for i in range(3):
-        common.record(f"case {i}", {"median_s": 0.1 * (i + 1)})
+        results_json.record(f"case {i}", {"median_s": 0.1 * (i + 1)})
         data = json.loads(open(path).read())
         assert data["complete"] is False and [c["case"] for c in data["cases"]] == [
             f"case {j}" for j in range(i + 1)
         ]
-    common.finish("x", {}, args, None, [], ["| t |"], [])
+    results_json.finish("x", {}, args, None, [], ["| t |"], [])
     data = json.loads(open(path).read())
     assert data["complete"] is True and len(data["cases"]) == 3 and data["tables"] == ["| t |"]
 
 
-def test_report_says_what_ran_and_why_not(common, tmp_path):
+def test_report_says_what_ran_and_why_not(tmp_path):
     (tmp_path / "steps.tsv").write_text(
         "build\tskipped\t0\tdry run: the existing build is used\n"
         "bench_moe\t124\t20.0\tstopped at its limit of 20s\n"
@@ -76,7 +78,7 @@ def test_report_says_what_ran_and_why_not(common, tmp_path):
     (tmp_path / "bench_moe.json").write_text(
         json.dumps({"bench": "bench_moe", "complete": False, "cases": [{"case": "moe T=4", "median_s": 0.5}]})
     )
-    common.write_report(tmp_path, "test")
+    report.write_report(tmp_path, "test")
     md = (tmp_path / "report.md").read_text()
     assert "- `build`: skipped — dry run: the existing build is used" in md
     assert "- `bench_moe`: TIMED OUT in 20.0 s — stopped at its limit of 20s" in md

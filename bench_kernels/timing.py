@@ -1,0 +1,206 @@
+"""How the bench scripts time a case, each in an NVTX range named after it.
+
+Timing
+------
+GPU: each case is captured into a CUDA graph of many calls that cycle through rotating input copies
+(sized to several times the L2 so that every call reads from HBM), and the graph replays are timed
+with CUDA events; a case that cannot be captured (a host sync, say dInfer's credit decoder) falls back
+to triton.testing.do_bench (which flushes the L2 before each call) and says so in its `timer` field.
+CPU: warm-up, then the median of repeated time.perf_counter() measurements of single calls.
+Every measured region sits in an NVTX range named after the case (`nvtx` is a no-op without a profiler).
+"""
+
+import math
+import statistics
+import time
+
+from results_json import record
+
+try:
+    import nvtx
+except ImportError:  # keep the benches runnable without it
+    nvtx = None
+
+
+ROTATE_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # rotating-input footprint (H200 L2: 50 MB)
+
+
+MAX_COPIES = 64
+
+
+def nvtx_range(name):
+    if nvtx is not None:
+        return nvtx.annotate(name, color="green")
+    import torch
+
+    if torch.cuda.is_available():  # the `nvtx` package may be missing on a GPU image: torch has ranges too
+        return torch.cuda.nvtx.range(name)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def num_copies(nbytes_per_copy, device):
+    """How many rotating input copies make the working set exceed the caches."""
+    target = ROTATE_BYTES["cuda" if str(device).startswith("cuda") else "cpu"]
+    return int(max(1, min(MAX_COPIES, math.ceil(target / max(1, nbytes_per_copy)))))
+
+
+class Case:
+    """One thing to time. fn(i) runs one call on rotating input copy i (0 <= i < copies).
+
+    restore(): resets whatever the calls mutate (tokens) for every copy, so each call sees the same
+    input; it runs outside the timed calls on the CPU, and once per pass over the copies inside a
+    captured graph (amortised over the copies). setup(): once before a measurement set (reset state).
+    graph=False: never try CUDA-graph capture (the case synchronises with the host).
+    """
+
+    def __init__(self, name, fn, copies=1, restore=None, setup=None, graph=True):
+        self.name, self.fn, self.copies = name, fn, copies
+        self.restore, self.setup, self.graph = restore, setup, graph
+
+
+def _restore(case):
+    if case.restore is not None:
+        case.restore()
+
+
+def _time_cpu(case, warmup, reps, min_seconds, max_reps=500):
+    """At least `reps` single-call samples, more until `min_seconds` of calls (the median is robust
+    to a shared, busy host)."""
+    for i in range(warmup):
+        _restore(case)
+        case.fn(i % case.copies)
+    times = []
+    with nvtx_range(case.name):
+        while len(times) < reps or (sum(times) < min_seconds and len(times) < max_reps):
+            _restore(case)
+            t0 = time.perf_counter()
+            case.fn(len(times) % case.copies)
+            times.append(time.perf_counter() - t0)
+    return times, "perf_counter"
+
+
+def _time_cuda_graph(case, reps, min_calls=20):
+    import torch
+
+    calls = max(case.copies, min_calls)
+    calls = math.ceil(calls / case.copies) * case.copies
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream before capture
+        for i in range(case.copies):
+            if i == 0:
+                _restore(case)
+            case.fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for j in range(calls):
+            if j % case.copies == 0:
+                _restore(case)
+            case.fn(j % case.copies)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    with nvtx_range(case.name):
+        for _ in range(reps):
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / calls)
+    del g
+    return times, f"cuda-graph x{calls}"
+
+
+def _time_cuda_do_bench(case, reps, quick):
+    import torch
+    import triton.testing
+
+    state = {"i": 0}
+
+    def call():
+        _restore(case)
+        case.fn(state["i"] % case.copies)
+        state["i"] += 1
+
+    call()
+    torch.cuda.synchronize()
+    with nvtx_range(case.name):
+        ms = triton.testing.do_bench(
+            call, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="all"
+        )
+    return [t * 1e-3 for t in ms], "do_bench"
+
+
+def measure(case, device, quick=False, reps=None):
+    """Times `case`; returns a dict with median_s, p20_s, p80_s, timer, note."""
+    note = ""
+    if case.setup is not None:
+        case.setup()
+    if str(device).startswith("cuda"):
+        import torch
+
+        reps = reps or (10 if quick else 30)
+        times = None
+        if case.graph:
+            try:
+                times, timer = _time_cuda_graph(case, reps)
+            except Exception as e:
+                note = f"graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+                torch.cuda.synchronize()
+                if case.setup is not None:
+                    case.setup()
+        if times is None:
+            times, timer = _time_cuda_do_bench(case, reps, quick)
+    else:
+        reps = reps or (5 if quick else 15)
+        times, timer = _time_cpu(case, warmup=1 if quick else 2, reps=reps, min_seconds=0.2 if quick else 1.0)
+    q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
+    res = {
+        "median_s": statistics.median(times),
+        "p20_s": q[0],
+        "p80_s": q[3],
+        "timer": timer,
+        "n": len(times),
+        "note": note,
+    }
+    record(case.name, res)
+    return res
+
+
+def copy_bandwidth(device, nbytes=None, quick=False):
+    """Measured device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    import torch
+
+    cuda = str(device).startswith("cuda")
+    nbytes = nbytes or ((1 << 30) if cuda else (256 << 20))
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    res = measure(Case("copy_bandwidth", lambda i: dst.copy_(src)), device, quick=quick)
+    res["GBps"] = 2 * nbytes / res["median_s"] / 1e9
+    res["bytes"] = nbytes
+    return res
+
+
+def matmul_rate(device, dtype, quick):
+    """Measured dense matmul rate (TFLOP/s) of `dtype` on a square problem."""
+    import torch
+
+    n = (8192 if not quick else 4096) if device == "cuda" else 512
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    res = measure(Case(f"matmul {n}^3", lambda i: a @ b), device, quick=quick)
+    res["TFLOPs"] = 2.0 * n**3 / res["median_s"] / 1e12
+    res["n"] = n
+    return res
+
+
+def sync(device):
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
