@@ -325,7 +325,7 @@ DINFER_HD void align_entries(const RouteArgs& a, RouteShared& sh, int warp, int 
 DINFER_HD int tokens_per_cta(int64_t num_tokens) { return num_tokens > 256 ? 16 : 4; }
 
 // One token's routing: scored from its router logits, or its given top-k taken as it is.
-DINFER_HD inline void route_token(const RouteArgs& a, RouteShared& sh, int t, int warp, int lane) {
+DINFER_HD void route_token(const RouteArgs& a, RouteShared& sh, int t, int warp, int lane) {
   if (a.given_ids != nullptr) {
     take_token(a, t, lane);
   } else {
