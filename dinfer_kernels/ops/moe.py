@@ -191,13 +191,11 @@ def moe(
                 "router_weight, router_logits, topk_ids: give a router (router_weight or router_logits) "
                 "or a given top-k (topk_ids and topk_weights), not both"
             )
-        for name, t, dtypes in (
-            ("topk_ids", topk_ids, _INT_DTYPES),
-            ("topk_weights", topk_weights, _checks.FLOAT_DTYPES),
-        ):
-            if t is None:
-                raise ValueError(f"{name}: topk_ids and topk_weights come together")
-            _checks.tensor(name, t, dtypes, ndim=2, device=dev)
+        if topk_ids is None or topk_weights is None:
+            missing = "topk_ids" if topk_ids is None else "topk_weights"
+            raise ValueError(f"{missing}: topk_ids and topk_weights come together")
+        _checks.tensor("topk_ids", topk_ids, _INT_DTYPES, ndim=2, device=dev)
+        _checks.tensor("topk_weights", topk_weights, _checks.FLOAT_DTYPES, ndim=2, device=dev)
         k = topk_ids.shape[1]
         _checks.shape("topk_ids", topk_ids, [T, k])
         _checks.shape("topk_weights", topk_weights, [T, k])

@@ -11,7 +11,7 @@ import struct
 
 import pytest
 import torch
-from helpers.hf_configs import DENSE_8B, LLADA2_MINI, MOE_7B, TINY_MOE, tiny
+from helpers.hf_configs import DENSE_8B, LLADA2_MINI, MOE_7B, TINY_DENSE, TINY_LLADA2, TINY_MOE, tiny
 from safetensors.torch import load_file, save_file
 
 from dinfer.models import (
