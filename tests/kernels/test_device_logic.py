@@ -4,8 +4,9 @@ tests/kernels/device_logic/*.cpp drive the kernels' own `__host__ __device__` fu
 decode_math.h, ...) with the kernels' grids, thread striding, reduction trees and barrier order;
 they are compiled here with g++ into one library loaded through ctypes, so CI without a GPU runs
 the code the GPU runs (hardware exp2 / log2 approximations aside: scalar.h). The decode emulation
-is a backend of tests/kernels/test_decode.py's checks (poisoned outputs, fp64 truth, precision-tied
-tolerances) and runs that file's edge cases.
+is a backend of the decode checks (tests/helpers/decode_checks.py: poisoned outputs, fp64 truth,
+precision-tied tolerances) and runs their edge cases, as tests/kernels/test_decode.py does for the
+built backends.
 """
 
 import ctypes
@@ -16,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_decode
 import torch
 from conftest import EXT, HAS_GPU, ROOT, assert_precision
+from helpers import decode_checks
 
 from dinfer_kernels.reference import decode_params, decode_step_reference
 from dinfer_kernels.reference.attention import paged_rows
@@ -143,31 +144,32 @@ def emulated_decode_step(lib):
 
 @pytest.fixture
 def emulated(lib, monkeypatch):
-    """test_decode's checks, with the emulated CUDA kernels as backend EMULATED."""
+    """The decode checks, with the emulated CUDA kernels as backend EMULATED: patched where
+    run_backend looks backend_impl up."""
     impl = emulated_decode_step(lib)
-    real = test_decode.backend_impl
-    monkeypatch.setattr(test_decode, "backend_impl", lambda b: impl if b == EMULATED else real(b))
+    real = decode_checks.backend_impl
+    monkeypatch.setattr(decode_checks, "backend_impl", lambda b: impl if b == EMULATED else real(b))
     return impl
 
 
 # ---- decode step -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rule", list(test_decode.RULES))
+@pytest.mark.parametrize("rule", list(decode_checks.RULES))
 @pytest.mark.parametrize("N,V", [(1, 1), (3, 7), (2, 255), (64, 1000), (3, 32003), (5, 157184)])
 def test_decode_shapes_and_rules(emulated, rule, N, V):
     """Rows shorter than one thread's vector, than a CTA's 256 threads, and the real vocabulary
     (splits whose chunks end inside a vector of the next)."""
-    test_decode.test_shapes_and_rules(EMULATED, "cpu", rule, N, V)
+    decode_checks.check_shapes_and_rules(EMULATED, "cpu", rule, N, V)
 
 
-@pytest.mark.parametrize("rule", list(test_decode.RULES))
+@pytest.mark.parametrize("rule", list(decode_checks.RULES))
 def test_decode_sequence_longer_than_the_shared_stage(emulated, rule):
     """A sequence of more rows than the finalize kernel stages in shared memory (1024) reads the
     global copies in phases b and c."""
     N, V = 1030, 40
-    logits, tokens, offsets, mask_id = test_decode.make_case(N, V, [0, 3, N], scale=1.0)
-    test_decode.check_backend(
+    logits, tokens, offsets, mask_id = decode_checks.make_case(N, V, [0, 3, N], scale=1.0)
+    decode_checks.check_backend(
         EMULATED,
         "cpu",
         logits,
@@ -181,48 +183,48 @@ def test_decode_sequence_longer_than_the_shared_stage(emulated, rule):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_decode_dtypes_and_misaligned_rows(emulated, dtype):
-    test_decode.test_dtypes_and_row_stride(EMULATED, "cpu", dtype)
+    decode_checks.check_dtypes_and_row_stride(EMULATED, "cpu", dtype)
 
 
 @pytest.mark.parametrize(
     "case",
     [
-        "test_ties_pick_lowest_index",
-        "test_inf_nan_and_dead_rows",
-        "test_many_sequences_and_empty_ones",
-        "test_sampling_reproducible_per_seed",
-        "test_row_keys_key_the_noise",
+        "check_ties_pick_lowest_index",
+        "check_inf_nan_and_dead_rows",
+        "check_many_sequences_and_empty_ones",
+        "check_sampling_reproducible_per_seed",
+        "check_row_keys_key_the_noise",
     ],
 )
 def test_decode_edge_cases(emulated, case):
-    getattr(test_decode, case)(EMULATED, "cpu")
+    getattr(decode_checks, case)(EMULATED, "cpu")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_decode_nonfinite_flags(emulated, dtype):
     """The split pass's per-thread flag, merged through the kernels' reduction trees."""
-    test_decode.test_nonfinite_flags(EMULATED, "cpu", dtype)
+    decode_checks.check_nonfinite_flags(EMULATED, "cpu", dtype)
 
 
-@pytest.mark.parametrize("rule", list(test_decode.RULES))
+@pytest.mark.parametrize("rule", list(decode_checks.RULES))
 @pytest.mark.parametrize("mask_id", [0, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_default_token(emulated, rule, mask_id, dtype):
-    test_decode.test_sequences_without_any_fallback_commit_the_default_token(
+    decode_checks.check_sequences_without_any_fallback_commit_the_default_token(
         EMULATED, "cpu", rule, mask_id, dtype
     )
 
 
-@pytest.mark.parametrize("rule", list(test_decode.RULES))
+@pytest.mark.parametrize("rule", list(decode_checks.RULES))
 def test_decode_mask_predictions_and_sampling(emulated, rule):
-    test_decode.test_no_mask_all_mask_and_mask_predictions(EMULATED, "cpu", rule)
-    test_decode.test_sampling_matches_reference(EMULATED, "cpu", rule)
+    decode_checks.check_no_mask_all_mask_and_mask_predictions(EMULATED, "cpu", rule)
+    decode_checks.check_sampling_matches_reference(EMULATED, "cpu", rule)
 
 
 @pytest.mark.parametrize("slots", [4, 16])
 @pytest.mark.parametrize("rule", ["threshold", "joint"])
 def test_decode_credit(emulated, slots, rule):
-    test_decode.test_credit_over_a_block(EMULATED, "cpu", slots, rule)
+    decode_checks.check_credit_over_a_block(EMULATED, "cpu", slots, rule)
 
 
 @pytest.mark.parametrize("V", [41, 157184])
@@ -231,19 +233,19 @@ def test_decode_credit(emulated, slots, rule):
 def test_decode_joint_commits_and_edits(emulated, V, dtype, temperature):
     """The joint rule's edits in phase c of the finalize kernel (decode_math.h row_edits), next to
     its threshold commits: every kind of row, editing off, sampled candidates."""
-    test_decode.test_joint_commits_and_edits(EMULATED, "cpu", V, dtype, temperature)
+    decode_checks.check_joint_commits_and_edits(EMULATED, "cpu", V, dtype, temperature)
 
 
 @pytest.mark.parametrize(
     "case",
     [
-        "test_joint_edit_threshold_is_strict",
-        "test_joint_only_masks_is_the_threshold_rule",
-        "test_joint_never_edits_the_prompt_tail",
+        "check_joint_edit_threshold_is_strict",
+        "check_joint_only_masks_is_the_threshold_rule",
+        "check_joint_never_edits_the_prompt_tail",
     ],
 )
 def test_decode_joint_edge_cases(emulated, case):
-    getattr(test_decode, case)(EMULATED, "cpu")
+    getattr(decode_checks, case)(EMULATED, "cpu")
 
 
 def test_decode_all_equal_rows_across_splits(emulated):
@@ -256,7 +258,7 @@ def test_decode_all_equal_rows_across_splits(emulated):
         for mask_id, expected in ((V - 1, [0, 0, 0, 0]), (0, [1, 1, 0, 0])):
             logits = torch.zeros(N, V, dtype=dtype)
             tokens = torch.full((N,), mask_id, dtype=torch.int64)
-            outs = test_decode.check_backend(EMULATED, "cpu", logits, tokens, offsets, mask_id, "threshold")
+            outs = decode_checks.check_backend(EMULATED, "cpu", logits, tokens, offsets, mask_id, "threshold")
             assert outs[0].tolist() == expected
 
 
@@ -264,7 +266,7 @@ def test_decode_bad_credit_ids_are_empty_slots(emulated):
     """Slot ids outside [0, V) are treated as empty slots, never read: the result equals the
     reference's with those slots emptied."""
     N, V, K = 6, 4099, 4
-    logits, tokens, offsets, mask_id = test_decode.make_case(N, V, [0, 3, 6], masked_frac=1.0)
+    logits, tokens, offsets, mask_id = decode_checks.make_case(N, V, [0, 3, 6], masked_frac=1.0)
     ids = torch.randint(0, V, (N, K), dtype=torch.int32)
     ids[:, 1] = V
     ids[0, 2] = -5
@@ -272,7 +274,7 @@ def test_decode_bad_credit_ids_are_empty_slots(emulated):
     vals = torch.rand(N, K)
     bad = (ids < 0) | (ids >= V)
     thr, k = torch.full((2,), 0.5), torch.zeros(2, dtype=torch.int32)
-    outs, tok, (ids_e, vals_e) = test_decode.run_backend(
+    outs, tok, (ids_e, vals_e) = decode_checks.run_backend(
         EMULATED, "cpu", logits, tokens, offsets, mask_id, "threshold", thr, k, (ids, vals)
     )
     ref_ids, ref_vals = ids.masked_fill(bad, -1), vals.masked_fill(bad, 0.0)
@@ -300,15 +302,17 @@ def test_decode_host_run_matches_the_gpu(emulated, dtype, temperature, rule):
     and credit slots agree exactly; confidences, where MUFU.EX2 stands against exp2f, are as close to
     the fp64 truth as the host run's. The joint rule edits the rows its steps commit."""
     N, V, B = 64, 157184, 5
-    logits, tokens, offsets, mask_id = test_decode.make_case(N, V, test_decode.ragged_offsets(N, B), dtype)
+    logits, tokens, offsets, mask_id = decode_checks.make_case(
+        N, V, decode_checks.ragged_offsets(N, B), dtype
+    )
     edits = dict(editable=torch.rand(N) < 0.7, edit_threshold=0.02) if rule == "joint" else {}
     thr, k = torch.rand(B), torch.randint(0, 4, (B,), dtype=torch.int32)
     credit = (torch.full((N, 4), -1, dtype=torch.int32), torch.zeros(N, 4))
     for _ in range(3):
         kw = dict(temperature=temperature, seed=3, **edits)
         args = (logits, tokens, offsets, mask_id, rule, thr, k, credit)
-        gpu, tok_g, cred_g = test_decode.run_backend("cuda", "cuda", *args, **kw)
-        host, tok_h, cred_h = test_decode.run_backend(EMULATED, "cpu", *args, **kw)
+        gpu, tok_g, cred_g = decode_checks.run_backend("cuda", "cuda", *args, **kw)
+        host, tok_h, cred_h = decode_checks.run_backend(EMULATED, "cpu", *args, **kw)
         ids, vals = credit[0].clone(), credit[1].clone()
         truth = decode_step_reference(
             logits,
@@ -748,7 +752,7 @@ def hostile_inputs(so):
         for rule in range(4):
             params = decode_params(
                 mask_id,
-                rule=test_decode.RULES[rule],
+                rule=decode_checks.RULES[rule],
                 threshold=torch.rand(B),
                 low_threshold=0.4,
                 num_commit=torch.randint(0, 3, (B,), dtype=torch.int32),
