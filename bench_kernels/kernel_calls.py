@@ -138,7 +138,7 @@ def rope_calls(backend, dev, dtype):
     yield "rope partial", lambda: dk.rope(**a, rotary_dim=36, backend=backend)
 
 
-# The calls of every compiled kernel family (csrc/kernel_families.h, as the extension lists them):
+# The calls of every compiled kernel family (OP_TABLE's compiled rows, as the extension lists them):
 # <op>_calls above.
 _EXT = _backend.compiled()
 CALLS = {op: globals()[f"{op}_calls"] for op in (_EXT.host_kernels() if _EXT else ())}

@@ -1,12 +1,11 @@
 """The one list of ops is complete. dinfer_kernels.ops.OPS names every op the package registers and
 exports, and each op in it has an op module, a reference, an input factory, a selftest case, a fuzz
-generator and a benchmark; the compiled kernel families (csrc/kernel_families.h, the C++ side's one
-list) are ops of it, each with its host (and, where it has CUDA kernels, CUDA) backend module."""
+generator and a benchmark; its compiled kernel families (OP_TABLE's rows with compiled kernels, which
+CMakeLists.txt reads too) have their sources, bindings and backend modules, and are what _C builds."""
 
 import ast
 import importlib
 import inspect
-import re
 from pathlib import Path
 
 import pytest
@@ -14,18 +13,10 @@ import torch
 
 import dinfer_kernels as dk
 from dinfer_kernels import _backend, op_inputs, selftest
-from dinfer_kernels.ops import OPS
+from dinfer_kernels.ops import COMPILED, OPS
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "dinfer_kernels"
-
-
-def kernel_families():
-    """(op, family, cuda) of each line of csrc/kernel_families.h."""
-    text = (ROOT / "csrc/kernel_families.h").read_text()
-    rows = re.findall(r"\n  X\((\w+), (\w+), (\w+), ([01])\)", text)
-    assert rows, "csrc/kernel_families.h lists no kernel family"
-    return [(op, family, cuda == "1") for op, family, _, cuda in rows]
 
 
 def defined_functions(path):
@@ -75,18 +66,23 @@ def test_every_op_has_a_benchmark_built_on_its_input_factory(op):
     assert benches, f"no bench_kernels/bench_*.py builds {op}'s inputs with op_inputs.{op}_inputs"
 
 
-def test_every_kernel_family_is_a_listed_op_with_its_backend_modules():
-    for op, family, cuda in kernel_families():
-        assert OPS.get(op) == family, f"kernel family {op} ({family}): not in dinfer_kernels.ops.OPS"
-        for backend in ("cpu", "cuda") if cuda else ("cpu",):
+def test_every_kernel_family_has_its_sources_bindings_and_backend_modules():
+    for op, kernels in COMPILED.items():
+        family = OPS[op]
+        for backend in kernels:
             assert (PACKAGE / backend / f"{family}.py").is_file(), (
                 f"{op}: no dinfer_kernels/{backend}/{family}.py"
             )
         assert (ROOT / "csrc" / family / f"{family}_cpu.cpp").is_file()
+        assert (ROOT / "csrc" / family / f"{family}.cu").is_file() == ("cuda" in kernels), op
         assert (ROOT / "csrc/bindings" / f"{family}_bindings.cpp").is_file()
+    # and every kernel source in csrc/ belongs to a listed family
+    families = {OPS[op] for op in COMPILED}
+    for source in (ROOT / "csrc").glob("*/*_cpu.cpp"):
+        assert source.parent.name in families, f"{source.relative_to(ROOT)}: not a family of OP_TABLE"
     ext = _backend.compiled()
-    if ext is not None:
-        assert ext.host_kernels() == [op for op, _, _ in kernel_families()]
+    if ext is not None:  # CMakeLists.txt read the same table
+        assert ext.host_kernels() == list(COMPILED)
 
 
 def test_every_backend_module_belongs_to_a_listed_op():
