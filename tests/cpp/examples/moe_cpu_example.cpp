@@ -31,8 +31,8 @@ int main() {
   p.num_experts = E;
   p.inter_size = I;
   p.top_k = 1;
-  p.expert_begin = 0;
-  p.expert_end = E;
+  p.local_experts = E;  // every expert is local: w13 / w2 hold all E
+  p.expert_offset = 0;
   p.out = out;
   moe_cpu(p, 1);
   for (int t = 0; t < T; ++t) {
