@@ -148,6 +148,7 @@ def test_cli_eval_json_and_markdown(tmp_path):
         "--decoder",
         "credit",
         "--smoothing",
+        "--progress",  # a bar although stderr is a pipe here
         "--output",
         str(out),
     )
