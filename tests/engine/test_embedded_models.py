@@ -87,6 +87,7 @@ def vanilla_accuracy(name):
 BELOW_BAR = {("tiny-llada2", "sort"), ("tiny-llada2", "reverse"), ("tiny-llada2", "recall")}
 
 
+@pytest.mark.slow  # measured 30-110 s each on a 2-core CPU (.ci/run --durations)
 @pytest.mark.parametrize(
     "model,task",
     [

@@ -74,6 +74,7 @@ async def one(client, endpoint, prompt, options):
     return "".join(pieces), reason, usage
 
 
+@pytest.mark.slow  # measured 30-110 s each on a 2-core CPU (.ci/run --durations)
 def test_32_streaming_clients_lose_nothing_and_decode_as_alone():
     cases = specs()
     llm = LLM()

@@ -155,6 +155,7 @@ def test_task_weights_cover_the_suite(tok_dir, name):
         assert abs(drawn.count(task) / n - share) <= 4 * (share * (1 - share) / n) ** 0.5, task
 
 
+@pytest.mark.slow  # measured 30-110 s each on a 2-core CPU (.ci/run --durations)
 def test_loss_is_llada_objective_and_learns(tok_dir):
     preset = dataclasses.replace(PRESETS["tiny-llada"], batch_size=8)
     batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=0)
@@ -291,6 +292,7 @@ def test_init_is_torchs_default():
             assert abs(w.std().item() / std - 1) < 0.1 and abs(w.mean().item()) < 0.1 * std, name
 
 
+@pytest.mark.slow  # measured 30-110 s each on a 2-core CPU (.ci/run --durations)
 def test_train_is_reproducible_and_loadable(tmp_path):
     records = [train("tiny-llada", tmp_path / run, steps=2, seed=7, log=lambda _: None) for run in "ab"]
     assert records[0]["steps"] == 2 and records[0]["model"] == "tiny-llada"

@@ -229,6 +229,7 @@ def test_training_forward_is_block_causal_decoding():
             torch.testing.assert_close(got[b, cols], logits, rtol=0, atol=1e-4 * scale)
 
 
+@pytest.mark.slow  # measured 30-110 s each on a 2-core CPU (.ci/run --durations)
 def test_block_loss_is_the_weighted_mean_of_masked_tokens(tok_dir):
     """block_loss_fn = sum over masked noisy tokens of CE * (L / l) / L_seq, / B (recomputed here from
     the layout); the tally's rows point at the same tokens in the [B, T] batch; the loss learns."""
@@ -351,6 +352,7 @@ def test_init_expert_bias_is_zero_and_untrained():
     assert all(not weights[n].requires_grad and not weights[n].any() for n in biases)
 
 
+@pytest.mark.slow  # measured 30-110 s each on a 2-core CPU (.ci/run --durations)
 def test_train_llada2_writes_a_block_causal_checkpoint(tmp_path):
     """A few steps: the released LLaDA2 layout (fused QKV, fp32 expert bias, moved by the balancing),
     the training block length as the decoding one, reproducible, and decoded by the engine."""
