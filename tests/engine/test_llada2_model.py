@@ -21,6 +21,7 @@ import re
 
 import pytest
 import torch
+from helpers.hf_configs import LLADA2_MINI
 from safetensors.torch import save_file
 
 from dinfer.models.config import CheckpointError
@@ -29,44 +30,8 @@ from dinfer_kernels.precision import within_precision
 
 
 def llada2_config(**sizes):
-    """A config.json with every §3.1 key the loader reads; `sizes` override the released mini values."""
-    cfg = {
-        "architectures": ["LLaDA2MoeModelLM"],
-        "model_type": "llada2_moe",
-        "vocab_size": 157184,
-        "hidden_size": 2048,
-        "num_hidden_layers": 20,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "intermediate_size": 5120,
-        "first_k_dense_replace": 1,
-        "moe_intermediate_size": 512,
-        "num_experts": 256,
-        "num_experts_per_tok": 8,
-        "num_shared_experts": 1,
-        "n_group": 8,
-        "topk_group": 4,
-        "score_function": "sigmoid",
-        "moe_router_enable_expert_bias": True,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
-        "rms_norm_eps": 1e-06,
-        "use_qk_norm": True,
-        "use_qkv_bias": False,
-        "use_bias": False,
-        "rope_theta": 600000,
-        "partial_rotary_factor": 0.5,
-        "rotary_dim": 64,
-        "rope_scaling": None,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "norm_head": False,
-        "pad_token_id": 156892,
-        "hidden_act": "silu",
-    }
-    cfg.update(sizes)
-    return cfg
+    """The released mini config.json (every key the loader reads); `sizes` override its values."""
+    return dict(LLADA2_MINI, **sizes)
 
 
 TINY = llada2_config(
