@@ -58,6 +58,16 @@ the JSON with the page. A commit marked `-dirty` ran with uncommitted changes to
 """
 
 
+def command(argv):
+    """A run's command as the page shows it: an absolute --json path (the GPU check's output folder on
+    the machine it ran on) becomes $OUT/<file>, so the page names no machine's folders."""
+    words = str(argv).split(" ")
+    for i, word in enumerate(words[:-1]):
+        if word == "--json" and os.path.isabs(words[i + 1]):
+            words[i + 1] = "$OUT/" + os.path.basename(words[i + 1])
+    return " ".join(words)
+
+
 def load_runs(results_dir):
     """Every JSON file of the folder as (path, payload), in file-name order."""
     return [(p, json.loads(p.read_text())) for p in sorted(Path(results_dir).glob("*.json"))]
@@ -99,7 +109,7 @@ def run_lines(path, data, page_dir):
         f"### {machine(env)}{f', {dtype}' if dtype else ''} — {str(env.get('date', '?'))[:10]}"
         f" — commit {short_commit(env.get('commit'))}",
         "",
-        f"- command: `python {env.get('argv', '?')}`",
+        f"- command: `python {command(env.get('argv', '?'))}`",
         "- run: " + "; ".join(details),
         f"- data: `{os.path.relpath(path, page_dir)}`",
     ]

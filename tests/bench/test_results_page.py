@@ -140,3 +140,11 @@ def test_headline_names_the_file_a_picked_row_is_missing_from(page, tmp_path):
 def test_readme_without_markers_is_refused(page):
     with pytest.raises(ValueError, match="headline markers"):
         page.with_headline("# a README\n", "table")
+
+
+def test_a_command_names_no_machine_folder(page):
+    """The GPU check writes its JSON into its output folder; the page shows that folder as $OUT."""
+    argv = "bench_kernels/bench_moe.py --quick --device cuda --json /somewhere/out/bench_moe.json"
+    assert page.command(argv) == "bench_kernels/bench_moe.py --quick --device cuda --json $OUT/bench_moe.json"
+    kept = "bench_kernels/bench_e2e.py --json bench_kernels/results/e2e_cpu.json"
+    assert page.command(kept) == kept
