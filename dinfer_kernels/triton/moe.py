@@ -576,6 +576,18 @@ class Workspace:
         self.part = torch.empty((cfg.split_k, n, H), dtype=torch.float32, device=device)
 
 
+def _align_args(e_loc, cfg):
+    """The alignment's tile constants (_align, fused in the route kernel or its own launch) for a
+    slice of e_loc local experts."""
+    el_pad = max(16, _pow2(e_loc))
+    return dict(
+        BLOCK_M=cfg.block_m,
+        EL_PAD=el_pad,
+        CH=max(16, ALIGN_TILE // el_pad),
+        NBC=max(16, ALIGN_TILE // el_pad),
+    )
+
+
 def route_and_align(
     hidden,
     router_weight,
@@ -597,18 +609,12 @@ def route_and_align(
     T, H = hidden.shape
     e_loc = e1 - e0
     e_pad = max(16, _pow2(E))
-    el_pad = max(16, _pow2(e_loc))
     has_logits = router_logits is not None
     lg = router_logits if has_logits else hidden
     rw = hidden if has_logits else router_weight
     bias = expert_bias if expert_bias is not None else ws.topk_w
     bt = cfg.route_bt
-    align_args = dict(
-        BLOCK_M=cfg.block_m,
-        EL_PAD=el_pad,
-        CH=max(16, ALIGN_TILE // el_pad),
-        NBC=max(16, ALIGN_TILE // el_pad),
-    )
+    align_args = _align_args(e_loc, cfg)
     _route_kernel[(triton.cdiv(T, bt),)](
         hidden,
         hidden.stride(0),
@@ -747,7 +753,6 @@ def align_given(topk_ids, topk_weights, e0, e_loc, cfg, ws):
     n = ws.topk_ids.numel()
     ws.topk_ids.copy_(given_topk(topk_ids, topk_weights, e0, e_loc)[0].view(n))
     ws.topk_w.copy_(topk_weights.reshape(n))
-    el_pad = max(16, _pow2(e_loc))
     _align_kernel[(1,)](
         ws.topk_ids,
         ws.sorted_ids,
@@ -757,10 +762,7 @@ def align_given(topk_ids, topk_weights, e0, e_loc, cfg, ws):
         e0,
         e_loc,
         ws.nb_max,
-        BLOCK_M=cfg.block_m,
-        EL_PAD=el_pad,
-        CH=max(16, ALIGN_TILE // el_pad),
-        NBC=max(16, ALIGN_TILE // el_pad),
+        **_align_args(e_loc, cfg),
         num_warps=4,
     )
 
