@@ -46,7 +46,7 @@ class Round(NamedTuple):
     rows: torch.Tensor  # [B] the slots on the device
     batch: Batch  # the sequences' tokens, the columns they use (Batch.select(trim=True))
     iters: torch.Tensor  # [B] on the device: iterations each request was active (its schedules)
-    keys: torch.Tensor  # [B] on the device: sampling keys (rng.sequence_key)
+    keys: torch.Tensor  # [B] on the device: sampling keys (dinfer_kernels.sequence_key)
     tau: torch.Tensor  # [B] float32 on the device: commit thresholds
 
 
