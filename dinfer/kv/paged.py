@@ -102,7 +102,8 @@ class PagePool:
 
 
 class PagedRound(NamedTuple):
-    """A round's block tables and windows (device tensors, fixed for the round: capturable)."""
+    """A round's block tables and windows (device tensors, fixed for the round: capturable; their
+    shapes depend only on the round's batch size)."""
 
     table: torch.Tensor  # [B, MP] int32
     start: torch.Tensor  # [B] int64: the block's first position
@@ -142,6 +143,10 @@ class PagedKV(KVManager):
         what = f"a paged cache of {num_pages} pages x {bl} positions"
         check_memory(model, num_pages * bl, forward_rows, slots * bl, what)  # a refusal, not an OOM
         self.pool = PagePool(model, num_pages, bl)
+        # The block tables' width, the same for every round (CUDA graphs replay across blocks on one
+        # shape): a block's fused window [start - bl, start + bl) ends within its sequence's pages,
+        # the first block's (start 0) within two pages.
+        self.max_pages = max(longest, 2)
         self.total: Dict[int, int] = {}  # request id -> its positions, while admitted
         self.first: Dict[int, int] = {}  # request id -> its first block's position
 
@@ -168,15 +173,13 @@ class PagedKV(KVManager):
         newcomers = [b for b, k in enumerate(ks) if k == 0 and self.first[seqs[b]] > 0]
         if newcomers:
             self._prefill(batch, seqs, newcomers, stats)
-        # every window's positions inside the table: the fused one reaches past short blocks
-        max_pages = max(pages_for(max(s - bl, 0) + 2 * bl, bl) for s in starts)
-        table = self.pool.table(seqs, max_pages)
+        table = self.pool.table(seqs, self.max_pages)
         start = batch.block_start(blocks.to(table.device))
         fused_lo = (start - bl).clamp(min=0)
         seq_lens = torch.minimum(start + bl, batch.total_len.to(torch.int64)).to(torch.int32)
         c = self.model.config
         mask = dk.BlockMask.block_causal(
-            len(seqs), c.num_kv_heads, 2 * bl, max_pages * bl, bl, bl, bl, fused_lo, device=table.device
+            len(seqs), c.num_kv_heads, 2 * bl, self.max_pages * bl, bl, bl, bl, fused_lo, device=table.device
         )
         rnd = PagedRound(table, start, fused_lo, seq_lens, mask)
         if self.cfg.clean_kv == "forward" and any(k > 0 for k in ks):

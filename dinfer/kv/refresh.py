@@ -105,10 +105,18 @@ class RefreshKV(KVManager):
         return Window(pos, rows, rc.seq_lens, None, refresh or self.cfg.write_back, rc.cache, None)
 
     def select(self, rc: RoundCache, keep: torch.Tensor) -> RoundCache:
-        """The round cache of sequences `keep` only. Their cache rows are copied: nothing a block's
-        iterations write into the cache is read after the block, whose successor starts with a
-        refresh."""
-        cache = type(rc.cache)([t[keep] for t in rc.cache.keys], [t[keep] for t in rc.cache.values])
+        """The round cache of sequences `keep` only. Their cache rows move to the head of each slot
+        buffer, seen as [len(keep), S, Hkv, D] (nothing a block's iterations write into the cache is
+        read after the block, whose successor starts with a refresh): every round cache of a shape
+        is the same memory, so CUDA graphs' static states share the cache rather than copy it."""
+        B, S = keep.numel(), rc.max_len
+
+        def moved(buffers, heads):
+            return [_head(t, B, S).copy_(h[keep]) for t, h in zip(buffers, heads)]
+
+        cache = type(rc.cache)(
+            moved(self.cache.keys, rc.cache.keys), moved(self.cache.values, rc.cache.values)
+        )
         return RoundCache(cache, rc.window_lo[keep], rc.window_len, rc.seq_lens[keep], rc.max_len)
 
 
