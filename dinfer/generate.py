@@ -24,8 +24,11 @@ Scheduler.store); the Generator a round's tokens, decoder and counters (BlockSta
 manager its cache and its round state (held beside the BlockState, read only by the manager).
 
 Every iteration is one model forward and one decode_step. Commits, thresholds, schedules and the
-stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU).
-All state an iteration writes is updated in place, which is what lets a captured chunk replay.
+stop test stay on the device, so a chunk's iterations run back to back (one CUDA graph on a GPU,
+dinfer.graphs: captured once per batch size, shape and kinds of forward, replayed for every later
+block and request from static buffers: a round's state is loaded into them, and the run goes on with
+the state the graphs ran on). All state an iteration writes is updated in place, which is what lets
+a captured chunk replay.
 
 Every generation ends: decode_step commits at least one [MASK] of every block that holds one, whatever
 the logits (its step 5), so a block takes at most block_length forwards -- checked at each chunk's
@@ -133,8 +136,8 @@ class GenerationConfig:
 
 
 class BlockState:
-    """What the iterations of one block read and write: the Generator's part of a round. Tensors
-    keep their addresses all block long."""
+    """What the iterations of one block read and write: the Generator's part of a round. Every
+    write is in place (CUDA graphs replay on a static BlockState's tensors: dinfer.graphs)."""
 
     def __init__(self, rnd: Round, cfg: GenerationConfig, model):
         """The round `rnd` (the scheduler's: its sequences' tokens and counters)."""
@@ -203,7 +206,9 @@ class BlockState:
 
 class RoundState(NamedTuple):
     """A round as its iterations see it: the Generator's part and the KV-cache manager's, each
-    written by its owner only. One object per block (and per compaction): CUDA graphs key on it."""
+    written by its owner only. One object per block (and per compaction); CUDA graphs key on its
+    signature (its tensors' shapes and host values: dinfer.graphs) and may hand back, in its place,
+    their static state of that signature holding its values."""
 
     block: BlockState
     kv: object  # the KV-cache manager's round state (its start_round / select)
@@ -304,6 +309,7 @@ class Generator:
             slots, width, cfg.block_length, cfg.after_look + 1, self.eos_id, self.model.device
         )
         self.kv = manager_for(self.model)(self.model, cfg, storage, max_total)
+        self.graphs.reset()  # graphs captured on the previous cache would read and write it
         self.max_total = max_total
         self.sched = Scheduler(
             storage,
@@ -387,7 +393,8 @@ class Generator:
             # The slowest sequence sets the chunk: a chunk never outruns the last block to finish.
             chunk = max(1, min(int(left.max()) // cfg.expected_tpf, cfg.unroll))
             kinds = self.kv.kinds(step, int(st.ran_before.min()) + step, chunk)
-            self.graphs.run(self.iteration, rs, kinds)
+            rs = self.graphs.run(self.iteration, rs, kinds, self.stats)  # maybe a static state
+            st = rs.block
             self.stats.count_chunk(kinds, st.batch.size)
             step += chunk
             left, nonfinite_at = st.poll()

@@ -1,39 +1,136 @@
-"""Loop unrolling on CUDA: a chunk of iterations captured once as a CUDA graph and replayed.
+"""Loop unrolling on CUDA: a chunk of iterations captured once per shape as a CUDA graph and replayed
+from static buffers, across blocks and requests.
 
-A chunk's first occurrence in a block runs eagerly (it is also the warm-up that initialises cuBLAS
-handles and compiles Triton kernels); from the second occurrence of the same pattern on, the chunk
-is captured (which executes nothing) and replayed. The block's tensors keep fixed addresses for the
-whole block, so replays read and write the live state. New block: new tensors, new graphs.
+A chunk's graph is keyed on its kinds (the KV-cache manager's: "refresh", "window", ...) and on the
+round state's *signature*: the shapes, dtypes and devices of its tensors and every host value it
+holds (batch size, block length, the round's columns, the window widths, the decoder's settings...),
+i.e. everything a captured iteration freezes. A signature has one *static* round state: the first
+round state seen with it. A later round state of the same signature (the next block, other requests,
+a compaction down to the same batch size) is loaded into it in place (`copy_`), and the static state
+goes on as the live one: the chunk runs on its buffers and so does everything the host reads after
+it (poll, compaction, the scheduler's store). Tensors both states already share (the KV cache's
+views of its persistent storage) are not copied: only per-round ones. Two tensors of one state that
+alias each other must hold the same values in every state of their signature (they are one
+quantity: the decoder's offsets, the sequences' lengths).
+
+A (signature, kinds) pair's first chunk runs eagerly: it is the warm-up (cuBLAS handles, Triton
+compilation: never inside a capture). Its second is captured (which executes nothing) and replayed,
+every later one replayed. All captures share one memory pool. A captured iteration also freezes
+what it reads outside the round state (the model, the KV-cache manager and its page pool): `reset`
+drops every graph when those change (Generator.open).
+
+The graph mechanism is injectable (`graph_factory`: a callable's capture, with `replay()`), so the
+CPU tests run the static-state plumbing with a stand-in that replays by calling the chunk again.
 """
+
+import time
+from typing import Callable
 
 import torch
 
+# Host values a round state may hold (they key its graphs); anything else is walked into.
+_HOST = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+class CUDAGraphs:
+    """The product's graph factory: `fn` captured as a CUDA graph, every capture in one memory
+    pool (the graphs replay one at a time on one stream, so they may share it)."""
+
+    def __init__(self):
+        self._pool = None
+
+    def __call__(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        return graph
+
+
+def signature(state) -> tuple:
+    """(the key of `state`, its tensors in a fixed order): the state walked through its tuples
+    (NamedTuples too), lists and objects' attributes down to tensors and host values."""
+    key, tensors = [], []
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            key.append((tuple(obj.shape), obj.dtype, obj.device))
+            tensors.append(obj)
+        elif isinstance(obj, _HOST):
+            key.append((type(obj), obj))
+        elif isinstance(obj, (tuple, list)):
+            key.append((type(obj), len(obj)))
+            for item in obj:
+                walk(item)
+        elif hasattr(obj, "__dict__"):
+            fields = vars(obj)
+            key.append((type(obj), tuple(fields)))
+            for item in fields.values():
+                walk(item)
+        else:
+            raise TypeError(f"internal error: a round state holds a {type(obj).__name__}, no graph key")
+
+    walk(state)
+    return tuple(key), tensors
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device
+
 
 class StepGraphs:
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self._owner = None
-        self._seen = set()
-        self._graphs = {}
+    """Chunks of iterations run through graphs (enabled), or eagerly. graph_factory: fn -> an
+    object whose replay() runs what fn ran (default: CUDAGraphs)."""
 
-    def run(self, iteration, state, kinds: tuple):
-        """Runs iteration(state, kind) for each kind in `kinds` (the KV-cache manager's)."""
+    def __init__(self, enabled: bool, graph_factory: Callable = None):
+        self.enabled = enabled
+        self.graph_factory = CUDAGraphs() if graph_factory is None else graph_factory
+        self.reset()
+
+    def reset(self):
+        """Drops every graph and static state (their model, cache or page pool is gone)."""
+        self._static = {}  # signature -> its static round state
+        self._tensors = {}  # id(static state) -> (its signature, its tensors)
+        self._graphs = {}  # (signature, kinds) -> graph
+        self._warm = set()  # (signature, kinds) run eagerly once
+
+    def run(self, iteration, state, kinds: tuple, stats):
+        """Runs iteration(state, kind) for each kind in `kinds` (the KV-cache manager's), counting
+        captures and replays into `stats` (a dinfer.stats.Stats). Returns the state the chunk ran
+        on, which the caller goes on with: `state` itself, or its signature's static state holding
+        its values."""
         if not self.enabled:
             for kind in kinds:
                 iteration(state, kind)
-            return
-        if self._owner is not state:  # a new block: its tensors live elsewhere
-            self._owner, self._seen, self._graphs = state, set(), {}
-        graph = self._graphs.get(kinds)
-        if graph is None and kinds in self._seen:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for kind in kinds:
-                    iteration(state, kind)
-            self._graphs[kinds] = graph
-        if graph is None:
-            self._seen.add(kinds)
+            return state
+        if id(state) in self._tensors:  # a static state itself (statics are kept: ids are theirs)
+            key = self._tensors[id(state)][0]
+        else:
+            key, tensors = signature(state)
+            static = self._static.get(key)
+            if static is None:  # the first of its signature: its buffers become the static ones
+                self._static[key], self._tensors[id(state)] = state, (key, tensors)
+            else:
+                for dst, src in zip(self._tensors[id(static)][1], tensors):
+                    if not _same_memory(dst, src):
+                        dst.copy_(src)
+                state = static
+
+        def chunk():
             for kind in kinds:
                 iteration(state, kind)
+
+        graph = self._graphs.get((key, kinds))
+        if graph is None and (key, kinds) in self._warm:
+            t = time.perf_counter()
+            graph = self._graphs[(key, kinds)] = self.graph_factory(chunk)
+            stats.graph_captures += 1
+            stats.capture_seconds += time.perf_counter() - t
+        if graph is None:
+            self._warm.add((key, kinds))
+            chunk()
         else:
             graph.replay()
+            stats.graph_replays += 1
+        return state

@@ -25,6 +25,11 @@ class Stats:
     sequence_forwards: int = 0  # forwards times the sequences they ran for: per-sequence TPF at any batch
     tokens: int = 0  # generated tokens that are not EOS
     seconds: float = 0.0
+    # CUDA graphs (dinfer.graphs): chunks captured (once per shape and kinds), chunks replayed, and
+    # the host time the captures took
+    graph_captures: int = 0
+    graph_replays: int = 0
+    capture_seconds: float = 0.0
     phase_seconds: dict = field(default_factory=lambda: {"forward": 0.0, "decode": 0.0, "smoothing": 0.0})
     timed: bool = False  # phases are timed only when the device is synchronous (CPU) or asked
 
@@ -60,6 +65,9 @@ class Stats:
             "sequence_forwards": self.sequence_forwards,
             "tokens_per_sequence_forward": round(self.tokens / max(self.sequence_forwards, 1), 4),
             "tokens_per_second": round(self.tokens / self.seconds, 3) if self.seconds else 0.0,
+            "graph_captures": self.graph_captures,
+            "graph_replays": self.graph_replays,
+            "capture_seconds": round(self.capture_seconds, 6),
         }
         if self.timed:
             inside = sum(self.phase_seconds.values())
