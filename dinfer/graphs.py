@@ -19,11 +19,16 @@ every later one replayed. All captures share one memory pool. A captured iterati
 what it reads outside the round state (the model, the KV-cache manager and its page pool): `reset`
 drops every graph when those change (Generator.open).
 
+A long-lived engine (a server) meets new signatures as prompt lengths vary: at most `max_signatures`
+are kept, the least recently used one (its static state and graphs) dropped for a new one, so graph
+memory stays bounded; a dropped signature that comes back is warmed up and captured again.
+
 The graph mechanism is injectable (`graph_factory`: a callable's capture, with `replay()`), so the
 CPU tests run the static-state plumbing with a stand-in that replays by calling the chunk again.
 """
 
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -83,14 +88,15 @@ class StepGraphs:
     """Chunks of iterations run through graphs (enabled), or eagerly. graph_factory: fn -> an
     object whose replay() runs what fn ran (default: CUDAGraphs)."""
 
-    def __init__(self, enabled: bool, graph_factory: Callable = None):
+    def __init__(self, enabled: bool, graph_factory: Callable = None, max_signatures: int = 32):
         self.enabled = enabled
+        self.max_signatures = max_signatures
         self.graph_factory = CUDAGraphs() if graph_factory is None else graph_factory
         self.reset()
 
     def reset(self):
         """Drops every graph and static state (their model, cache or page pool is gone)."""
-        self._static = {}  # signature -> its static round state
+        self._static = OrderedDict()  # signature -> its static round state, least recently used first
         self._tensors = {}  # id(static state) -> (its signature, its tensors)
         self._graphs = {}  # (signature, kinds) -> graph
         self._warm = set()  # (signature, kinds) run eagerly once
@@ -110,12 +116,16 @@ class StepGraphs:
             key, tensors = signature(state)
             static = self._static.get(key)
             if static is None:  # the first of its signature: its buffers become the static ones
+                if len(self._static) >= self.max_signatures:
+                    self._drop(next(iter(self._static)))
                 self._static[key], self._tensors[id(state)] = state, (key, tensors)
             else:
                 for dst, src in zip(self._tensors[id(static)][1], tensors):
                     if not _same_memory(dst, src):
                         dst.copy_(src)
                 state = static
+
+        self._static.move_to_end(key)
 
         def chunk():
             for kind in kinds:
@@ -134,3 +144,9 @@ class StepGraphs:
             graph.replay()
             stats.graph_replays += 1
         return state
+
+    def _drop(self, key):
+        """Forgets signature `key`: its static state, graphs and warm-ups."""
+        del self._tensors[id(self._static.pop(key))]
+        self._graphs = {k: g for k, g in self._graphs.items() if k[0] != key}
+        self._warm = {k for k in self._warm if k[0] != key}

@@ -35,12 +35,12 @@ class ReplayByCalling:
         self.chunk()
 
 
-def run_counted(model, prompts, cfg, batch_size, graph_factory=None):
+def run_counted(model, prompts, cfg, batch_size, graph_factory=None, max_signatures=32):
     """The outputs (lists), the Stats, and how many chunks ran per (kinds, batch size). graph_factory: the CPU stand-in in place of CUDA graphs (None: the
     Generator's own choice: CUDA graphs on a GPU when cfg.cuda_graphs)."""
     gen = Generator(model, cfg)
     if graph_factory is not None:
-        gen.graphs = StepGraphs(True, graph_factory=graph_factory)
+        gen.graphs = StepGraphs(True, graph_factory=graph_factory, max_signatures=max_signatures)
     chunks, count = Counter(), gen.stats.count_chunk
 
     def counted(kinds, sequences):
@@ -184,6 +184,28 @@ def test_graphs_replay_the_eager_tokens_on_the_paged_cache(decoder, smoothing, c
     out, stats, _ = run_counted(model, prompts, cfg, 2, ReplayByCalling)
     assert out == eager(model, prompts, cfg, 2)
     assert stats.graph_replays > 0
+
+
+def test_at_most_max_signatures_are_kept_and_a_dropped_one_is_captured_again():
+    """A server meets many shapes: the least recently used signature is dropped (its static state
+    and graphs), and the tokens stay the eager loop's."""
+    make, kw, vocab = COUNTED["vicinity"]
+    model = make("cpu")
+    cfg = GenerationConfig(
+        **kw, unroll=2, expected_tpf=2, decoder=DecoderConfig(name="credit", threshold=0.6)
+    )
+    prompts = prompts_of([9] * 10, vocab, seed=1)
+    want = eager(model, prompts, cfg, 3)
+    captures = {}
+    for cap in (1, 32):
+        gen = Generator(model, cfg)
+        gen.graphs = StepGraphs(True, graph_factory=ReplayByCalling, max_signatures=cap)
+        assert [o.tolist() for o in gen.run(prompts, 3)] == want
+        assert len(gen.graphs._static) <= cap
+        captures[cap] = gen.stats.graph_captures
+    # rounds of 3 sequences compact to fewer and the next round is back at 3: with one signature
+    # kept, each comes back dropped and is captured again
+    assert captures[1] > captures[32]
 
 
 def test_a_compacted_round_cache_is_the_head_of_the_slot_buffers():
