@@ -7,20 +7,21 @@ GPU: each case is captured into a CUDA graph of many calls that cycle through ro
 with CUDA events; a case that cannot be captured (a host sync, say dInfer's credit decoder) falls back
 to triton.testing.do_bench (which flushes the L2 before each call) and says so in its `timer` field.
 CPU: warm-up, then the median of repeated time.perf_counter() measurements of single calls.
-Every measured region sits in an NVTX range named after the case (`nvtx` is a no-op without a profiler).
+Every measured region sits in a range (dinfer_kernels.profiling: NVTX on CUDA builds of torch, and
+torch.profiler's record_function while one records) named nvtx_name(case name): the case's name in
+ASCII and dots, which nsys's --nvtx-capture and --nvtx-include take as typed. Tables and JSON keep the
+human case names.
 """
 
 import math
+import re
 import statistics
 import time
 
+import checkout  # noqa: F401  (the checkout's dinfer_kernels)
 from results_json import record
 
-try:
-    import nvtx
-except ImportError:  # keep the benches runnable without it
-    nvtx = None
-
+from dinfer_kernels import profiling
 
 ROTATE_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # rotating-input footprint (H200 L2: 50 MB)
 
@@ -28,16 +29,20 @@ ROTATE_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # rotating-input footprint 
 MAX_COPIES = 64
 
 
-def nvtx_range(name):
-    if nvtx is not None:
-        return nvtx.annotate(name, color="green")
-    import torch
+def nvtx_name(name: str) -> str:
+    """`name` as an NVTX range name: ASCII letters, digits, '_' and '-' in dot-separated words, '='
+    dropped ("ours moe[cuda] T=32" -> "ours.moe.cuda.T32"). Spaces, brackets, '/', '@' and '*' have
+    meanings in nsys's --nvtx-capture / --nvtx-include expressions."""
+    dotted = re.sub(r"[^A-Za-z0-9_-]+", ".", name.replace("=", "")).strip(".")
+    if not dotted:
+        raise ValueError(f"name: {name!r} has no ASCII letter or digit to name an NVTX range")
+    return dotted
 
-    if torch.cuda.is_available():  # the `nvtx` package may be missing on a GPU image: torch has ranges too
-        return torch.cuda.nvtx.range(name)
-    import contextlib
 
-    return contextlib.nullcontext()
+def nvtx_range(name: str):
+    """A profiler range named nvtx_name(name) around a with-block (next to free when no profiler
+    listens)."""
+    return profiling.annotate(nvtx_name(name))
 
 
 def num_copies(nbytes_per_copy, device):

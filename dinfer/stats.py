@@ -1,4 +1,5 @@
-"""Counters and timers of one generate() call, and NVTX ranges around each phase."""
+"""Counters and timers of one generate() call, and profiler ranges around each phase (with
+DINFER_NVTX=1: dinfer_kernels.profiling)."""
 
 import contextlib
 import time
@@ -6,15 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@contextlib.contextmanager
-def nvtx_range(name: str):
-    """An NVTX range on CUDA builds of torch (Nsight Systems shows the loop's phases); free otherwise."""
-    if torch.cuda.is_available():
-        with torch.cuda.nvtx.range(name):
-            yield
-    else:
-        yield
+from dinfer_kernels import profiling
 
 
 @dataclass
@@ -42,7 +35,7 @@ class Stats:
 
     @contextlib.contextmanager
     def phase(self, name: str, device: torch.device):
-        with nvtx_range(name):
+        with profiling.region(name):
             if not self.timed:
                 yield
                 return

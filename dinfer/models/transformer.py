@@ -17,6 +17,8 @@ With `parallel` (a dinfer.parallel.TensorParallel) the model is one rank of a te
 `config` and `weights` are the rank's (its heads, slices and experts: dinfer.parallel.plan), and the
 forward adds the group's collectives (dinfer/parallel/tp.py); its logits are the rank's vocabulary
 range. None is the one-process forward, unchanged.
+With DINFER_NVTX=1 a forward names its parts for profilers (dinfer_kernels.profiling): model.forward,
+in it layer.{i}, in each its attention and mlp.
 The ops (rms_norm, rope, attention, moe) come from `ops`: dinfer_kernels for inference, the
 differentiable stand-ins of dinfer.train.ops for training, so both run this one forward.
 """
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import dinfer_kernels as dk
+from dinfer_kernels import profiling
 
 from .config import ModelConfig
 
@@ -111,25 +114,32 @@ class DiffusionLM:
         c = self.config
         B, W, H = inputs_embeds.shape
         h = inputs_embeds
-        for i in range(c.num_layers):
-            o = self._attention(
-                i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask, block_table
+        with profiling.region("model.forward"):
+            for i in range(c.num_layers):
+                with profiling.region(f"layer.{i}"):
+                    with profiling.region("attention"):
+                        o = self._attention(
+                            i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask, block_table
+                        )
+                    if i == c.num_layers - 1 and logits_rows is not None and logits_rows.numel() == 0:
+                        return h.new_empty(
+                            (0, self.w["lm_head"].shape[0])
+                        )  # the last K/V are written; nothing is read
+                    if i == c.num_layers - 1 and logits_rows is not None:
+                        # Past the last attention (whose K/V come from its input) only the logits rows
+                        # are read: the other rows' output projection and MLP would be thrown away. A
+                        # refresh's window is the whole sequence but its logits rows are one block (~1/9
+                        # of it on the embedded models).
+                        h = h.reshape(B * W, H).index_select(0, logits_rows)[None]
+                        o = o.reshape(B * W, -1).index_select(0, logits_rows)[None]
+                        ffn_rows = None  # every logits row is a real one
+                    o = o @ self.w[f"layers.{i}.o"].t()
+                    h = h + (o if self.parallel is None else self.parallel.reduce(o))
+                    with profiling.region("mlp"):
+                        h = h + self._mlp(i, h, ffn_rows)
+            return (
+                self.ops.rms_norm(h.reshape(-1, H), self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
             )
-            if i == c.num_layers - 1 and logits_rows is not None and logits_rows.numel() == 0:
-                return h.new_empty(
-                    (0, self.w["lm_head"].shape[0])
-                )  # the last K/V are written; nothing is read
-            if i == c.num_layers - 1 and logits_rows is not None:
-                # Past the last attention (whose K/V come from its input) only the logits rows are
-                # read: the other rows' output projection and MLP would be thrown away. A refresh's
-                # window is the whole sequence but its logits rows are one block (~1/9 of it on the embedded models).
-                h = h.reshape(B * W, H).index_select(0, logits_rows)[None]
-                o = o.reshape(B * W, -1).index_select(0, logits_rows)[None]
-                ffn_rows = None  # every logits row is a real one
-            o = o @ self.w[f"layers.{i}.o"].t()
-            h = h + (o if self.parallel is None else self.parallel.reduce(o))
-            h = h + self._mlp(i, h, ffn_rows)
-        return self.ops.rms_norm(h.reshape(-1, H), self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
 
     def _attention(self, i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask, block_table):
         c, w = self.config, self.w

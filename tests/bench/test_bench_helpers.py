@@ -3,6 +3,7 @@ disagree beyond timing refused), the JSON kept valid after every case, and the G
 
 import argparse
 import json
+import re
 import sys
 
 import pytest
@@ -85,3 +86,44 @@ def test_report_says_what_ran_and_why_not(tmp_path):
     assert "INCOMPLETE: 1 cases finished" in md and "moe T=4" in md
     assert "## GPU tests" in md and "- not part of this run" in md
     assert "### bench_decode" in md
+
+
+@pytest.mark.parametrize(
+    "case, nvtx",
+    [
+        ("ours moe[cuda] T=32", "ours.moe.cuda.T32"),
+        ("sdpa+merge W=128 S=2048 d=0.25", "sdpa.merge.W128.S2048.d0.25"),
+        ("rms_norm/fused[triton] rows=4096", "rms_norm.fused.triton.rows4096"),
+        ("vicinity/auto/b8", "vicinity.auto.b8"),
+        ("bench_forward.one", "bench_forward.one"),
+        ("matmul 4096^3", "matmul.4096.3"),
+        ("décode µs", "d.code.s"),
+    ],
+)
+def test_nvtx_names_are_ascii_and_dotted(case, nvtx):
+    import timing
+
+    got = timing.nvtx_name(case)
+    assert got == nvtx
+    assert re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", got)
+
+
+def test_nvtx_name_refuses_a_name_without_letters_or_digits():
+    import timing
+
+    with pytest.raises(ValueError, match="name"):
+        timing.nvtx_name("[ ] =")
+
+
+def test_timed_cases_keep_their_names_in_the_json_and_their_ranges_are_dotted(monkeypatch):
+    import timing
+
+    from dinfer_kernels import profiling
+
+    pushed, recorded = [], []
+    monkeypatch.setattr(
+        profiling, "_NVTX", type("N", (), {"rangePushA": pushed.append, "rangePop": lambda: 0})
+    )
+    monkeypatch.setattr(timing, "record", lambda name, res: recorded.append(name))
+    timing.measure(timing.Case("ours moe[cpu] T=4", lambda i: None), "cpu", quick=True, reps=2)
+    assert pushed == ["ours.moe.cpu.T4"] and recorded == ["ours moe[cpu] T=4"]
