@@ -5,6 +5,8 @@ Environment:
   DINFER_CUDA        auto (default) | 1 (fail if nvcc is missing) | 0
   DINFER_CUDA_ARCHS  default "80;90a", and "100a" too when the nvcc is CUDA 12.8+ (CMakeLists.txt)
   DINFER_WERROR      1 (default): compiler warnings are errors; 0: warnings only
+  DINFER_CPU_ISAS    the host ISA copies to build, comma-separated, generic among them (default: all;
+                     the GPU check builds generic alone)
   MAX_JOBS           parallel compile jobs
 The host kernels are compiled once per x86-64 ISA (generic, avx2, avx512, avx512bf16; generic only
 elsewhere) into the one extension, and the best the CPU runs is chosen at import (DINFER_CPU_ISA lowers
@@ -70,6 +72,7 @@ class CMakeBuild(build_ext):
             f"-DDINFER_CUDA={'1' if nvcc else '0'}",
             f"-DDINFER_CUDA_ARCHS={os.environ.get('DINFER_CUDA_ARCHS', '')}",
             f"-DDINFER_WERROR={'OFF' if os.environ.get('DINFER_WERROR', '1').strip() == '0' else 'ON'}",
+            f"-DDINFER_CPU_ISAS={os.environ.get('DINFER_CPU_ISAS', '').replace(',', ';')}",
         ]
         if nvcc:
             args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")

@@ -18,9 +18,10 @@ Methods:
   flex+merge     the same merge, then torch.compile(flex_attention) with the same block mask (skipped
                  where torch lacks it; on the CPU only with --flex)
   ours wb / ro   dinfer_kernels.attention(write_back=True / False, block_mask=...) per backend
-Measured in the same run: the device copy bandwidth (read + write) and the dense matmul rate of the
-dtype. Columns: median time, TFLOP/s over the attended (row, key) pairs (4 * Hq * D per pair),
-GB/s over the K/V bytes of the attended key blocks, % of the copy bandwidth, % of the matmul rate,
+Measured in the same run: the bandwidth yardsticks of timing.py (copy, read-only kernel; beside the
+GPU's datasheet HBM) and the dense matmul rate of the dtype. Columns: median time, TFLOP/s over the
+attended (row, key) pairs (4 * Hq * D per pair), % of the matmul rate and of the datasheet's dense bf16
+rate, GB/s over the K/V bytes of the attended key blocks, % of each bandwidth yardstick,
 speedup vs sdpa+merge, and max |out - sdpa| / max |sdpa|.
 
 Paged (first; --no-paged skips it, --paged-only runs nothing else): LLaDA2-mini shapes (16 query / 4 KV
@@ -427,9 +428,9 @@ def run(args):
         f"# bench_attention  device={device} ({env.get('gpu') or env['cpu']})  dtype={args.dtype}  "
         f"heads={args.heads}/{args.kv_heads}x{args.head_dim}  commit={env['commit']}"
     )
-    bw = timing.copy_bandwidth(device, quick=args.quick)
+    bw = timing.bandwidth_yardsticks(device, quick=args.quick)
     mm = timing.matmul_rate(device, cli_options.torch_dtype(args.dtype), args.quick)
-    print(f"copy bandwidth: {bw['GBps']:.1f} GB/s; {args.dtype} matmul: {mm['TFLOPs']:.1f} TFLOP/s")
+    print(f"bandwidth: {timing.bandwidth_text(bw)}; {args.dtype} matmul: {mm['TFLOPs']:.1f} TFLOP/s")
     flex_on = flex_available() and not args.no_flex and (device == "cuda" or args.flex)
     if not flex_available():
         notes.append("FlexAttention not in this torch: flex+merge skipped")
@@ -495,8 +496,8 @@ def run(args):
                     GBps=meta["kv_bytes"] / t / 1e9,
                     rel_err=err,
                 )
-                r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
-                r["pct_mm"] = 100.0 * r["TFLOPs"] / mm["TFLOPs"]
+                r.update(timing.bandwidth_percents(r["GBps"], bw))
+                r.update(timing.matmul_percents(r["TFLOPs"], mm))
                 rows.append(r)
                 print(
                     f"  W={W:5d} S={S:5d} d={density:.2f} {label:11s} {be:8s} {r['us']:10.1f} us "
@@ -509,8 +510,8 @@ def run(args):
             kind = "window step" if W < S else "full refresh"
             title = (
                 f"{kind}: W = {W}, S = {S}, density {density:g}, {args.heads}/{args.kv_heads} heads x "
-                f"{args.head_dim}, {args.dtype}, {device} ({env.get('gpu') or env['cpu']}); copy "
-                f"{bw['GBps']:.0f} GB/s, matmul {mm['TFLOPs']:.0f} TFLOP/s"
+                f"{args.head_dim}, {args.dtype}, {device} ({env.get('gpu') or env['cpu']}); "
+                f"{timing.bandwidth_text(bw)}, matmul {mm['TFLOPs']:.0f} TFLOP/s"
             )
             cols = [
                 ("method", "method", None),
@@ -518,8 +519,9 @@ def run(args):
                 ("median µs", "us", ".1f"),
                 ("TFLOP/s", "TFLOPs", ".2f"),
                 ("% matmul", "pct_mm", ".1f"),
+                ("% bf16 spec", "pct_mm_spec", ".1f"),
                 ("KV GB/s", "GBps", ".1f"),
-                ("% copy BW", "pct_copy", ".1f"),
+                *timing.BANDWIDTH_COLUMNS,
                 ("× sdpa+merge", "x_sdpa", ".2f"),
                 ("rel err vs sdpa", "rel_err", ".2g"),
                 ("timer", "timer", None),

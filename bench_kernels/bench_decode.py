@@ -14,8 +14,8 @@ except every 16th. Timed on the same logits (rotating copies of them on the GPU)
                      committed and editable, edit_threshold --edit-threshold: the threshold rule on
                      the masked half plus token-to-token edits of the committed half
   max(-1)            one logits.max(-1) pass: the bandwidth yardstick
-and the device copy bandwidth (dst.copy_(src), bytes read + written).
-Columns: median time, GB/s of logits read (N*V*itemsize / time), % of the measured copy bandwidth,
+and the bandwidth yardsticks of timing.py (copy, read-only kernel, datasheet HBM of the GPU).
+Columns: median time, GB/s of logits read (N*V*itemsize / time), % of each yardstick,
 speedup vs each dInfer baseline, time / max(-1) time, time / ours-threshold's on the same backend
 (the cost of the credit and of the edits), and whether the step committed the same tokens as dInfer
 (first step from the same state; ours-joint: as the torch reference, dInfer has no joint rule).
@@ -277,8 +277,8 @@ def run(args):
             f"busy host: 1-min load average {env['loadavg_1min']} on {os.cpu_count()} CPUs; "
             "CPU times are noisy (OMP_NUM_THREADS=1 steadies them)"
         )
-    bw = timing.copy_bandwidth(device, quick=args.quick)
-    print(f"copy bandwidth: {bw['GBps']:.1f} GB/s (read + write, {bw['bytes'] >> 20} MiB, {bw['timer']})")
+    bw = timing.bandwidth_yardsticks(device, quick=args.quick)
+    print(f"bandwidth: {timing.bandwidth_text(bw)}")
 
     results, tables = [], []
     for N in rows:
@@ -314,7 +314,7 @@ def run(args):
                 agree=agree.get(key),
                 commits=agree.get(key + "_commits"),
             )
-            r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
+            r.update(timing.bandwidth_percents(r["GBps"], bw))
             rows_out.append(r)
             print(f"  {label:17s} {be:9s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s  ({m['timer']})")
         by = {r["key"]: r for r in rows_out if "median_s" in r}
@@ -337,14 +337,14 @@ def run(args):
         results += rows_out
         title = (
             f"N = {N} rows, V = {V}, {args.dtype} logits ({nbytes / 1e6:.1f} MB), {device}"
-            f" ({env.get('gpu') or env['cpu']}), copy bandwidth {bw['GBps']:.0f} GB/s"
+            f" ({env.get('gpu') or env['cpu']}); {timing.bandwidth_text(bw)}"
         )
         cols = [
             ("method", "method", None),
             ("backend", "backend", None),
             ("median µs", "us", ".1f"),
             ("GB/s", "GBps", ".1f"),
-            ("% copy BW", "pct_copy", ".1f"),
+            *timing.BANDWIDTH_COLUMNS,
             ("× dInfer thr", "x_thr", ".2f"),
             ("× dInfer credit", "x_credit", ".2f"),
             ("× compiled", "x_compiled", ".2f"),

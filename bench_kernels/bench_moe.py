@@ -14,10 +14,11 @@ renormalisation); --small (default on the CPU) shrinks it to E = 8, H = 256, I =
   triton plain     our routing/alignment kernel, then a plain Triton grouped GEMM (no fused epilogue)
                    over w13, torch silu*mul, the same GEMM over w2, a torch weighted index_add
   ours[b]          dinfer_kernels.moe(backend=b) for the kernel backends available here
-Measured in the same run: the device copy bandwidth (timing.copy_bandwidth) and the dense matmul
-rate of the dtype (a square torch matmul). Columns: median time, GB/s over the expert weights
-actually read (touched experts x 3*H*I*itemsize), % of the copy bandwidth, TFLOP/s over the routed
-rows (6*T*k*H*I), % of the matmul rate, speedup vs the torch loop, max |diff| vs the torch loop
+Measured in the same run: the bandwidth yardsticks of timing.py (copy, read-only kernel; beside the
+GPU's datasheet HBM) and the dense matmul rate of the dtype (a square torch matmul). Columns: median
+time, GB/s over the expert weights actually read (touched experts x 3*H*I*itemsize), % of each
+bandwidth yardstick, TFLOP/s over the routed rows (6*T*k*H*I), % of the matmul rate and of the
+datasheet's dense bf16 rate, speedup vs the torch loop, max |diff| vs the torch loop
 relative to its max |value|, (ours) whether two runs are bit-identical, and on the CPU what
 backend="auto" picks for the shape (dinfer_kernels/_backend.py MOE_HOST_WINS, per ISA and dtype).
 """
@@ -242,11 +243,10 @@ def run(args):
         f"# bench_moe  device={device} ({env.get('gpu') or env['cpu']})  E={E} top-{k} H={H} I={inter}  "
         f"dtype={args.dtype}  T={tokens}  commit={env['commit']}"
     )
-    bw = timing.copy_bandwidth(device, quick=args.quick)
+    bw = timing.bandwidth_yardsticks(device, quick=args.quick)
     mm = timing.matmul_rate(device, dtype, args.quick)
     print(
-        f"copy bandwidth: {bw['GBps']:.1f} GB/s   {args.dtype} matmul ({mm['n']}^3): "
-        f"{mm['TFLOPs']:.3g} TFLOP/s"
+        f"bandwidth: {timing.bandwidth_text(bw)}   {args.dtype} matmul ({mm['n']}^3): {mm['TFLOPs']:.3g} TFLOP/s"
     )
 
     g = torch.Generator(device=device).manual_seed(0)  # on the device: 0.8 GB of weights
@@ -369,13 +369,13 @@ def run(args):
                 bitwise_repeat=repeat,
                 auto=auto,
             )
-            r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
-            r["pct_matmul"] = 100.0 * r["TFLOPs"] / mm["TFLOPs"]
+            r.update(timing.bandwidth_percents(r["GBps"], bw))
+            r.update(timing.matmul_percents(r["TFLOPs"], mm))
             r["matmul_TFLOPs"] = mm["TFLOPs"]
             rows_out.append(r)
             print(
-                f"  {label:26s} {be:7s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s ({r['pct_copy']:5.1f}%)  "
-                f"{r['TFLOPs']:7.2f} TFLOP/s ({r['pct_matmul']:5.1f}%)"
+                f"  {label:26s} {be:7s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s ({r['pct_copy']:5.1f}% copy)  "
+                f"{r['TFLOPs']:7.2f} TFLOP/s ({r['pct_mm']:5.1f}%)"
             )
         base = next((r for r in rows_out if r["key"] == "torch_loop"), None)
         for r in rows_out:
@@ -385,16 +385,17 @@ def run(args):
             f"T = {T} tokens ({T * k / E:g} rows per expert; auto picks {auto}"
             f"{' with the ' + _backend.cpu_isa() + ' copy' if device == 'cpu' and _backend.cpu_isa() else ''}), E = {E}, top-{k}, H = {H}, I = {inter}, {args.dtype}, {touched} experts "
             f"touched ({wbytes / 1e6:.0f} MB of weights), {device} ({env.get('gpu') or env['cpu']}); "
-            f"copy {bw['GBps']:.0f} GB/s, matmul {mm['TFLOPs']:.3g} TFLOP/s"
+            f"{timing.bandwidth_text(bw)}, matmul {mm['TFLOPs']:.3g} TFLOP/s"
         )
         cols = [
             ("method", "method", None),
             ("backend", "backend", None),
             ("median µs", "us", ".1f"),
             ("GB/s", "GBps", ".1f"),
-            ("% copy BW", "pct_copy", ".1f"),
+            *timing.BANDWIDTH_COLUMNS,
             ("TFLOP/s", "TFLOPs", ".2f"),
-            ("% matmul", "pct_matmul", ".1f"),
+            ("% matmul", "pct_mm", ".1f"),
+            ("% bf16 spec", "pct_mm_spec", ".1f"),
             ("× torch loop", "speedup", ".2f"),
             ("rel. max diff", "rel_err", ".1e"),
             ("bitwise repeat", "bitwise_repeat", None),
@@ -408,7 +409,7 @@ def run(args):
             torch.cuda.empty_cache()
     notes.append(
         f"{args.dtype} matmul rate {mm['TFLOPs']:.3g} TFLOP/s ({mm['n']}^3, {mm['timer']}); "
-        f"copy bandwidth {bw['GBps']:.0f} GB/s"
+        f"{timing.bandwidth_text(bw)}"
     )
     return results_json.finish("moe", env, args, bw, results, tables, notes)
 

@@ -8,7 +8,7 @@ V = 157184, d = 2048). Baseline = what dInfer's H2Embed does in eager torch: an 
 materialised, cast to the embedding dtype, a GEMM with E, then the additive blend. --small (default
 on the CPU) shrinks V and d so that the host finishes in seconds.
 Columns: median time, GB/s of the minimal traffic (logits + E read once, output written once),
-% of the measured copy bandwidth, TFLOP/s of the 2*M*V*d GEMM, speedup vs the torch baseline,
+% of each bandwidth yardstick of timing.py (copy, read-only kernel, the GPU's datasheet HBM), TFLOP/s of the 2*M*V*d GEMM, speedup vs the torch baseline,
 max |difference| vs the baseline relative to max |baseline|.
 """
 
@@ -58,8 +58,8 @@ def run(args):
         f"# bench_soft_embedding  device={device} ({env.get('gpu') or env['cpu']})  V={V} d={d}  "
         f"dtype={args.dtype}  rows={rows}  commit={env['commit']}"
     )
-    bw = timing.copy_bandwidth(device, quick=args.quick)
-    print(f"copy bandwidth: {bw['GBps']:.1f} GB/s")
+    bw = timing.bandwidth_yardsticks(device, quick=args.quick)
+    print(f"bandwidth: {timing.bandwidth_text(bw)}")
 
     w = torch.full((1,), 0.3, dtype=torch.float32, device=device)
     # the largest M's rows, the first M of them per M; one position in UNMASK_EVERY already decoded
@@ -139,7 +139,7 @@ def run(args):
                 TFLOPs=flops / m["median_s"] / 1e12,
                 rel_err=err,
             )
-            r["pct_copy"] = 100.0 * r["GBps"] / bw["GBps"]
+            r.update(timing.bandwidth_percents(r["GBps"], bw))
             rows_out.append(r)
             print(
                 f"  {label:22s} {be:7s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s  {r['TFLOPs']:7.2f} TFLOP/s"
@@ -150,14 +150,14 @@ def run(args):
         results += rows_out
         title = (
             f"M = {M} rows, V = {V}, d = {d}, {args.dtype}, {device} ({env.get('gpu') or env['cpu']}), "
-            f"copy bandwidth {bw['GBps']:.0f} GB/s"
+            f"{timing.bandwidth_text(bw)}"
         )
         cols = [
             ("method", "method", None),
             ("backend", "backend", None),
             ("median µs", "us", ".1f"),
             ("GB/s", "GBps", ".1f"),
-            ("% copy BW", "pct_copy", ".1f"),
+            *timing.BANDWIDTH_COLUMNS,
             ("TFLOP/s", "TFLOPs", ".2f"),
             ("× torch", "speedup", ".2f"),
             ("rel. max diff", "rel_err", ".1e"),

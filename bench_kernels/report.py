@@ -1,6 +1,7 @@
 """The GPU check's report: `python bench_kernels/report.py report OUT_DIR` gathers OUT_DIR/*.json
-written by the bench scripts (and OUT_DIR/steps.tsv, OUT_DIR/junit.xml, OUT_DIR/pytest.log when
-present) into OUT_DIR/report.md and OUT_DIR/report.json; `python bench_kernels/report.py versions`
+written by the bench scripts (and OUT_DIR/steps.tsv, the steps' logs, OUT_DIR/junit-<step>.xml,
+OUT_DIR/environment.txt, OUT_DIR/ptxas.txt, OUT_DIR/nsys_stats.txt when present) into OUT_DIR/report.md
+and OUT_DIR/report.json; `python bench_kernels/report.py versions`
 prints the Python packages the GPU check depends on. bench_kernels/gpu_check.sh calls both."""
 
 import argparse
@@ -14,14 +15,17 @@ from environment import git_commit
 from markdown_tables import markdown_table
 
 # The sections of a gpu_check.sh report, each with the steps (names in OUT_DIR/steps.tsv) it covers.
-# Every section is always written: what ran, or why not.
+# Every section is always written: what ran, or why not. The benchmarks' steps (bench_<name>, hero)
+# and their JSON files come after them.
 SECTIONS = [
-    ("Environment", ("nvidia-smi", "versions", "dinfer_kernels-info")),
+    ("Environment", ("environment",)),
     ("Build", ("build",)),
     ("Selftest", ("selftest",)),
-    ("GPU tests", ("gpu-tests",)),
+    ("GPU tests", ("gpu-tests-fixes", "gpu-tests-rest", "gpu-tests")),
     ("Sanitizer", ("kernel-calls", "memcheck", "racecheck")),
+    ("Profile of one forward", ("nsys",)),
 ]
+BENCH_STEPS = ("hero",)  # besides bench_<name>: steps that write benchmark JSON
 
 
 def bench_names():
@@ -81,7 +85,7 @@ def _tail(path, n):
 def _section_body(title, out, rep):
     """The lines of one section beyond its step lines."""
     if title == "Environment" and (out / "environment.txt").exists():
-        return ["```"] + _tail(out / "environment.txt", 40) + ["```"]
+        return ["```"] + _tail(out / "environment.txt", 150) + ["```"]
     if title == "Build" and (out / "ptxas.txt").exists():
         return ["ptxas resource report (spills):", "```"] + _tail(out / "ptxas.txt", 30) + ["```"]
     if title == "Selftest" and (out / "selftest.json").exists():
@@ -106,14 +110,30 @@ def _section_body(title, out, rep):
             ("note", "note", None),
         ]
         return [markdown_table(rows, cols)] + [f"- skipped: {x}" for x in data.get("skipped", [])]
-    if title == "GPU tests" and (out / "junit.xml").exists():
-        try:
-            rep["tests"], rep["failed_tests"] = _junit_summary(out / "junit.xml")
-        except Exception as e:
-            return [f"junit.xml unreadable: {e}"]
-        return [f"{rep['tests']}"] + [f"- FAILED `{t}`" for t in rep["failed_tests"][:50]]
-    if title == "GPU tests" and (out / "gpu-tests.log").exists():
-        return ["no junit.xml; the log ends:", "```"] + _tail(out / "gpu-tests.log", 8) + ["```"]
+    if title == "GPU tests":
+        body = []
+        for step in ("gpu-tests-fixes", "gpu-tests-rest", "gpu-tests"):
+            junit = out / f"junit-{step}.xml"
+            if junit.exists():
+                try:
+                    line, failed = _junit_summary(junit)
+                except Exception as e:
+                    body.append(f"- {step}: junit-{step}.xml unreadable: {e}")
+                    continue
+                rep["tests"][step] = line
+                rep["failed_tests"] += failed
+                body += [f"- {step}: {line}"] + [f"  - FAILED `{t}`" for t in failed[:50]]
+            elif (out / f"{step}.log").exists():
+                body += (
+                    [f"- {step}: no junit; the log ends:", "```"] + _tail(out / f"{step}.log", 8) + ["```"]
+                )
+        return body
+    if title == "Profile of one forward" and (out / "nsys_stats.txt").exists():
+        return (
+            ["`nsys stats --report cuda_gpu_kern_sum,nvtx_sum`:", "```"]
+            + _tail(out / "nsys_stats.txt", 150)
+            + ["```"]
+        )
     if title == "Sanitizer":
         body = []
         for tool in ("memcheck", "racecheck"):
@@ -129,19 +149,15 @@ def _section_body(title, out, rep):
     return []
 
 
-def _bench_section(name, out, steps, rep):
-    md = [f"### {name}", ""]
-    if name in steps:
-        md += [_step_line(steps[name])]
-    jf = out / f"{name}.json"
-    if not jf.exists():
-        return md + (["- no JSON written"] if name in steps else ["- not part of this run"]) + [""]
+def _bench_file(path, rep):
+    """One benchmark JSON file's subsection."""
+    md = [f"### {path.name}", ""]
     try:
-        data = json.loads(jf.read_text())
+        data = json.loads(path.read_text())
     except ValueError as e:
-        rep["benchmarks"][name] = {"error": f"unreadable: {e}"}
-        return md + [f"- {name}.json unreadable: {e}", ""]
-    rep["benchmarks"][name] = data
+        rep["benchmarks"][path.name] = {"error": f"unreadable: {e}"}
+        return md + [f"- unreadable: {e}", ""]
+    rep["benchmarks"][path.name] = data
     if not data.get("complete"):
         cases = data.get("cases", [])
         md += [
@@ -162,6 +178,45 @@ def _bench_section(name, out, steps, rep):
     md += [t + "\n" for t in data.get("tables", [])] + [f"- {n}" for n in data.get("notes", [])]
     rep["gpu"] = rep["gpu"] or env.get("gpu")
     return md + [""]
+
+
+def _bench_files(out):
+    """The benchmark JSON files in OUT_DIR (all but the report's and the selftest's), in bench_names()
+    order of the benchmark each names, then by file name."""
+    order = {name.removeprefix("bench_"): i for i, name in enumerate(bench_names())}
+    found = []
+    for path in sorted(out.glob("*.json")):
+        if path.name in ("report.json", "selftest.json"):
+            continue
+        try:
+            bench = str(json.loads(path.read_text()).get("bench", ""))
+        except (ValueError, AttributeError):
+            bench = ""  # unreadable: listed last, and its subsection says so
+        found.append((order.get(bench.removeprefix("bench_"), len(order)), path.name, path))
+    return [path for _, _, path in sorted(found)]
+
+
+def _bench_section(out, steps, rep):
+    """The benchmarks' steps (each bench_<name> step that wrote no <name>_*.json says so), then one
+    subsection per JSON file."""
+    files = _bench_files(out)
+    md = []
+    for st in steps.values():
+        if st["step"].startswith("bench_") or st["step"] in BENCH_STEPS:
+            md.append(_step_line(st))
+            if st["step"] == "hero":  # how each case ended, and what no benchmark option covers yet
+                lines = _tail(out / "hero.log", 40)
+                start = next((i for i, ln in enumerate(lines) if ln == "hero cases:"), len(lines))
+                md += [f"  {ln}" for ln in lines[start:]]
+            stem = st["step"].removeprefix("bench_")
+            if st["step"].startswith("bench_") and st["rc"] != "skipped":
+                if not any(p.name.startswith(f"{stem}_") for p in files):
+                    md.append(f"  - no JSON written ({stem}_*.json)")
+    md = md or ["- no benchmark ran in this run"]
+    md.append("")
+    for path in files:
+        md += _bench_file(path, rep)
+    return md
 
 
 def print_versions():
@@ -198,7 +253,7 @@ def write_report(out_dir, mode="gpu check"):
         "commit": git_commit(),
         "gpu": None,
         "selftest": None,
-        "tests": None,
+        "tests": {},
         "failed_tests": [],
         "sanitizer": {},
         "steps": [],
@@ -219,9 +274,7 @@ def write_report(out_dir, mode="gpu check"):
         mine = [steps[n] for n in names if n in steps]
         body += [_step_line(st) for st in mine] or ["- not part of this run"]
         body += [""] + _section_body(title, out, rep) + [""]
-    body += ["## Benchmarks", ""]
-    for name in bench_names():
-        body += _bench_section(name, out, steps, rep)
+    body += ["## Benchmarks", ""] + _bench_section(out, steps, rep)
     md = [
         f"# GPU check report ({mode})",
         "",
@@ -229,7 +282,7 @@ def write_report(out_dir, mode="gpu check"):
         f"- date (UTC): {rep['date']}",
         f"- GPU: {rep['gpu'] or 'none'}",
         f"- selftest: {rep['selftest'] or 'not run'}",
-        f"- GPU tests: {rep['tests'] or 'not run'}",
+        "- GPU tests: " + ("; ".join(f"{k}: {v}" for k, v in rep["tests"].items()) or "not run"),
         f"- sanitizer: {'; '.join(f'{k}: {v}' for k, v in rep['sanitizer'].items()) or 'not run'}",
         "",
     ]

@@ -8,7 +8,8 @@ Every *.json in the folder is one run of a bench_*.py script (the payload of res
 partial one results_json.record() leaves when a run is cut short). The page has one section per benchmark,
 and in it one subsection per JSON file: machine, date, commit and command from the file's `env`, then
 the tables and notes the benchmark printed. A GPU check's JSON (bench_kernels/gpu_check.sh writes
-OUT_DIR/bench_<name>.json) joins the page once it is copied into the folder: its `env` names the GPU.
+OUT_DIR/<name>_<gpu>.json) joins the page once it is copied into the folder: its `env` names the GPU,
+and its file name must too (check_gpu_in_name).
 
 The README's headline is a few rows picked from those files (E2E_HEADLINE, KERNEL_HEADLINE), written
 between the README's HEADLINE_BEGIN and HEADLINE_END lines; a picked row missing from its file is an
@@ -24,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkout
+import environment
 import markdown_tables
 import report
 
@@ -50,11 +52,20 @@ is in `docs/notes/results-log.md`; the training of the embedded models in `docs/
 
 To add or replace a result: run the benchmark with `--json bench_kernels/results/<name>_<machine>.json`
 (for example `python bench_kernels/bench_decode.py --device cpu --rows 32 --json
-bench_kernels/results/decode_cpu.json`), or copy the `bench_<name>.json` files that
-`bash bench_kernels/gpu_check.sh OUT_DIR` writes on a GPU machine to
-`bench_kernels/results/<name>_<gpu>.json`; then run `python bench_kernels/results_page.py` and commit
+bench_kernels/results/decode_cpu.json`), or copy the `<name>_<gpu>.json` files that
+`bash bench_kernels/gpu_check.sh OUT_DIR` writes on a GPU machine (in its `raw.tar.gz`) to
+`bench_kernels/results/`; then run `python bench_kernels/results_page.py` and commit
 the JSON with the page. A commit marked `-dirty` ran with uncommitted changes to tracked files
-(result files aside).
+(result files aside). A GPU's file names that GPU (`_h100`, `_h200`: `environment.gpu_slug`), and
+every ratio on this page is between rows of one file, so numbers from two GPUs never meet in one.
+
+Bandwidth columns: `% copy BW` is against the copy yardstick measured in the same run
+(`dst.copy_(src)`, bytes read + written), which reads low on Hopper: 2.76 TB/s on the H200, 58 % of its
+datasheet 4.8 TB/s, while the MoE kernel streamed 793 MB of distinct expert weights (the L2 holds 50 MB)
+at 3.28 TB/s. A `% copy BW` above 100 (MoE at T = 32: 118 %) therefore says that the yardstick is low,
+not that the data came from the L2. Runs since the read-only yardstick (`% read BW`, a kernel that only
+reads) also give `% HBM spec`, against the datasheet of the GPU at hand; each GPU run below states its
+yardsticks as % of that datasheet.
 """
 
 
@@ -91,8 +102,34 @@ def short_commit(commit):
     return commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
 
 
+def yardsticks_line(data):
+    """A GPU run's measured bandwidth yardsticks as % of its GPU's datasheet HBM bandwidth (None for a
+    host run, a GPU not in environment.GPU_MODELS, or a run that measured none)."""
+    env = data.get("env", {})
+    spec = environment.datasheet_hbm_tbs(env.get("gpu"))
+    # "bandwidth": the yardsticks (timing.bandwidth_yardsticks); "copy_bandwidth": the copy alone (older runs)
+    bw = data.get("bandwidth") or {"copy": data.get("copy_bandwidth")}
+    found = [(name, bw.get(name)) for name in ("copy", "read")]
+    found = [(name, y["GBps"]) for name, y in found if isinstance(y, dict) and y.get("GBps")]
+    if spec is None or not found:
+        return None
+    parts = [f"{name} {gbps:.0f} GB/s = {100 * gbps / (1000 * spec):.0f} %" for name, gbps in found]
+    return f"- yardsticks: {'; '.join(parts)} of the datasheet's {spec:g} TB/s ({env['gpu']})"
+
+
+def check_gpu_in_name(path, data):
+    """A GPU run's file must name its GPU (`*_h200.json`): a ValueError naming the file otherwise."""
+    gpu = data.get("env", {}).get("gpu")
+    if gpu and not Path(path).stem.endswith("_" + environment.gpu_slug(gpu)):
+        raise ValueError(
+            f"{Path(path).name}: a run on {gpu} must be named *_{environment.gpu_slug(gpu)}.json, so that "
+            "numbers of two GPUs never share a file"
+        )
+
+
 def run_lines(path, data, page_dir):
     """One run's subsection: where and how it ran, then what it printed."""
+    check_gpu_in_name(path, data)
     env = data.get("env", {})
     details = [
         f"{env.get('date', '?')}, commit `{env.get('commit', '?')}`",
@@ -116,6 +153,9 @@ def run_lines(path, data, page_dir):
     plot = (data.get("args") or {}).get("plot")
     if plot and (checkout.ROOT / plot).exists():
         lines.append(f"- plot: `{os.path.relpath(checkout.ROOT / plot, page_dir)}`")
+    yardsticks = yardsticks_line(data)
+    if yardsticks:
+        lines.append(yardsticks)
     lines.append("")
     if data.get("complete") is False:
         cases = data.get("cases", [])

@@ -1,4 +1,5 @@
-"""How the bench scripts time a case, each in an NVTX range named after it.
+"""How the bench scripts time a case, each in a profiler range named after it, and the yardsticks they
+measure in the same run (copy and read-only bandwidth, the matmul rate) beside the datasheet's figures.
 
 Timing
 ------
@@ -11,6 +12,15 @@ Every measured region sits in a range (dinfer_kernels.profiling: NVTX on CUDA bu
 torch.profiler's record_function while one records) named nvtx_name(case name): the case's name in
 ASCII and dots, which nsys's --nvtx-capture and --nvtx-include take as typed. Tables and JSON keep the
 human case names.
+
+Yardsticks
+----------
+A bench's GB/s is shown as a % of three ceilings: the copy (`dst.copy_(src)`, bytes read + written),
+the read-only kernel (read_bandwidth.py: what a kernel that streams weights or a cache does) and the
+datasheet HBM bandwidth of the GPU at hand (environment.datasheet_hbm_tbs). The copy reads low on
+Hopper (58 % of the H200's datasheet in the 802ee3b run, below the 68 % the MoE kernel streamed), so a
+row above 100 % of it says the copy is a weak yardstick, not that the data came from the L2: the
+percent of the datasheet is the one to compare across kernels and GPUs of one model.
 """
 
 import math
@@ -19,6 +29,7 @@ import statistics
 import time
 
 import checkout  # noqa: F401  (the checkout's dinfer_kernels)
+from environment import datasheet_bf16_tflops, datasheet_hbm_tbs
 from results_json import record
 
 from dinfer_kernels import profiling
@@ -191,8 +202,79 @@ def copy_bandwidth(device, nbytes=None, quick=False):
     return res
 
 
+def read_bandwidth(device, nbytes=None, quick=False):
+    """Measured read-only bandwidth in GB/s, counting the bytes read: on a GPU the Triton kernel of
+    read_bandwidth.py over 1 GiB (20x an H200's L2; one partial sum written per program, 4 programs per
+    SM), on the host torch's sum() over 256 MiB. None on a GPU without triton."""
+    import torch
+
+    cuda = str(device).startswith("cuda")
+    nbytes = nbytes or ((1 << 30) if cuda else (256 << 20))
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    if cuda:
+        try:
+            import read_bandwidth as kernel
+        except ImportError:
+            return None
+        out = torch.empty(4 * torch.cuda.get_device_properties(device).multi_processor_count, device=device)
+        fn, method = (lambda i: kernel.partial_sums(x, out)), "triton partial sums"
+    else:
+        fn, method = (lambda i: x.sum()), "torch sum"
+    res = measure(Case("read_bandwidth", fn), device, quick=quick)
+    res.update(GBps=nbytes / res["median_s"] / 1e9, bytes=x.numel() * 4, method=method)
+    return res
+
+
+def gpu_name(device):
+    """The GPU's name as torch reports it, None on the host."""
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device)) if str(device).startswith("cuda") else None
+
+
+def bandwidth_yardsticks(device, quick=False):
+    """The bandwidth ceilings of a bench's GB/s: the measured copy and read-only bandwidths and the
+    datasheet HBM bandwidth of the GPU at hand (datasheet_GBps None on the host or an unknown GPU)."""
+    gpu = gpu_name(device)
+    spec = datasheet_hbm_tbs(gpu)
+    return {
+        "copy": copy_bandwidth(device, quick=quick),
+        "read": read_bandwidth(device, quick=quick),
+        "gpu": gpu,
+        "datasheet_GBps": None if spec is None else 1000.0 * spec,
+    }
+
+
+def bandwidth_percents(gbps, yard):
+    """A rate in GB/s as % of each yardstick of bandwidth_yardsticks (None where one is missing)."""
+    read = yard["read"]["GBps"] if yard["read"] else None
+    return {
+        "pct_copy": 100.0 * gbps / yard["copy"]["GBps"],
+        "pct_read": None if read is None else 100.0 * gbps / read,
+        "pct_spec": None if yard["datasheet_GBps"] is None else 100.0 * gbps / yard["datasheet_GBps"],
+    }
+
+
+# The table columns of bandwidth_percents' keys.
+BANDWIDTH_COLUMNS = [
+    ("% copy BW", "pct_copy", ".1f"),
+    ("% read BW", "pct_read", ".1f"),
+    ("% HBM spec", "pct_spec", ".1f"),
+]
+
+
+def bandwidth_text(yard):
+    """The yardsticks in a table title: "copy 2762 GB/s, read 4100 GB/s, HBM spec 4800 GB/s"."""
+    parts = [f"copy {yard['copy']['GBps']:.0f} GB/s"]
+    parts.append(f"read {yard['read']['GBps']:.0f} GB/s" if yard["read"] else "read: not measured")
+    if yard["datasheet_GBps"] is not None:
+        parts.append(f"HBM spec {yard['datasheet_GBps']:.0f} GB/s")
+    return ", ".join(parts)
+
+
 def matmul_rate(device, dtype, quick):
-    """Measured dense matmul rate (TFLOP/s) of `dtype` on a square problem."""
+    """Measured dense matmul rate (TFLOP/s) of `dtype` on a square problem, with the datasheet's dense
+    bf16 rate of the GPU at hand where dtype is bf16 (datasheet_TFLOPs; None otherwise)."""
     import torch
 
     n = (8192 if not quick else 4096) if device == "cuda" else 512
@@ -201,7 +283,17 @@ def matmul_rate(device, dtype, quick):
     res = measure(Case(f"matmul {n}^3", lambda i: a @ b), device, quick=quick)
     res["TFLOPs"] = 2.0 * n**3 / res["median_s"] / 1e12
     res["n"] = n
+    res["datasheet_TFLOPs"] = datasheet_bf16_tflops(gpu_name(device)) if dtype == torch.bfloat16 else None
     return res
+
+
+def matmul_percents(tflops, mm):
+    """A rate in TFLOP/s as % of the measured matmul rate and of the datasheet's (None if unknown)."""
+    spec = mm.get("datasheet_TFLOPs")
+    return {
+        "pct_mm": 100.0 * tflops / mm["TFLOPs"],
+        "pct_mm_spec": None if spec is None else 100.0 * tflops / spec,
+    }
 
 
 def sync(device):

@@ -37,10 +37,15 @@ struct HostKernels {
   HostKernels launchers() { return HostKernels{DINFER_KERNEL_FAMILIES(DINFER_LAUNCHER)}; } \
   }
 
+// The copies CMakeLists.txt built (DINFER_CPU_ISAS): DINFER_HOST_ISA_<ISA> for each.
 DINFER_DECLARE_HOST_KERNELS(isa_generic)
-#if defined(DINFER_HOST_ISAS_X86)
+#if defined(DINFER_HOST_ISA_AVX2)
 DINFER_DECLARE_HOST_KERNELS(isa_avx2)
+#endif
+#if defined(DINFER_HOST_ISA_AVX512)
 DINFER_DECLARE_HOST_KERNELS(isa_avx512)
+#endif
+#if defined(DINFER_HOST_ISA_AVX512BF16)
 DINFER_DECLARE_HOST_KERNELS(isa_avx512bf16)
 #endif
 
@@ -71,19 +76,20 @@ bool os_saves(unsigned state) {
   return (lo & state) == state;
 }
 
-// Exactly the features CMakeLists.txt compiles each copy with (DINFER_ISA_FLAGS_<isa>).
-bool avx2() {
+// Exactly the features CMakeLists.txt compiles each copy with (DINFER_ISA_FLAGS_<isa>). maybe_unused:
+// a build of fewer copies (DINFER_CPU_ISAS) asks for fewer of them.
+[[maybe_unused]] bool avx2() {
   __builtin_cpu_init();
   return os_saves(kYmmState) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
          __builtin_cpu_supports("lzcnt") && __builtin_cpu_supports("popcnt");
 }
-bool avx512() {
+[[maybe_unused]] bool avx512() {
   return avx2() && os_saves(kZmmState) && __builtin_cpu_supports("avx512f") &&
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512vl");
 }
-bool avx512bf16() { return avx512() && __builtin_cpu_supports("avx512bf16"); }
+[[maybe_unused]] bool avx512bf16() { return avx512() && __builtin_cpu_supports("avx512bf16"); }
 #endif
 
 // fast_ops: bench_kernels/bench_host_isa.py --quick --threads 1 on an AMD EPYC (Zen 4) forcing each
@@ -97,9 +103,13 @@ bool avx512bf16() { return avx512() && __builtin_cpu_supports("avx512bf16"); }
 const std::vector<HostIsa>& isas() {
   static const std::vector<HostIsa> table = {
       {"generic", always, isa_generic::launchers(), {"decode_step", "moe", "rms_norm", "rope"}},
-#if defined(DINFER_HOST_ISAS_X86)
+#if defined(DINFER_HOST_ISA_AVX2)
       {"avx2", avx2, isa_avx2::launchers(), {"decode_step", "attention", "moe", "rms_norm", "rope"}},
+#endif
+#if defined(DINFER_HOST_ISA_AVX512)
       {"avx512", avx512, isa_avx512::launchers(), {"decode_step", "attention", "moe", "rms_norm", "rope"}},
+#endif
+#if defined(DINFER_HOST_ISA_AVX512BF16)
       {"avx512bf16",
        avx512bf16,
        isa_avx512bf16::launchers(),

@@ -74,18 +74,27 @@ def test_json_is_valid_after_every_case_and_whole_at_the_end(tmp_path, monkeypat
 def test_report_says_what_ran_and_why_not(tmp_path):
     (tmp_path / "steps.tsv").write_text(
         "build\tskipped\t0\tdry run: the existing build is used\n"
+        "gpu-tests-fixes\t0\t12.5\t\n"
         "bench_moe\t124\t20.0\tstopped at its limit of 20s\n"
+        "bench_decode\t1\t3.0\t\n"
     )
-    (tmp_path / "bench_moe.json").write_text(
+    (tmp_path / "junit-gpu-tests-fixes.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1" time="12.0">'
+        '<testcase classname="t" name="a"/><testcase classname="t" name="b"><failure/></testcase>'
+        '<testcase classname="t" name="c"><skipped/></testcase></testsuite></testsuites>'
+    )
+    (tmp_path / "moe_h100.json").write_text(
         json.dumps({"bench": "bench_moe", "complete": False, "cases": [{"case": "moe T=4", "median_s": 0.5}]})
     )
     report.write_report(tmp_path, "test")
     md = (tmp_path / "report.md").read_text()
     assert "- `build`: skipped — dry run: the existing build is used" in md
     assert "- `bench_moe`: TIMED OUT in 20.0 s — stopped at its limit of 20s" in md
-    assert "INCOMPLETE: 1 cases finished" in md and "moe T=4" in md
-    assert "## GPU tests" in md and "- not part of this run" in md
-    assert "### bench_decode" in md
+    assert "### moe_h100.json" in md and "INCOMPLETE: 1 cases finished" in md and "moe T=4" in md
+    assert "- `bench_decode`: exit 1 in 3.0 s\n  - no JSON written (decode_*.json)" in md
+    assert "- gpu-tests-fixes: 1 passed, 1 failed, 0 errors, 1 skipped in 12.0s\n  - FAILED `t::b`" in md
+    assert "- GPU tests: gpu-tests-fixes: 1 passed, 1 failed" in md
+    assert "## Sanitizer" in md and "- not part of this run" in md
 
 
 @pytest.mark.parametrize(

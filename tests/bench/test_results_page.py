@@ -148,3 +148,30 @@ def test_a_command_names_no_machine_folder(page):
     assert page.command(argv) == "bench_kernels/bench_moe.py --quick --device cuda --json $OUT/bench_moe.json"
     kept = "bench_kernels/bench_e2e.py --json bench_kernels/results/e2e_cpu.json"
     assert page.command(kept) == kept
+
+
+def test_a_gpu_run_must_name_its_gpu(page, tmp_path):
+    (tmp_path / "decode_h100.json").write_text(json.dumps(payload("decode", GPU_ENV, tables=["t"])))
+    with pytest.raises(
+        ValueError, match=r"decode_h100.json: a run on NVIDIA H200 must be named \*_h200.json"
+    ):
+        page.render(tmp_path, tmp_path)
+
+
+def test_a_gpu_run_states_its_yardsticks_against_its_datasheet(page, tmp_path):
+    old = payload(
+        "moe", GPU_ENV, tables=["t"], copy_bandwidth={"GBps": 2400.0}
+    )  # a run before the read yardstick
+    new = payload(
+        "decode", GPU_ENV, tables=["t"], bandwidth={"copy": {"GBps": 2400.0}, "read": {"GBps": 4320.0}}
+    )
+    (tmp_path / "moe_h200.json").write_text(json.dumps(old))
+    (tmp_path / "decode_h200.json").write_text(json.dumps(new))
+    (tmp_path / "decode_cpu.json").write_text(
+        json.dumps(payload("decode", CPU_ENV, bandwidth=new["bandwidth"]))
+    )
+    text = page.render(tmp_path, tmp_path)
+    # 4.8 TB/s is the H200's datasheet: 2400 GB/s is 50 % of it, 4320 GB/s 90 %; the host has no datasheet
+    assert "- yardsticks: copy 2400 GB/s = 50 % of the datasheet's 4.8 TB/s (NVIDIA H200)\n" in text
+    assert "- yardsticks: copy 2400 GB/s = 50 %; read 4320 GB/s = 90 % of the datasheet's 4.8 TB/s" in text
+    assert text.count("- yardsticks:") == 2
