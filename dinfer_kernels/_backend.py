@@ -271,6 +271,12 @@ def _host_fast(op) -> bool:
     return all(part in _host_fast_ops for part in HOST_COMPOSED.get(op, (op,)))
 
 
+def host_auto_ops():
+    """The ops for which "auto" picks the host backend (moe: at some shapes only): cpu_fast_ops() and
+    the HOST_COMPOSED ones whose kernels are all among them."""
+    return sorted(set(_host_fast_ops) | {op for op in HOST_COMPOSED if _host_fast(op)})
+
+
 def _host_wins(op, call) -> bool:
     """Whether the host kernel of `op` (in cpu_fast_ops()) also wins for this call's dtype and shape
     (moe: `call` gives them; without them, the op-level answer)."""

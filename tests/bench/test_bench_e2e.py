@@ -87,6 +87,5 @@ def test_torch_rows_run_the_torch_backend(bench, model, monkeypatch):
     resolved.clear()
     bench.run_once(llm, (recipe, "auto", 1), args, first=False)
     # moe's host kernel wins only at some shapes (MOE_HOST_WINS): the other fast ops run it always
-    fast = set(_backend.cpu_fast_ops()) & ops - {"moe"}
-    fast |= {op for op in _backend.HOST_COMPOSED if op in ops and _backend._host_fast(op)}  # qk_rope
+    fast = set(_backend.host_auto_ops()) & ops - {"moe"}
     assert fast <= {op for op, b in resolved if b == "cpu"} and fast <= {op for op, _ in kernels}
