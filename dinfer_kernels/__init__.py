@@ -4,6 +4,8 @@ Ops (each a torch.library custom op with backend="auto"|"cuda"|"triton"|"cpu"|"t
   decode_step     one diffusion decode step: candidates, confidences, commits, sparse credit
   soft_embedding  the iteration-smoothing input E[MASK] + w * softmax(z / tau) @ E
   rms_norm, rope  the models' normalisation and rotary embedding
+  qk_rope         an attention's q and k rotated in one call from a table built once (rope_table, a
+                  plain function), QK-norm fused
   attention       window attention over a per-layer KV cache with in-place partial refresh,
                   block sparsity (BlockMask), log-sum-exp and per-key-block attention mass
   moe             routed mixture of experts (router, top-k, SwiGLU experts, weighted combine), on all
@@ -28,8 +30,9 @@ from .block_mask import BlockMask
 from .ops.attention import attention
 from .ops.decode import CreditState, decode_step
 from .ops.moe import moe, moe_route
+from .ops.qk_rope import qk_rope
 from .ops.rms_norm import rms_norm
-from .ops.rope import rope
+from .ops.rope import rope, rope_table
 from .ops.soft_embedding import soft_embedding
 from .ops.vocab_parallel import decode_step_vocab_parallel, soft_embedding_vocab_parallel
 from .reference.decode import DEFAULTS as DECODE_DEFAULTS
@@ -52,9 +55,11 @@ __all__ = [
     "moe",
     "moe_route",
     "prefer_backend",
+    "qk_rope",
     "request_row_keys",
     "rms_norm",
     "rope",
+    "rope_table",
     "sequence_key",
     "soft_embedding",
     "soft_embedding_vocab_parallel",

@@ -10,9 +10,9 @@ from . import __version__
 from ._backend import (
     available_backends,
     compiled,
-    cpu_fast_ops,
     cpu_isa,
     cpu_isas,
+    host_auto_ops,
     triton_interpreted,
     triton_version,
 )
@@ -40,7 +40,7 @@ def main():
     else:
         print(
             f"host kernel ISA  {cpu_isa()} (this CPU runs: {', '.join(cpu_isas())}; DINFER_CPU_ISA lowers it;"
-            f" auto picks cpu for: {', '.join(cpu_fast_ops()) or 'none'})"
+            f" auto picks cpu for: {', '.join(host_auto_ops()) or 'none'})"
         )
     gpu = torch.cuda.is_available()
     print(f"GPU visible      {torch.cuda.get_device_name(0) if gpu else 'no'}")

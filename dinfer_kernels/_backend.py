@@ -6,7 +6,8 @@ reference; runs anywhere, not CUDA-graph capturable). A kernel backend implement
 module for (dinfer_kernels/<backend>/<op>.py: found, not listed) and takes the inputs that module's
 SUPPORTS allows (the supports hook, unsupported()). "auto" picks the fastest available backend that
 takes the call's inputs: cuda > triton > torch on a GPU; on the host cpu > torch for the ops whose
-host kernel beats the reference with the ISA in use (cpu_fast_ops()), torch for the others; for moe
+host kernel beats the reference with the ISA in use (cpu_fast_ops(); an op whose host backend is built
+from other ops' kernels, HOST_COMPOSED, where all of them do), torch for the others; for moe
 also only in the dtypes and shapes where it was measured faster (MOE_HOST_WINS, moe_host_wins()).
 prefer_backend() overrides "auto" for every op whose call the preferred backend can run.
 
@@ -259,6 +260,23 @@ def prefer_backend(backend: str):
         _preferred = before
 
 
+# Host backends built from other ops' host kernels, with no compiled family of their own: {op: those
+# ops}. Such a backend beats the reference where each of its kernels does (cpu_fast_ops()).
+HOST_COMPOSED = {"qk_rope": ("rms_norm", "rope")}
+
+
+def _host_fast(op) -> bool:
+    """Whether the host kernels of `op` (or those it is built from) beat the reference, per
+    cpu_fast_ops()."""
+    return all(part in _host_fast_ops for part in HOST_COMPOSED.get(op, (op,)))
+
+
+def host_auto_ops():
+    """The ops for which "auto" picks the host backend (moe: at some shapes only): cpu_fast_ops() and
+    the HOST_COMPOSED ones whose kernels are all among them."""
+    return sorted(set(_host_fast_ops) | {op for op in HOST_COMPOSED if _host_fast(op)})
+
+
 def _host_wins(op, call) -> bool:
     """Whether the host kernel of `op` (in cpu_fast_ops()) also wins for this call's dtype and shape
     (moe: `call` gives them; without them, the op-level answer)."""
@@ -273,7 +291,7 @@ def auto_backends(device, op: str, **call) -> list[str]:
     (for this call's dtype and shape where `call` gives them: moe's dtype, rows_per_expert and
     weight_bytes, see moe_host_wins)."""
     host = str(device).startswith("cpu")
-    slow_host = op not in _host_fast_ops or not _host_wins(op, call)
+    slow_host = not _host_fast(op) or not _host_wins(op, call)
     return [
         b
         for b in available_backends(device, op)

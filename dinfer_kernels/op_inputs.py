@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from .ops import OPS
+from .ops.rope import rope_table
 
 F32 = torch.float32
 
@@ -142,6 +143,40 @@ def rope_inputs(
         positions=torch.randint(0, max_position, (B, T), generator=generator, device=device),
         theta=theta,
     )
+
+
+@_factory
+def qk_rope_inputs(
+    B: int,
+    T: int,
+    Hq: int,
+    Hk: int,
+    D: int,
+    *,
+    rotary_dim: Optional[int] = None,
+    norm: bool = True,
+    dtype=F32,
+    device="cpu",
+    generator=None,
+    max_position: int = 32768,
+    theta: float = 500000.0,
+    scale: float = 3.0,
+    eps: float = 1e-6,
+) -> dict:
+    """q [B, T, Hq, D] and k [B, T, Hk, D] (scale * randn), positions [B, T] int64 in
+    [0, max_position), the table of those positions (rope_table(theta, rotary_dim (default D),
+    max_position)) and, with `norm`, QK-norm weights q_norm, k_norm [D] in [0.5, 1.5) and eps."""
+    inputs = dict(
+        q=_randn((B, T, Hq, D), generator, device, scale).to(dtype),
+        k=_randn((B, T, Hk, D), generator, device, scale).to(dtype),
+        positions=torch.randint(0, max_position, (B, T), generator=generator, device=device),
+        table=rope_table(theta, D if rotary_dim is None else rotary_dim, max_position, device),
+    )
+    if norm:
+        for name in ("q_norm", "k_norm"):
+            inputs[name] = (torch.rand(D, generator=generator, device=device) + 0.5).to(dtype)
+        inputs["eps"] = eps
+    return inputs
 
 
 def paged_caches(caches, page_size, seq_lens=None, *, seed=0, extra_pages=2, shuffle=True, absent=False):

@@ -28,12 +28,14 @@ from .ops import OPS
 from .ops.attention import attention
 from .ops.decode import decode_step
 from .ops.moe import moe
+from .ops.qk_rope import qk_rope
 from .ops.rms_norm import rms_norm
 from .ops.rope import rope
 from .ops.soft_embedding import soft_embedding
 from .reference.attention import attention_reference
 from .reference.decode import decode_params, decode_step_reference
 from .reference.moe import moe_reference
+from .reference.qk_rope import qk_rope_reference
 from .reference.rms_norm import rms_norm_reference
 from .reference.rope import rope_reference
 from .reference.soft_embedding import soft_embedding_reference
@@ -51,6 +53,7 @@ def _shapes(device, quick):
             "soft_embedding": dict(M=5, V=1000, d=48),
             "rms_norm": dict(T=7, D=96),
             "rope": dict(B=1, T=9, H=2, D=64),
+            "qk_rope": dict(B=1, T=9, Hq=4, Hk=2, D=64),
             "attention": dict(B=1, W=8, S=70, Hq=4, Hkv=2, D=64, page_size=16),
             "moe": dict(T=5, E=8, k=2, H=64, I=48),
         }
@@ -60,6 +63,7 @@ def _shapes(device, quick):
         "soft_embedding": dict(M=32, V=VOCAB, d=2048 if gpu else 128),
         "rms_norm": dict(T=512, D=2048),
         "rope": dict(B=2, T=256, H=16, D=128),
+        "qk_rope": dict(B=2, T=256, Hq=16, Hk=4, D=128),
         "attention": dict(B=2, W=32, S=4096 if gpu else 1024, Hq=16, Hkv=4, D=128, page_size=32),
         "moe": dict(T=64 if gpu else 16, E=64, k=8, H=2048 if gpu else 256, I=1024 if gpu else 128),
     }
@@ -132,6 +136,13 @@ def _rope(backend, device, dtype, B, T, H, D):
     a = op_inputs.rope_inputs(B, T, H, D, dtype=dtype, device=device)
     out = rope(**a, backend=backend)
     return [out], [rope_reference(**a)], [rope_reference(**a, compute_dtype=F64)], {}
+
+
+def _qk_rope(backend, device, dtype, B, T, Hq, Hk, D):
+    """LLaDA2's call: half the head dim rotates, QK-norm fused."""
+    a = op_inputs.qk_rope_inputs(B, T, Hq, Hk, D, rotary_dim=D // 2, dtype=dtype, device=device)
+    out = qk_rope(**a, backend=backend)
+    return list(out), list(qk_rope_reference(**a)), list(qk_rope_reference(**a, compute_dtype=F64)), {}
 
 
 def _attention(backend, device, dtype, B, W, S, Hq, Hkv, D, page_size):

@@ -19,7 +19,7 @@ forward adds the group's collectives (dinfer/parallel/tp.py); its logits are the
 range. None is the one-process forward, unchanged.
 With DINFER_NVTX=1 a forward names its parts for profilers (dinfer_kernels.profiling): model.forward,
 in it layer.{i}, in each its attention and mlp.
-The ops (rms_norm, rope, attention, moe) come from `ops`: dinfer_kernels for inference, the
+The ops (rms_norm, qk_rope, attention, moe) come from `ops`: dinfer_kernels for inference, the
 differentiable stand-ins of dinfer.train.ops for training, so both run this one forward.
 """
 
@@ -55,6 +55,9 @@ class DiffusionLM:
         self.ops = ops
         self.dtype = weights["embed"].dtype
         self.device = weights["embed"].device
+        # The rope tables (_rope_table), the largest last. A grown table never frees the smaller ones:
+        # CUDA graphs captured on them (another Generator's, on a smaller cache) still read them.
+        self._rope_tables: List[torch.Tensor] = []
         # LLaDA2's router (sigmoid scores, group-limited choice, scaled weights); LLaDA-MoE's defaults
         self._routing = (
             dict(
@@ -114,18 +117,29 @@ class DiffusionLM:
         c = self.config
         B, W, H = inputs_embeds.shape
         h = inputs_embeds
+        rope_table = self._rope_table(cache, block_table)
         with profiling.region("model.forward"):
             for i in range(c.num_layers):
+                last = i == c.num_layers - 1
                 with profiling.region(f"layer.{i}"):
                     with profiling.region("attention"):
                         o = self._attention(
-                            i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask, block_table
+                            i,
+                            h,
+                            positions,
+                            cache,
+                            seq_lens,
+                            write_back,
+                            attn_mask,
+                            block_mask,
+                            block_table,
+                            rope_table,
                         )
-                    if i == c.num_layers - 1 and logits_rows is not None and logits_rows.numel() == 0:
+                    if last and logits_rows is not None and logits_rows.numel() == 0:
                         return h.new_empty(
                             (0, self.w["lm_head"].shape[0])
                         )  # the last K/V are written; nothing is read
-                    if i == c.num_layers - 1 and logits_rows is not None:
+                    if last and logits_rows is not None:
                         # Past the last attention (whose K/V come from its input) only the logits rows
                         # are read: the other rows' output projection and MLP would be thrown away. A
                         # refresh's window is the whole sequence but its logits rows are one block (~1/9
@@ -141,7 +155,25 @@ class DiffusionLM:
                 self.ops.rms_norm(h.reshape(-1, H), self.w["final_norm"], c.rms_eps) @ self.w["lm_head"].t()
             )
 
-    def _attention(self, i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask, block_table):
+    def _rope_table(self, cache, block_table) -> torch.Tensor:
+        """The cos / sin table (dk.rope_table) covering every position this forward's cache can hold:
+        its length, the pages of the block table times their size, or without cache tensors
+        (training's whole sequences) the model's positions. Read from shapes only (no sync on the
+        positions); built once and grown, to the next power of two, only when a larger cache shows
+        up, in the forward that first sees it: eager, before any CUDA graph of it is captured
+        (dinfer/graphs.py runs a chunk eagerly first)."""
+        c, rows = self.config, cache.keys[0]
+        need = c.max_positions if rows is None else rows.shape[1]
+        if block_table is not None:
+            need *= block_table.shape[1]
+        if not self._rope_tables or self._rope_tables[-1].shape[0] < need:
+            size = 1 << max(need - 1, 0).bit_length()
+            self._rope_tables.append(dk.rope_table(c.rope_theta, c.rotary_dim, size, self.device))
+        return self._rope_tables[-1]
+
+    def _attention(
+        self, i, h, positions, cache, seq_lens, write_back, attn_mask, block_mask, block_table, rope_table
+    ):
         c, w = self.config, self.w
         p = f"layers.{i}."
         B, W, _ = h.shape
@@ -153,11 +185,8 @@ class DiffusionLM:
             q = (a @ w[p + "q"].t()).view(B, W, c.num_heads, c.head_dim)
             k = (a @ w[p + "k"].t()).view(B, W, c.num_kv_heads, c.head_dim)
             v = (a @ w[p + "v"].t()).view(B, W, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = self.ops.rms_norm(q, w[p + "q_norm"], c.rms_eps)
-            k = self.ops.rms_norm(k, w[p + "k_norm"], c.rms_eps)
-        q = self.ops.rope(q, positions, c.rope_theta, c.rotary_dim)
-        k = self.ops.rope(k, positions, c.rope_theta, c.rotary_dim)
+        norms = dict(q_norm=w[p + "q_norm"], k_norm=w[p + "k_norm"], eps=c.rms_eps) if c.qk_norm else {}
+        q, k = self.ops.qk_rope(q, k, positions, rope_table, **norms)
         o = self.ops.attention(
             q,
             k,

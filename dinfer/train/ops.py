@@ -14,8 +14,8 @@ from typing import Iterator, List, Optional
 import torch
 
 from dinfer_kernels.reference.moe import moe_reference, route
+from dinfer_kernels.reference.qk_rope import qk_rope_reference
 from dinfer_kernels.reference.rms_norm import rms_norm_reference
-from dinfer_kernels.reference.rope import rope_reference
 
 _loads: Optional[List[torch.Tensor]] = None  # open while expert_loads() is
 
@@ -24,8 +24,8 @@ def rms_norm(x, weight, eps):
     return rms_norm_reference(x, weight, eps)
 
 
-def rope(x, positions, theta, rotary_dim=None):
-    return rope_reference(x, positions, theta, rotary_dim)
+def qk_rope(q, k, positions, table, q_norm=None, k_norm=None, eps=None):
+    return qk_rope_reference(q, k, positions, table, q_norm, k_norm, eps)
 
 
 def attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back=True, attn_mask=None):

@@ -31,8 +31,6 @@ def rope(x, positions, out, *, theta: float, rotary_dim: int) -> None:
     """Writes out (contiguous, x's shape and dtype)."""
     if x.numel() == 0:
         return
-    if x.stride(-1) != 1:  # the kernel reads each head row as one run
-        x = x.contiguous()
     positions = positions.to(torch.int64).contiguous()
     need = int(positions.max()) + 1
     if need <= kMaxCachedPositions:
@@ -40,4 +38,13 @@ def rope(x, positions, out, *, theta: float, rotary_dim: int) -> None:
     else:
         table = cos_sin_table(positions.reshape(-1), theta, rotary_dim)
         positions = torch.arange(positions.numel()).view(positions.shape)
+    rotate(x, positions, table, out)
+
+
+def rotate(x, positions, table, out) -> None:
+    """Writes out (contiguous, or x itself: the kernel rotates in place too): x [B, T, H, D] rotated at
+    positions [B, T] int64 (contiguous) with the angles of table [P, rotary_dim] fp32, the rows the
+    positions pick (the binding checks each position against P)."""
+    if x.stride(-1) != 1:  # the kernel reads each head row as one run
+        x = x.contiguous()
     compiled().rope(*capsules(x, positions, table, out), num_threads=torch.get_num_threads())

@@ -10,7 +10,8 @@ generator and a benchmark, and that the package exports exactly these ops.
 
 # The one list of ops: (op, module, compiled kernels), one row per line in exactly this form, because
 # CMakeLists.txt reads these lines too. "module" names ops/<module>.py, reference/<module>.py and each
-# kernel backend's <backend>/<module>.py. "compiled kernels" is "" (torch and Triton only), "cpu" or
+# kernel backend's <backend>/<module>.py. "compiled kernels" is "" (no compiled family of its own: torch
+# and Triton, and a cpu module where it runs other families' host kernels, _backend.HOST_COMPOSED), "cpu" or
 # "cpu cuda": the op is then a compiled kernel family, csrc/<module>/ holding <module>_cpu.cpp
 # (compiled once per host ISA) and, with "cuda", <module>.cu, bound by
 # csrc/bindings/<module>_bindings.cpp (register_<module>), its launchers dinfer_kernels::<op>_cpu (and
@@ -20,6 +21,7 @@ OP_TABLE = (
     ("soft_embedding", "soft_embedding", ""),
     ("rms_norm", "rms_norm", "cpu"),
     ("rope", "rope", "cpu"),
+    ("qk_rope", "qk_rope", ""),
     ("attention", "attention", "cpu cuda"),
     ("moe", "moe", "cpu cuda"),
 )

@@ -1,13 +1,14 @@
 """dinfer_kernels.rope, the torch.library op `dinfer::rope` (rotate-half rotary embedding at each row's
 own absolute position). Contract: dinfer_kernels/reference/rope.py. Backends: triton (the GPU path),
-cpu (the compiled host kernel) and torch (the reference, on any device)."""
+cpu (the compiled host kernel) and torch (the reference, on any device). rope_table: the cos / sin
+table of positions [0, P) that dinfer_kernels.qk_rope reads."""
 
 from typing import Optional
 
 import torch
 
 from .. import _backend, _checks, _dispatch
-from ..reference.rope import rope_reference
+from ..reference.rope import cos_sin_table, rope_reference
 
 
 @_dispatch.op("rope")
@@ -45,3 +46,16 @@ def rope(
     if rd % 2:
         raise ValueError(f"rotary_dim: must be even, got {rd}")
     return _rope_op(x, positions, float(theta), rd, _backend.resolve(backend, x.device, "rope"))
+
+
+def rope_table(theta: float, rotary_dim: int, max_positions: int, device=None) -> torch.Tensor:
+    """[max_positions, rotary_dim] fp32 on `device`: row p holds cos, then sin, of position p's
+    angles, with the reference's own fp32 formula (reference/rope.py's cos_sin_table of
+    arange(max_positions)), so that qk_rope's kernels, which gather rows of it, compute the values
+    of the reference bit for bit. A model builds it once for the positions its caches can hold."""
+    _checks.number("theta", theta, lo=0.0, lo_open=True)
+    rd = _checks.integer("rotary_dim", rotary_dim, 2)
+    if rd % 2:
+        raise ValueError(f"rotary_dim: must be even, got {rd}")
+    P = _checks.integer("max_positions", max_positions, 0)
+    return cos_sin_table(torch.arange(P, device=device), float(theta), rd)

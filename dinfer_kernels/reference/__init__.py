@@ -21,6 +21,7 @@ from .decode import (
     sanitize_logits,
 )
 from .moe import moe_reference
+from .qk_rope import qk_rope_reference
 from .rms_norm import rms_norm_reference
 from .rope import rope_reference
 from .soft_embedding import soft_embedding_reference
@@ -40,6 +41,7 @@ __all__ = [
     "decode_step_reference",
     "decode_step_vocab_parallel_reference",
     "moe_reference",
+    "qk_rope_reference",
     "rms_norm_reference",
     "rope_reference",
     "sanitize_logits",

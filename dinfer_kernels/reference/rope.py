@@ -9,6 +9,12 @@ sequence, one per row: window rows sit at their own positions); theta > 0; rotar
     out = x * cos + rotate_half(x) * sin,  rotate_half([x1, x2]) = [-x2, x1]
 
 Math in fp32, result in x's dtype.
+
+The angles as a table: cos_sin_table(positions) holds, per position, cos a then sin a in fp32,
+computed with exactly the formula above, so a kernel that gathers a position's row computes the same
+values as this reference, bit for bit. dinfer_kernels.rope_table(theta, rotary_dim, P) is
+cos_sin_table(arange(P)), the table of positions [0, P) a model builds once and dinfer_kernels.qk_rope
+reads (reference/qk_rope.py).
 """
 
 import torch
@@ -25,15 +31,21 @@ def cos_sin_table(positions, theta, rotary_dim):
     return torch.cat([ang.cos(), ang.sin()], -1)
 
 
+def rotate(x, cos, sin, rotary_dim, compute_dtype=torch.float32):
+    """x [B, T, H, D] rotated by its rows' cos, sin [B, T, rotary_dim / 2] (of the angles a above):
+    the formula above in compute_dtype, the dims past rotary_dim passed through."""
+    cos = torch.cat([cos, cos], -1)[:, :, None, :]
+    sin = torch.cat([sin, sin], -1)[:, :, None, :]
+    xr = x[..., :rotary_dim].to(compute_dtype)
+    half = rotary_dim // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], -1)
+    out = xr * cos + rotated * sin
+    out_dtype = x.dtype if compute_dtype == torch.float32 else compute_dtype
+    return torch.cat([out.to(out_dtype), x[..., rotary_dim:].to(out_dtype)], -1)
+
+
 def rope_reference(x, positions, theta, rotary_dim=None, compute_dtype=torch.float32):
     D = x.shape[-1]
     rd = D if rotary_dim is None else rotary_dim
     ang = positions.to(compute_dtype)[..., None] * inv_freq(theta, rd, x.device).to(compute_dtype)
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, :, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, :, None, :]
-    xr = x[..., :rd].to(compute_dtype)
-    half = rd // 2
-    rotated = torch.cat([-xr[..., half:], xr[..., :half]], -1)
-    out = xr * cos + rotated * sin
-    out_dtype = x.dtype if compute_dtype == torch.float32 else compute_dtype
-    return torch.cat([out.to(out_dtype), x[..., rd:].to(out_dtype)], -1)
+    return rotate(x, ang.cos(), ang.sin(), rd, compute_dtype)

@@ -82,10 +82,10 @@ def test_torch_rows_run_the_torch_backend(bench, model, monkeypatch):
     recipe = "dinfer" if "dinfer" in table else "threshold"
     bench.run_once(llm, (recipe, "torch", 1), args, first=False)
     ops = {op for op, _ in resolved}
-    assert {"attention", "rms_norm", "rope", "decode_step"} <= ops, ops
+    assert {"attention", "rms_norm", "qk_rope", "decode_step"} <= ops, ops
     assert {b for _, b in resolved} == {"torch"} and kernels == []
     resolved.clear()
     bench.run_once(llm, (recipe, "auto", 1), args, first=False)
     # moe's host kernel wins only at some shapes (MOE_HOST_WINS): the other fast ops run it always
-    fast = set(_backend.cpu_fast_ops()) & ops - {"moe"}
+    fast = set(_backend.host_auto_ops()) & ops - {"moe"}
     assert fast <= {op for op, b in resolved if b == "cpu"} and fast <= {op for op, _ in kernels}

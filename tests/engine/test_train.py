@@ -70,7 +70,7 @@ def test_training_ops_match_kernel_ops(name):
     assert (full[valid] - expected).abs().max() > 1e-2 * scale  # padding keys do matter when attended
 
     class Causal:
-        rms_norm, rope, moe = ops.rms_norm, ops.rope, ops.moe
+        rms_norm, qk_rope, moe = ops.rms_norm, ops.qk_rope, ops.moe
 
         @staticmethod
         def attention(q, k, v, *args, **kwargs):

@@ -11,8 +11,8 @@ from dinfer.models.checkpoint import random_weights
 from dinfer.models.transformer import DiffusionLM
 from dinfer_kernels.reference.attention import attention_reference
 from dinfer_kernels.reference.moe import moe_reference
+from dinfer_kernels.reference.qk_rope import qk_rope_reference
 from dinfer_kernels.reference.rms_norm import rms_norm_reference
-from dinfer_kernels.reference.rope import rope_reference
 from helpers.hf_configs import tiny
 
 BL = 4
@@ -37,7 +37,7 @@ class Float64Ops:
 
     f64 = dict(compute_dtype=torch.float64)
     rms_norm = staticmethod(lambda x, w, eps: rms_norm_reference(x, w, eps, **Float64Ops.f64))
-    rope = staticmethod(lambda x, pos, theta, dim: rope_reference(x, pos, theta, dim, **Float64Ops.f64))
+    qk_rope = staticmethod(lambda *a, **kw: qk_rope_reference(*a, **kw, **Float64Ops.f64))
     attention = staticmethod(lambda *a, **kw: attention_reference(*a, **kw, **Float64Ops.f64))
     moe = staticmethod(lambda *a, **kw: moe_reference(*a, **kw, **Float64Ops.f64))
 

@@ -44,6 +44,7 @@ from dinfer_kernels.ops import OPS
 from dinfer_kernels.reference.attention import attention_reference
 from dinfer_kernels.reference.decode import decode_params, decode_step_reference
 from dinfer_kernels.reference.moe import moe_reference
+from dinfer_kernels.reference.qk_rope import qk_rope_reference
 from dinfer_kernels.reference.rms_norm import rms_norm_reference
 from dinfer_kernels.reference.rope import rope_reference
 from dinfer_kernels.reference.soft_embedding import soft_embedding_reference
@@ -59,6 +60,7 @@ VALID_SHARE = {
     "triton": {
         "rms_norm": 0.2,
         "rope": 0.1,
+        "qk_rope": 0.1,
         "soft_embedding": 0.1,
         "decode_step": 0.08,
         "moe": 0.05,
@@ -339,6 +341,87 @@ def gen_rope(r, backend, floats, valid):
         ],
     )
     return Case(f"rope broken {names[0]}", lambda: (dk.rope(**a, backend=backend),), names)
+
+
+# ---- qk_rope --------------------------------------------------------------------------------------
+
+
+def gen_qk_rope(r, backend, floats, valid):
+    dt = r.choice(floats)
+    B, T = r.choice(SIZES[:5]), r.choice(SIZES)
+    Hq, Hk = r.choice((0,) + SIZES[:5]), r.choice(SIZES[:5])
+    D = r.choice((2, 4, 6, 10, 14, 16, 22))
+    rd = r.choice((2, D - D % 4 or 2, D))
+    norm = r.random() < 0.6
+    a = op_inputs.qk_rope_inputs(
+        B,
+        T,
+        Hq,
+        Hk,
+        D,
+        rotary_dim=rd,
+        norm=norm,
+        dtype=dt,
+        max_position=r.choice((1, 37, 300)),
+        theta=r.choice((10000.0, 500000.0, 1.5)),
+        scale=1.0,
+        eps=r.choice((1e-6, 1e-5, 0.25)),
+    )
+    a.update(
+        q=perturb(r, a["q"], nonfinite=0.2),
+        k=perturb(r, a["k"], nonfinite=0.2),
+        positions=a["positions"].to(r.choice((torch.int64, torch.int32))),
+    )
+    if valid:
+
+        def ref():
+            return qk_rope_reference(**a), qk_rope_reference(**a, compute_dtype=torch.float64)
+
+        return Case(
+            f"qk_rope {dt} {(B, T, Hq, Hk, D)} rd={rd} norm={norm}",
+            lambda: dk.qk_rope(**a, backend=backend),
+            reference=ref,
+        )
+    P = a["table"].shape[0]
+    corruptions = [
+        (("q",), lambda a: a.update(q=a["q"][0])),
+        (("q",), lambda a: a.update(q=a["q"].to(torch.int64))),
+        (("k",), lambda a: a.update(k=a["k"].to(other_float(dt)))),
+        (("k",), lambda a: a.update(k=torch.zeros(B, T + 1, Hk, D, dtype=dt))),
+        (("k",), lambda a: a.update(k=torch.zeros(B, T, Hk, D + 2, dtype=dt))),
+        (("positions",), lambda a: a.update(positions=a["positions"].float())),
+        (("positions",), lambda a: a.update(positions=a["positions"][:, :1].expand(B, T + 1))),
+        (
+            ("positions",),
+            lambda a: a["positions"].view(-1).__setitem__(r.randrange(B * T), r.choice((-1, P, P + 9))),
+        ),
+        (("positions",), lambda a: a.update(positions=a["positions"].to("meta"))),
+        (("table",), lambda a: a.update(table=a["table"].double())),
+        (("table",), lambda a: a.update(table=a["table"][:, :-1])),
+        (("table",), lambda a: a.update(table=torch.zeros(P, D + 2))),
+        (("table",), lambda a: a.update(table=a["table"].flatten())),
+        (("table",), lambda a: a.update(table=a["table"].to("meta"))),
+        (("table",), lambda a: a.update(table=torch.zeros(P, 2 * rd)[:, ::2])),
+        (("q_norm", "k_norm"), lambda a: a.update(q_norm=torch.ones(D, dtype=dt), k_norm=None)),
+        (("q_norm", "k_norm"), lambda a: a.update(q_norm=None, k_norm=torch.ones(D, dtype=dt))),
+        (("q_norm",), lambda a: a.update(q_norm=torch.ones(D + 1, dtype=dt), k_norm=torch.ones(D, dtype=dt))),
+        (
+            ("k_norm",),
+            lambda a: a.update(q_norm=torch.ones(D, dtype=dt), k_norm=torch.ones(D, dtype=other_float(dt))),
+        ),
+        (
+            ("eps",),
+            lambda a: a.update(
+                q_norm=torch.ones(D, dtype=dt),
+                k_norm=torch.ones(D, dtype=dt),
+                eps=r.choice((0.0, -1e-6, float("nan"), None, "1e-6")),
+            ),
+        ),
+        (("backend",), lambda a: a.update(backend_=r.choice(("gpu", "Torch", "")))),
+    ]
+    names = corrupt(r, a, corruptions)
+    use = a.pop("backend_", backend)
+    return Case(f"qk_rope broken {names[0]}", lambda: dk.qk_rope(**a, backend=use), names)
 
 
 # ---- soft_embedding -------------------------------------------------------------------------------
