@@ -66,3 +66,14 @@ def environment(device):
         env["gpu"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
     return env
+
+
+def datasheet_hbm_tbs(name):
+    """The datasheet HBM bandwidth (TB/s) of the GPU named `name` (torch.cuda.get_device_name), None
+    when not known (or on the host): H200 4.8, H100 SXM 3.35, H100 PCIe 2.0."""
+    name = str(name or "")
+    if "H200" in name:
+        return 4.8
+    if "H100" in name:  # the SXM part reports as "NVIDIA H100 80GB HBM3"
+        return 2.0 if "PCIe" in name else 3.35 if ("SXM" in name or "HBM3" in name) else None
+    return None
