@@ -299,7 +299,8 @@ def generate_timed(model, cfg, prompts):
 
 def synthetic(args):
     """--synthetic: tokens/s of the engine on a random-weight model at a released shape."""
-    dtype = getattr(torch, cli_options.DTYPES.get(args.dtype, args.dtype or "bfloat16"))
+    args.dtype = args.dtype or "bf16"  # the released weights' (the page's header names it)
+    dtype = getattr(torch, cli_options.DTYPES.get(args.dtype, args.dtype))
     if args.threads:
         torch.set_num_threads(args.threads)
     model = synthetic_model.build(args.synthetic, args.device, dtype, args.layers, args.tiny)

@@ -73,6 +73,7 @@ from dinfer.kv.paged import PagePool
 from dinfer.models.transformer import DiffusionLM
 from dinfer.params import free_bytes, run_bytes
 from dinfer_kernels.reference.moe import route
+from dinfer_kernels.reference.rope import inv_freq
 
 KINDS = {"llada-moe-7b": ("refresh", "window"), "llada2-mini": ("block",)}
 BACKENDS = ("ours", "torch", "peer")
@@ -89,8 +90,10 @@ class Forward:
         c, dev = model.config, model.device
         self.model, self.kind, self.B, self.S = model, kind, B, S
         W = {"refresh": S, "window": LOOK + BLOCK + LOOK, "block": BLOCK}[kind]
-        if not BLOCK + LOOK <= S or W > S:
-            raise ValueError(f"seq: {S} positions cannot hold a {kind} forward of {W} rows")
+        if not BLOCK + LOOK <= S or W > S or (kind == "block" and S % BLOCK):
+            raise ValueError(
+                f"seq: {S} positions cannot hold a {kind} forward of {W} rows (pages of {BLOCK})"
+            )
         self.W, self.lo = W, S - W if kind != "refresh" else 0
         block = S - BLOCK - LOOK if kind == "refresh" else self.lo + (LOOK if kind == "window" else 0)
         gen = torch.Generator(device=dev).manual_seed(seed)
@@ -139,10 +142,7 @@ class Forward:
 def _rope_tables(positions, c, dtype):
     """cos, sin [B, 1, W, rotary_dim] of the forward's positions, as HF's rotary embedding builds them
     once per forward: fp32 angles, cast to the activations' dtype."""
-    inv = 1.0 / (
-        c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, device=positions.device).float() / c.rotary_dim)
-    )
-    ang = positions.float()[..., None] * inv
+    ang = positions.float()[..., None] * inv_freq(c.rope_theta, c.rotary_dim, positions.device)
     emb = torch.cat([ang, ang], dim=-1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
