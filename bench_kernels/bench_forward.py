@@ -408,7 +408,12 @@ def measure_forward(run, model, name, kind, S, B, rows):
     for backend, graphs in rows:
         if run.late():
             break
-        m = time_row(f, name, backend, graphs, run.device, run.args)
+        try:
+            m = time_row(f, name, backend, graphs, run.device, run.args)
+        except torch.OutOfMemoryError:  # the peer's repeated K/V, a graph of big forwards: the rest may fit
+            torch.cuda.empty_cache()
+            run.note(f"{case_name(name, kind, S, B, graphs, backend)}: out of memory")
+            continue
         r = dict(
             case=case_name(name, kind, S, B, graphs, backend),
             model=name,
@@ -433,6 +438,7 @@ def measure_forward(run, model, name, kind, S, B, rows):
         r["GBps"] = moved / 1e9
         r["hbm_pct"] = 100 * moved / (run.datasheet * 1e12) if run.datasheet else None
         done.append(r)
+        run.results.append(r)
         print(
             f"  {r['case']:<48} {r['ms']:9.3f} ms  {r['GBps']:8.1f} GB/s  "
             f"launches {r['launches']}  experts/layer {r['experts_per_layer']:.1f}"
@@ -440,7 +446,6 @@ def measure_forward(run, model, name, kind, S, B, rows):
     peer = next((r for r in done if r["backend"] == "peer"), None)
     for r in done:
         r["x_peer"] = peer["median_s"] / r["median_s"] if peer else None
-    run.results += done
 
 
 def nsys_one(f, device):
