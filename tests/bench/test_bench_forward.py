@@ -44,7 +44,7 @@ def test_quick_tiny_run(bench, tmp_path):
     want |= {("llada-moe-7b", "window", b, be) for b in (1, 2) for be in ("ours", "torch", "peer")}
     want |= {("llada2-mini", "block", b, be) for b in (1, 2) for be in ("ours", "torch", "peer")}
     assert set(rows) == want
-    for (model, kind, batch, backend), r in rows.items():
+    for (model, kind, batch, _), r in rows.items():
         c = bench.synthetic_model.config(model, tiny=True)
         dense, expert, moe_layers = _bounds(c, 2)
         assert r["graphs"] is False and r["S"] == 96 and r["ms"] > 0 and r["median_s"] > 0
