@@ -214,6 +214,7 @@ bench_tiny() {
     bench_host_isa) echo "--isas generic --dtypes fp32" ;;
     bench_parallel) echo "--world 1,2 --batch 1 --seq 8 --rows 4 --vocab 1000 --reps 1" ;;
     bench_loop) echo "--hidden 64 --layers 1 --experts 4 --vocab 256 --gen-length 16 --block-length 8" ;;
+    bench_forward) echo "--tiny --seq 96 --batch 1 --reps 2" ;;
     *) echo "--num-problems 1 --tasks add" ;;
   esac
 }
