@@ -31,20 +31,45 @@ blocks on the grid from position 0, with its own recipes (BLOCK_RECIPES; speedup
 and the threshold recipe at batch 8.
 Each row is timed --repeats times, in passes over all rows (so the host's drift lands on every row
 alike); its tokens/s is the median run's, and the JSON keeps every run's ("tps_runs").
+
+--synthetic MODEL (llada-moe-7b | llada2-mini) times generation at a released model's shape instead:
+the random-weight model of bench_kernels/synthetic_model.py (every layer, or --layers N; --tiny for
+tests; bf16 unless --dtype), synthetic prompts of --prompt-len random token ids, --gen-length tokens
+each, blocks of 32, through the continuous-batching engine (dinfer.generate.Generator: open, submit,
+step, as the server runs it) with the fixed decoder at --tpf k tokens per step (32 / k steps per
+block, rounded), so tokens per forward is set, not a property of the weights; early stop off, so
+every request generates its whole gen_length. LLaDA-MoE decodes with the vicinity cache (dInfer's:
+no write-back), LLaDA2 by block diffusion on the paged cache. Rows: 1 request at batch 1, and
+--concurrent (default 32) requests at once, each with CUDA graphs on and off (the host has none).
+Columns: the TPF set and the one measured (generated tokens per sequence-forward: lower when a
+prompt's tail shares its first block), tokens/s (generated tokens over the run's wall time, the
+median of --repeats runs), time to the first committed block (the engine's on_block callback),
+forwards; the JSON keeps the run's whole Stats.
+On real weights a threshold decoder's tokens per forward depends on the model and the prompt: these
+tokens/s are the engine's speed at the stated TPF, not a model's.
 """
 
+import dataclasses
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
 import cli_options
 import engine_runs
+import environment
 import markdown_tables
+import results_json
+import synthetic_model
 import timing
+import torch
 
 import dinfer_kernels as dk
+from dinfer.batch import span
+from dinfer.decoders import DecoderConfig
 from dinfer.evaluate import evaluate
+from dinfer.generate import GenerationConfig, Generator
 from dinfer.tasks import TASKS
 
 RECIPES = {
@@ -115,7 +140,21 @@ def run_once(llm, row, args, first):
 def main(argv=None):
     p = cli_options.engine_parser(__doc__.splitlines()[0], ",".join(TASKS), 40)
     p.add_argument("--plot", default=None, help="PNG of accuracy against tokens/s (needs matplotlib)")
+    p.add_argument(
+        "--synthetic",
+        choices=sorted(synthetic_model.RELEASED),
+        default=None,
+        help="time generation on a random-weight model of this released shape (see the docstring)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="--synthetic: the first N layers (default all)")
+    p.add_argument("--tiny", action="store_true", help="--synthetic: the model's tiny variant (tests)")
+    p.add_argument("--tpf", type=int, default=5, help="--synthetic: tokens per step of the fixed decoder")
+    p.add_argument("--prompt-len", type=int, default=512, help="--synthetic: prompt tokens per request")
+    p.add_argument("--gen-length", type=int, default=256, help="--synthetic: generated tokens per request")
+    p.add_argument("--concurrent", type=int, default=32, help="--synthetic: requests in flight at once")
     args = p.parse_args(argv)
+    if args.synthetic:
+        return synthetic(args)
     if args.quick:
         args.num_problems = min(args.num_problems, 4)
     llm = engine_runs.engine_llm(args)
@@ -217,6 +256,116 @@ def _row(r):
         f"{r['recipe']:<12} {r['backend']:<6} b{r['batch']}  acc {100 * r['accuracy']:5.1f}%  "
         f"TPF {r['tokens_per_forward']:5.2f}  TPS {r['tokens_per_second']:8.1f}"
     )
+
+
+SYNTHETIC_BLOCK = 32  # LLaDA2's trained block; LLaDA-MoE's dInfer default too
+
+
+def synthetic_config(model, args, cuda_graphs):
+    """The generation config of a --synthetic row: the fixed decoder at args.tpf tokens per step."""
+    steps = max(1, round(SYNTHETIC_BLOCK / args.tpf))
+    cache = dict(cache="paged") if model.config.block_causal else dict(cache="vicinity", write_back=False)
+    decoder = DecoderConfig("fixed", steps_per_block=steps)
+    return GenerationConfig(
+        gen_length=args.gen_length,
+        block_length=SYNTHETIC_BLOCK,
+        decoder=decoder,
+        early_stop=False,  # random weights: every request generates its whole gen_length
+        cuda_graphs=cuda_graphs,
+        **cache,
+    )
+
+
+def generate_timed(model, cfg, prompts):
+    """Runs prompts through the engine at once (Generator.open / submit / step, as a server does):
+    (the run's Stats as a dict, seconds to the first committed block, tokens generated)."""
+    gen = Generator(model, cfg)
+    first, outputs = [], {}
+    width = max(
+        span(len(p), cfg.gen_length, cfg.block_length, cfg.align_blocks, cfg.after_look + 1) for p in prompts
+    )
+    t0 = time.perf_counter()
+    on_block = lambda i, tokens: first.append(time.perf_counter() - t0) if not first else None
+    on_finish = lambda i, tokens, forwards: outputs.__setitem__(i, tokens)
+    gen.open(len(prompts), width, max(len(p) for p in prompts) + cfg.gen_length, on_finish, on_block)
+    for p in prompts:
+        gen.submit(p)
+    while gen.step():
+        pass
+    gen.stats.seconds = time.perf_counter() - t0
+    gen.stats.tokens = sum(int((o != model.config.eos_id).sum()) for o in outputs.values())
+    return gen.stats.as_dict(), first[0]
+
+
+def synthetic(args):
+    """--synthetic: tokens/s of the engine on a random-weight model at a released shape."""
+    args.dtype = args.dtype or "bf16"  # the released weights' (the page's header names it)
+    dtype = getattr(torch, cli_options.DTYPES.get(args.dtype, args.dtype))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = synthetic_model.build(args.synthetic, args.device, dtype, args.layers, args.tiny)
+    c = model.config
+    gen = torch.Generator().manual_seed(0)
+    prompt = lambda: torch.randint(0, c.eos_id, (args.prompt_len,), generator=gen).tolist()
+    graph_modes = (True, False) if args.device == "cuda" else (False,)
+    rows = [(batch, graphs) for batch in dict.fromkeys((1, args.concurrent)) for graphs in graph_modes]
+    warm = synthetic_config(model, args, True)
+    generate_timed(model, dataclasses.replace(warm, gen_length=SYNTHETIC_BLOCK), [prompt()])
+    results = []
+    for batch, graphs in rows:
+        cfg = synthetic_config(model, args, graphs)
+        prompts = [prompt() for _ in range(batch)]
+        runs = []
+        for i in range(cli_options.repeats(args)):
+            with timing.nvtx_range(f"e2e.synthetic.b{batch}.{'graphs' if graphs else 'eager'}.run{i}"):
+                stats, first_block = generate_timed(model, cfg, prompts)
+            runs.append(dict(stats, first_block_s=first_block))
+        best = sorted(runs, key=lambda r: r["tokens_per_second"])[(len(runs) - 1) // 2]
+        r = dict(
+            model=args.synthetic,
+            layers=c.num_layers,
+            batch=batch,
+            graphs=graphs,
+            tpf_set=SYNTHETIC_BLOCK / cfg.decoder.steps_per_block,
+            prompt_len=args.prompt_len,
+            gen_length=args.gen_length,
+            cache=cfg.cache,
+            **best,
+            tps_runs=[x["tokens_per_second"] for x in runs],
+            first_block_runs=[x["first_block_s"] for x in runs],
+        )
+        results_json.record(f"e2e.synthetic.{args.synthetic}.b{batch}.{'graphs' if graphs else 'eager'}", r)
+        print(
+            f"b{batch:<3} graphs {'on ' if graphs else 'off'}  TPS {r['tokens_per_second']:9.1f}  "
+            f"first block {r['first_block_s']:.3f} s  forwards {r['forwards']}  tokens {r['tokens']}"
+        )
+        results.append(r)
+    columns = [
+        ("model", "model", None),
+        ("layers", "layers", None),
+        ("requests", "batch", None),
+        ("graphs", "graphs", None),
+        ("TPF set", "tpf_set", ".2f"),
+        ("TPF", "tokens_per_sequence_forward", ".2f"),
+        ("tokens/s", "tokens_per_second", ".1f"),
+        ("first block s", "first_block_s", ".3f"),
+        ("forwards", "forwards", None),
+        ("tokens", "tokens", None),
+        ("seconds", "seconds", ".2f"),
+    ]
+    table = markdown_tables.markdown_table(results, columns)
+    print(table)
+    tpf = results[0]["tpf_set"]
+    notes = [
+        f"tokens per forward is set, not measured: the fixed decoder commits {tpf:.2f} of a block's "
+        f"{SYNTHETIC_BLOCK} tokens per forward (--tpf {args.tpf}); on real weights the TPF of a threshold "
+        "decoder depends on the model and the prompt, so these tokens/s are the engine's speed at this TPF",
+        f"random weights ({'tiny variant' if args.tiny else f'{c.num_layers} layers'}), prompts of "
+        f"{args.prompt_len} random tokens, {args.gen_length} generated tokens each, early stop off",
+    ]
+    env = environment.environment(args.device)
+    env["model"] = f"synthetic {args.synthetic}" + (" (tiny)" if args.tiny else f" ({c.num_layers} layers)")
+    return results_json.finish("e2e", env, args, None, results, [table], notes)
 
 
 def plot(results, path, model, recipes=RECIPES):

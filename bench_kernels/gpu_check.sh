@@ -67,6 +67,23 @@ bench_limit() {
     bench_e2e) echo 18 ;; bench_soft_embedding) echo 12 ;; *) echo 10 ;;
   esac
 }
+# Tiny shapes of each benchmark for the dry run.
+bench_tiny() {
+  case $1 in
+    bench_attention) echo "--dtype fp32 --windows 128 --refresh 64 --window-rows 16 --densities 1 --heads 2" \
+                          "--head-dim 64 --no-flex --reps 2 --paged-prefixes 64 --paged-heads 2" \
+                          "--paged-kv-heads 1 --paged-head-dim 64" ;;
+    bench_moe) echo "--tokens 4 --experts 8 --top-k 2 --hidden 64 --inter 32 --reps 2" ;;
+    bench_decode) echo "--dtype fp32 --rows 4 --vocab 1000 --no-compile --reps 2" ;;
+    bench_soft_embedding) echo "--dtype fp32 --rows 4 --vocab 1000 --dim 64 --reps 2" ;;
+    bench_norm_rope) echo "--dtype fp32 --rows 1 --reps 2" ;;
+    bench_host_isa) echo "--isas generic --dtypes fp32" ;;
+    bench_parallel) echo "--world 1,2 --batch 1 --seq 8 --rows 4 --vocab 1000 --reps 1" ;;
+    bench_loop) echo "--hidden 64 --layers 1 --experts 4 --vocab 256 --gen-length 16 --block-length 8" ;;
+    bench_forward) echo "--tiny --seq 96 --batch 1 --reps 2" ;;
+    *) echo "--num-problems 1 --tasks add" ;;
+  esac
+}
 bench_scripts() {
   local first="bench_attention bench_moe bench_decode bench_soft_embedding bench_norm_rope bench_forward" n
   for n in $first; do [ -f "bench_kernels/$n.py" ] && echo "$n"; done
@@ -254,8 +271,10 @@ if [ "$MORE" = 0 ]; then
     skip_step bench_forward "missing: bench_kernels/bench_forward.py is not in this checkout"
   else
     lim=$(step_limit bench_forward)
+    fwd_args=()
+    [ "$DRY" = 1 ] && read -r -a fwd_args <<<"$(bench_tiny bench_forward)"
     run_step bench_forward "$lim" "$PY" bench_kernels/bench_forward.py --device "$DEVICE" --quick \
-      --time-limit "$((lim > 30 ? lim - 15 : lim / 2))" --json "$(bench_json forward)"
+      --time-limit "$((lim > 30 ? lim - 15 : lim / 2))" --json "$(bench_json forward)" "${fwd_args[@]}"
   fi
 
   # ---- the hero kernel cases ---------------------------------------------------------------------
@@ -298,23 +317,6 @@ else
         --print-limit 20 "$PY" bench_kernels/kernel_calls.py --device cuda
     done
   fi
-  # Tiny shapes of each benchmark for the dry run.
-  bench_tiny() {
-    case $1 in
-      bench_attention) echo "--dtype fp32 --windows 128 --refresh 64 --window-rows 16 --densities 1 --heads 2" \
-                            "--head-dim 64 --no-flex --reps 2 --paged-prefixes 64 --paged-heads 2" \
-                            "--paged-kv-heads 1 --paged-head-dim 64" ;;
-      bench_moe) echo "--tokens 4 --experts 8 --top-k 2 --hidden 64 --inter 32 --reps 2" ;;
-      bench_decode) echo "--dtype fp32 --rows 4 --vocab 1000 --no-compile --reps 2" ;;
-      bench_soft_embedding) echo "--dtype fp32 --rows 4 --vocab 1000 --dim 64 --reps 2" ;;
-      bench_norm_rope) echo "--dtype fp32 --rows 1 --reps 2" ;;
-      bench_host_isa) echo "--isas generic --dtypes fp32" ;;
-      bench_parallel) echo "--world 1,2 --batch 1 --seq 8 --rows 4 --vocab 1000 --reps 1" ;;
-      bench_loop) echo "--hidden 64 --layers 1 --experts 4 --vocab 256 --gen-length 16 --block-length 8" ;;
-      bench_forward) echo "" ;;
-      *) echo "--num-problems 1 --tasks add" ;;
-    esac
-  }
   for name in $(bench_scripts); do
     lim=$(step_limit "$name")
     args=(--quick)

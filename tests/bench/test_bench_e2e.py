@@ -89,3 +89,29 @@ def test_torch_rows_run_the_torch_backend(bench, model, monkeypatch):
     # moe's host kernel wins only at some shapes (MOE_HOST_WINS): the other fast ops run it always
     fast = set(_backend.host_auto_ops()) & ops - {"moe"}
     assert fast <= {op for op, b in resolved if b == "cpu"} and fast <= {op for op, _ in kernels}
+
+
+@pytest.mark.parametrize("model", ["llada-moe-7b", "llada2-mini"])
+def test_synthetic_generation(bench, model, tmp_path):
+    """--synthetic on the tiny variant: one request and 3 at once through the engine, the fixed decoder
+    at 32 / round(32 / 5) tokens per forward, every block decoded (early stop off), the JSON's rows."""
+    out = tmp_path / "e2e.json"
+    argv = ["--synthetic", model, "--tiny", "--device", "cpu", "--quick", "--prompt-len", "64"]
+    bench.main(argv + ["--gen-length", "64", "--concurrent", "3", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["complete"] and payload["env"]["model"] == f"synthetic {model} (tiny)"
+    rows = {r["batch"]: r for r in payload["results"]}
+    assert set(rows) == {1, 3}
+    for batch, r in rows.items():
+        assert (
+            r["graphs"] is False
+            and r["model"] == model
+            and r["cache"] == ("paged" if "2" in model else "vicinity")
+        )
+        assert r["tpf_set"] == 32 / 6
+        # two blocks of 32 after the prompt's 64, six forwards each whatever the batch
+        assert r["forwards"] == 12 and r["sequence_forwards"] == 12 * batch
+        # generated tokens, EOS ids aside (random weights may emit some)
+        assert 0 < r["tokens"] <= 64 * batch and r["tokens_per_second"] > 0
+        assert 0 < r["first_block_s"] < r["seconds"] and r["tps_runs"] == [r["tokens_per_second"]]
+    assert any("depends on the model" in n for n in payload["notes"])
