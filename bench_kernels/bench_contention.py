@@ -25,7 +25,7 @@ opens ~550 parallel regions (~450 torch's, ~100 ours), counted by interposing GO
 OpenMP's default wait policy every waiting thread of the team spins ~300,000 iterations before it
 sleeps; beside a hog the spinning thread holds a core while the one it waits for is queued, so every
 region costs time slices: the team's worker thread burned as much CPU as the main thread (5.2 s each
-for 3 generates taking 21.7 s, against 0.14 s each idle). dinfer_kernels sets OMP_WAIT_POLICY=PASSIVE
+for 3 generates taking 21.7 s, against 0.4 s each without the hog). dinfer_kernels sets OMP_WAIT_POLICY=PASSIVE
 before torch loads the runtime (dinfer_kernels/_openmp_wait.py) unless the user set a policy; the
 JSON's first note records which (set, user or late). To measure OpenMP's spinning default, run
 with GOMP_SPINCOUNT=300000 (libgomp's default value, given explicitly, so dinfer leaves it).
