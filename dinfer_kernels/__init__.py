@@ -25,6 +25,9 @@ dinfer_kernels.reference:
                    request's samples never depend on the batch it runs in
 """
 
+# First, before anything imports torch (which loads the OpenMP runtime): OpenMP's wait policy,
+# read once when the runtime loads (_openmp_wait says why it matters on a busy machine).
+from . import _openmp_wait  # noqa: F401
 from ._backend import available_backends, prefer_backend
 from .block_mask import BlockMask
 from .ops.attention import attention
