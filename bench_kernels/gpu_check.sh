@@ -16,7 +16,8 @@
 #   selftest     40 s  python -m dinfer_kernels (what was built), then its selftest
 #   gpu-tests    90 s  first the GPU tests of the fixes never run on a GPU (-k "$FIXES" below: paged
 #                      attention and its capture, rule='joint', the bindings' errors, graph capture in
-#                      the engine, the parallel ops), then the other GPU tests with what is left
+#                      the engine, the parallel ops, the fused q/k rope, the profiler ranges), then the other GPU tests
+#                      with what is left
 #   bench_forward 110 s  one model forward at the released shapes (--quick --time-limit)
 #   hero        113 s  the kernel cases that decide a forward, one process (bench_kernels/hero_cases.py)
 #   nsys         30 s  one forward under nsys (bench_forward.py --nsys-one); `nsys stats` into the report
@@ -56,7 +57,7 @@ cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
 
 # The GPU tests of the fixes made after the last GPU run (802ee3b), none of which ran on a GPU yet.
-FIXES="paged or joint or capture or graph or binding or parallel"
+FIXES="paged or joint or capture or graph or binding or parallel or qk_rope or rope_table or profil"
 
 # ---- the plan: each call's steps and their limits in seconds --------------------------------------
 ONE_CALL="environment:12 build:120 selftest:40 gpu-tests:90 bench_forward:110 hero:113 nsys:30 report:15"
@@ -92,7 +93,7 @@ bench_scripts() {
   done
 }
 more_call() {
-  local plan="environment:12 build:120 gpu-tests:110 kernel-calls:12 memcheck:30 racecheck:30" n
+  local plan="environment:12 build:120 gpu-tests:100 kernel-calls:12 memcheck:30 racecheck:30" n
   for n in $(bench_scripts); do plan="$plan $n:$(bench_limit "$n")"; done
   echo "$plan report:15"
 }
