@@ -20,18 +20,23 @@ what it reads outside the round state (the model, the KV-cache manager and its p
 drops every graph when those change (Generator.open).
 
 A long-lived engine (a server) meets new signatures as prompt lengths vary: at most `max_signatures`
-are kept, the least recently used one (its static state and graphs) dropped for a new one, so graph
-memory stays bounded; a dropped signature that comes back is warmed up and captured again.
+are kept, the least recently used one (its static state and graphs) dropped for a new one, so the
+number of graphs stays bounded (their memory is the shared pool's high-water mark); a dropped
+signature that comes back is warmed up and captured again. A capture that fails (an op that cannot
+be captured) is logged and its chunk shape runs eagerly from then on: a slower lane, not a dead one.
 
 The graph mechanism is injectable (`graph_factory`: a callable's capture, with `replay()`), so the
 CPU tests run the static-state plumbing with a stand-in that replays by calling the chunk again.
 """
 
+import logging
 import time
 from collections import OrderedDict
 from typing import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Host values a round state may hold (they key its graphs); anything else is walked into.
 _HOST = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -100,6 +105,7 @@ class StepGraphs:
         self._tensors = {}  # id(static state) -> (its signature, its tensors)
         self._graphs = {}  # (signature, kinds) -> graph
         self._warm = set()  # (signature, kinds) run eagerly once
+        self._eager = set()  # (signature, kinds) whose capture failed: run eagerly
 
     def run(self, iteration, state, kinds: tuple, stats):
         """Runs iteration(state, kind) for each kind in `kinds` (the KV-cache manager's), counting
@@ -132,11 +138,16 @@ class StepGraphs:
                 iteration(state, kind)
 
         graph = self._graphs.get((key, kinds))
-        if graph is None and (key, kinds) in self._warm:
+        if graph is None and (key, kinds) in self._warm and (key, kinds) not in self._eager:
             t = time.perf_counter()
-            graph = self._graphs[(key, kinds)] = self.graph_factory(chunk)
-            stats.graph_captures += 1
-            stats.capture_seconds += time.perf_counter() - t
+            try:
+                graph = self._graphs[(key, kinds)] = self.graph_factory(chunk)
+            except RuntimeError as e:  # an op that cannot be captured: that chunk stays eager
+                self._eager.add((key, kinds))
+                log.warning("CUDA graph capture failed (%s: %s); this chunk shape runs eagerly", kinds, e)
+            else:
+                stats.graph_captures += 1
+                stats.capture_seconds += time.perf_counter() - t
         if graph is None:
             self._warm.add((key, kinds))
             chunk()
@@ -150,3 +161,4 @@ class StepGraphs:
         del self._tensors[id(self._static.pop(key))]
         self._graphs = {k: g for k, g in self._graphs.items() if k[0] != key}
         self._warm = {k for k in self._warm if k[0] != key}
+        self._eager = {k for k in self._eager if k[0] != key}

@@ -208,6 +208,28 @@ def test_at_most_max_signatures_are_kept_and_a_dropped_one_is_captured_again():
     assert captures[1] > captures[32]
 
 
+def test_a_chunk_that_cannot_be_captured_runs_eagerly(caplog):
+    """A capture that raises (an op CUDA cannot capture) leaves that chunk shape eager, with a
+    warning, and the run goes on with the eager tokens."""
+    tries = []
+
+    def refuse(chunk):
+        tries.append(chunk)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    make, kw, vocab = COUNTED["vicinity"]
+    model = make("cpu")
+    cfg = GenerationConfig(**kw, unroll=2, expected_tpf=2)
+    prompts = prompts_of([9] * 5, vocab, seed=2)
+    with caplog.at_level("WARNING", logger="dinfer.graphs"):
+        out, stats, chunks = run_counted(model, prompts, cfg, 3, refuse)
+    assert out == eager(model, prompts, cfg, 3)
+    assert stats.graph_captures == stats.graph_replays == 0
+    # one try per shape that came back, never a second one
+    assert len(tries) == sum(n >= 2 for n in chunks.values()) > 0
+    assert "capture failed" in caplog.text
+
+
 def test_a_compacted_round_cache_is_the_head_of_the_slot_buffers():
     """What lets a static state share the cache rather than copy it: every round cache of a batch
     size is the same memory, compacted or not."""
