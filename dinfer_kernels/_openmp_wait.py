@@ -29,12 +29,14 @@ USER_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what libgomp reads for
 
 
 def _runtime_loaded() -> bool:
-    """Whether an OpenMP runtime is already mapped into this process (it has then read its
-    environment). Linux lists the mapped libraries in /proc/self/maps; elsewhere torch having been
-    imported stands for it (torch loads the runtime)."""
+    """Whether libgomp, the OpenMP runtime torch loads (and the one that reads these variables), is
+    already mapped into this process (it has then read its environment). Another runtime loaded
+    first (an MKL numpy's libiomp5) does not count: torch's libgomp still reads the policy when it
+    loads. Linux lists the mapped libraries in /proc/self/maps; elsewhere torch having been imported
+    stands for it."""
     try:
         with open("/proc/self/maps") as f:
-            return any(name in line for line in f for name in ("libgomp", "libomp", "libiomp"))
+            return any("libgomp" in line for line in f)
     except OSError:
         return "torch" in sys.modules
 
