@@ -53,8 +53,9 @@ def qk_rope(
     (dinfer_kernels.rope_table(theta, rotary_dim, P): rotary_dim is the table's second dim); with
     q_norm and k_norm [D] (q's dtype, both or neither) each head is first RMS-normalised over D with
     eps. Equals rms_norm then rope of each (reference/qk_rope.py). Positions are checked against the
-    table where reading them is free (host tensors); on a GPU a position outside it reads cos = sin = 0
-    (never out of bounds)."""
+    table where reading them is free (host tensors); on a GPU the triton backend reads cos = sin = 0 for
+    a position outside it (never out of bounds), the torch backend raises a device-side assert. On a
+    GPU the fused QK-norm is close to, not bit-equal with, rms_norm then rope (Triton's 1 / sqrt)."""
     _checks.tensor("q", q, _checks.FLOAT_DTYPES, ndim=4)
     B, T, _, D = q.shape
     dev = q.device
