@@ -27,21 +27,25 @@ K/V. Per (kind, S, batch) three implementations of the same forward:
            logits rows only (HF's full-window LM head would be 20 GB of logits at a refresh of 32 x 2048).
            It syncs with the host per expert, so it never runs in a CUDA graph.
 with CUDA graphs on (timing.py: a graph of repeated forwards, timed by CUDA events) and off
-(do_bench); the host has no graphs. Columns:
+(do_bench); the host has no graphs. A row's graphs column says how it was timed: a capture that
+failed fell back to do_bench (its timer and timing_note say so; graphs_asked keeps the plan). Columns:
   ms             median time of one forward
   weights GB     weight bytes the forward reads: every dense weight (attention, norms, routers, dense
                  and shared MLPs, LM head; the embedding is looked up before the forward) and, per MoE
-                 layer, the experts the router's top-k of this forward selected (w13 and w2 of each)
+                 layer, the experts the router's top-k of this forward selected (w13 and w2 of each);
+                 every expert on the torch rows with graphs on (the capturable MoE reference runs
+                 them all on every row)
   KV GB          the keys and values its attention reads (B x S rows x Hkv x D, K and V, per layer)
   % HBM          (weights + KV) / time against the GPU's datasheet bandwidth (environment.datasheet_hbm_tbs;
-                 "-" on the host or an unknown GPU)
-  launches       per eager forward: on a GPU the CUDA kernels torch.profiler saw (memcpy/memset
-                 excluded); on the host the ops dispatched (aten ops plus each dinfer::* op as one,
+                 "-" on the host or an unknown GPU, and on refresh rows: compute-bound)
+  launches       per eager forward: on a GPU the CUDA kernels torch.profiler saw (memcpy/memset and
+                 user annotations such as DINFER_NVTX=1's ranges excluded); on the host the ops dispatched (aten ops plus each dinfer::* op as one,
                  counted with a TorchDispatchMode)
   experts/layer  distinct experts selected, averaged over the MoE layers
   x peer         the peer-style forward's time over this row's (same kind, S and batch)
 --quick: S 2048, batches 1 and 32, the window and block kinds (all three implementations, graphs on and
-off) and one batch-1 refresh (ours, graphs on): the GPU check's step. Batches whose KV cache and
+off) and one batch-1 refresh (ours, graphs on): the GPU check's step. It runs the target rows first
+(batch 1, ours, graphs on then off, both models), then the rest, so --time-limit cannot cut them. Batches whose KV cache and
 activations would not fit the free memory are skipped with a note. --time-limit stops before the next
 case once that many seconds have passed, and still writes the JSON (every finished case is in it as
 it finishes). --nsys-one runs one eager forward of the first case inside the NVTX range
@@ -252,10 +256,12 @@ def traffic(f: Forward) -> dict:
         if not c.is_dense_layer(i)
     ]
     experts = sum(n * b for n, b in zip(recorder.touched, per_expert))
+    every_expert = c.num_experts * sum(per_expert)
     kv = 2 * c.num_layers * f.B * f.S * c.num_kv_heads * c.head_dim * model.dtype.itemsize
     return {
         "weight_bytes": dense + experts,
         "dense_weight_bytes": dense,
+        "every_expert_weight_bytes": every_expert,
         "kv_bytes": kv,
         "experts_per_layer": sum(recorder.touched) / len(recorder.touched) if recorder.touched else 0.0,
     }
@@ -287,7 +293,9 @@ def launches(fn, device):
             kernels = [
                 e
                 for e in events
-                if e.device_type() == DeviceType.CUDA and not e.name().startswith(("Memcpy", "Memset"))
+                if e.device_type() == DeviceType.CUDA
+                and not e.is_user_annotation()  # DINFER_NVTX=1's ranges show up as gpu_user_annotation
+                and not e.name().startswith(("Memcpy", "Memset"))
             ]
             return len(kernels), "cuda kernels"
         except Exception as e:  # a GPU image without CUPTI: the rest of the bench still runs
@@ -316,10 +324,11 @@ def fits(model, kind, B, S, device):
     """(whether the case fits the free memory, a note when it does not)."""
     c = model.config
     W = {"refresh": S, "window": LOOK + BLOCK + LOOK, "block": BLOCK}[kind]
-    # the cache, a forward's activations (x2: the MoE's fp32 partial sums, the peer's K/V copies), logits
+    # the cache, a forward's activations (x2: the MoE's fp32 partial sums), logits, and the peer's K/V
+    # concatenated then repeated to every query head (_repeat_kv: Hq heads)
     need = (
         run_bytes(c, model.dtype, B * S, 2 * B * W, B * BLOCK)
-        + 2 * c.num_kv_heads * c.head_dim * B * S * model.dtype.itemsize
+        + 2 * c.num_heads * c.head_dim * B * (S + W) * model.dtype.itemsize
     )
     free = free_bytes(torch.device(device))
     if free is None or need <= free:
@@ -355,8 +364,9 @@ class Run:
         print("note:", text)
 
 
-def run_model(run, name):
-    """Every case of model `name`; False when the run stops (time limit, --nsys-one)."""
+def run_model(run, name, keep):
+    """The cases of model `name` whose rows pass keep(name, kind, S, B, (backend, graphs)); False when
+    the run stops (time limit, --nsys-one)."""
     args = run.args
     model = synthetic_model.build(
         name, run.device, cli_options.torch_dtype(args.dtype), args.layers, args.tiny
@@ -367,7 +377,7 @@ def run_model(run, name):
     for kind, S, B in [
         (k, S, B) for k in KINDS[name] if k in args.kinds for S in args.seq for B in args.batch
     ]:
-        rows = planned(args, kind, B)
+        rows = [r for r in planned(args, kind, B) if keep(name, kind, S, B, r)]
         if not rows:
             continue
         ok, why = fits(model, kind, B, S, run.device)
@@ -404,7 +414,6 @@ def measure_forward(run, model, name, kind, S, B, rows):
         with dk.prefer_backend("torch" if backend == "torch" else "auto"), torch.no_grad():
             counted[backend] = launches(fn, run.device)
     results_json.record(f"{name.replace('-', '_')}.{kind}.s{S}.b{B}.traffic", {**tr, "launches": counted})
-    done = []
     for backend, graphs in rows:
         if run.late():
             break
@@ -414,6 +423,8 @@ def measure_forward(run, model, name, kind, S, B, rows):
             torch.cuda.empty_cache()
             run.note(f"{case_name(name, kind, S, B, graphs, backend)}: out of memory")
             continue
+        # a failed capture falls back to do_bench (timing.measure): the row says how it was timed
+        timed_graph = m["timer"].startswith("cuda-graph")
         r = dict(
             case=case_name(name, kind, S, B, graphs, backend),
             model=name,
@@ -423,7 +434,8 @@ def measure_forward(run, model, name, kind, S, B, rows):
             W=f.W,
             batch=B,
             backend=backend,
-            graphs=graphs,
+            graphs=timed_graph,
+            graphs_asked=graphs,
             ms=m["median_s"] * 1e3,
             median_s=m["median_s"],
             p20_s=m["p20_s"],
@@ -434,18 +446,17 @@ def measure_forward(run, model, name, kind, S, B, rows):
             launches=counted[backend][0],
             launches_counted=counted[backend][1],
         )
+        if backend == "torch" and timed_graph:  # the capturable MoE reference runs every expert
+            r["weight_bytes"] = tr["dense_weight_bytes"] + tr["every_expert_weight_bytes"]
         moved = (r["weight_bytes"] + r["kv_bytes"]) / r["median_s"]
         r["GBps"] = moved / 1e9
-        r["hbm_pct"] = 100 * moved / (run.datasheet * 1e12) if run.datasheet else None
-        done.append(r)
+        # a refresh (S rows) is compute-bound: a share of the bandwidth says nothing there
+        r["hbm_pct"] = 100 * moved / (run.datasheet * 1e12) if run.datasheet and kind != "refresh" else None
         run.results.append(r)
         print(
             f"  {r['case']:<48} {r['ms']:9.3f} ms  {r['GBps']:8.1f} GB/s  "
             f"launches {r['launches']}  experts/layer {r['experts_per_layer']:.1f}"
         )
-    peer = next((r for r in done if r["backend"] == "peer"), None)
-    for r in done:
-        r["x_peer"] = peer["median_s"] / r["median_s"] if peer else None
 
 
 def nsys_one(f, device):
@@ -512,16 +523,26 @@ def run(args):
         f"kinds={args.kinds}  S={args.seq}  batch={args.batch}  layers={env['layers']}  dtype={args.dtype}"
     )
     run = Run(args, env)
-    for name in args.models:
-        if not run_model(run, name):
-            break
+    # --quick: the target rows (batch 1, ours, graphs on then off, both models) before the rest, so the
+    # time limit cannot cut them
+    target = lambda name, kind, S, B, row: (
+        (name, kind) in TARGETS and S == args.seq[0] and B == 1 and row[0] == "ours"
+    )
+    phases = [target, lambda *case: not target(*case)] if args.quick else [lambda *case: True]
+    going = True
+    for keep in phases:
+        for name in args.models:
+            going = going and run_model(run, name, keep)
     if args.nsys_one:
         return None
     if run.stopped:
         run.note(f"stopped at --time-limit {args.time_limit:g} s after {len(run.results)} rows")
     results = run.results
+    peers = {(r["model"], r["kind"], r["S"], r["batch"]): r for r in results if r["backend"] == "peer"}
     for r in results:
         r["weight_bytes_gb"], r["kv_bytes_gb"] = r["weight_bytes"] / 1e9, r["kv_bytes"] / 1e9
+        peer = peers.get((r["model"], r["kind"], r["S"], r["batch"]))
+        r["x_peer"] = peer["median_s"] / r["median_s"] if peer else None
     counted = sorted({r["launches_counted"] for r in results})
     notes = run.notes + [f"launches counted: {', '.join(counted) or '-'} (one eager forward)"]
     notes += target_notes(results, env)

@@ -19,7 +19,10 @@
 #                      the engine, the parallel ops, the rope table, the profiler ranges), then the other GPU tests
 #                      with what is left
 #   bench_forward 110 s  one model forward at the released shapes (--quick --time-limit)
-#   hero        113 s  the kernel cases that decide a forward, one process (bench_kernels/hero_cases.py)
+#   e2e_synthetic 45 s  the engine's tokens/s at both released shapes (bench_e2e.py --synthetic
+#                      llada-moe-7b, then llada2-mini, each under half the limit: random weights, every
+#                      layer, prompts of 64, 64 tokens generated, batch 1 and 32, graphs on and off)
+#   hero         68 s  the kernel cases that decide a forward, one process (bench_kernels/hero_cases.py)
 #   nsys         30 s  one forward under nsys (bench_forward.py --nsys-one); `nsys stats` into the report
 #   report       15 s  report.md, report.json, raw.tar.gz
 # Second, optional, on the warm machine (its build is reused):  bash bench_kernels/gpu_check.sh --more "$OUT"
@@ -62,7 +65,7 @@ REPO=$(pwd)
 FIXES="(paged or joint or capture or graph or binding or parallel or rope_table or profil) and not test_qk_rope"
 
 # ---- the plan: each call's steps and their limits in seconds --------------------------------------
-ONE_CALL="environment:12 build:120 selftest:40 gpu-tests:90 bench_forward:110 hero:113 nsys:30 report:15"
+ONE_CALL="environment:12 build:120 selftest:40 gpu-tests:90 bench_forward:110 e2e_synthetic:45 hero:68 nsys:30 report:15"
 # Each benchmark's limit in --more (the kernels' first: their numbers need the GPU; then the engine's).
 bench_limit() {
   case $1 in
@@ -279,6 +282,19 @@ if [ "$MORE" = 0 ]; then
     run_step bench_forward "$lim" "$PY" bench_kernels/bench_forward.py --device "$DEVICE" --quick \
       --time-limit "$((lim > 30 ? lim - 15 : lim / 2))" --json "$(bench_json forward)" "${fwd_args[@]}"
   fi
+
+  # ---- the engine's tokens/s at the released shapes: both models, each under half the limit -------
+  lim=$(step_limit e2e_synthetic)
+  if [ "$DRY" = 1 ]; then syn_args=(--tiny --concurrent 3); else syn_args=(--concurrent 32); fi
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  run_step e2e_synthetic "$lim" bash -c '
+    py=$0 each=$1 moe=$2 mini=$3 rc=0; shift 3
+    for m in "llada-moe-7b:$moe" "llada2-mini:$mini"; do
+      timeout -s INT -k 2 "$each" "$py" bench_kernels/bench_e2e.py --synthetic "${m%%:*}" --quick \
+        --gen-length 64 --prompt-len 64 --json "${m#*:}" "$@" || rc=$?
+    done
+    exit $rc' "$PY" "$((lim > 19 ? (lim - GRACE) / 2 - 2 : 3))" "$(bench_json e2e_synthetic_llada-moe-7b)" \
+    "$(bench_json e2e_synthetic_llada2-mini)" --device "$DEVICE" "${syn_args[@]}"
 
   # ---- the hero kernel cases ---------------------------------------------------------------------
   lim=$(step_limit hero)

@@ -25,7 +25,7 @@ SECTIONS = [
     ("Sanitizer", ("kernel-calls", "memcheck", "racecheck")),
     ("Profile of one forward", ("nsys",)),
 ]
-BENCH_STEPS = ("hero",)  # besides bench_<name>: steps that write benchmark JSON
+BENCH_STEPS = ("hero", "e2e_synthetic")  # besides bench_<name>: steps that write benchmark JSON
 
 
 def bench_names():

@@ -114,4 +114,6 @@ def test_synthetic_generation(bench, model, tmp_path):
         # generated tokens, EOS ids aside (random weights may emit some)
         assert 0 < r["tokens"] <= 64 * batch and r["tokens_per_second"] > 0
         assert 0 < r["first_block_s"] < r["seconds"] and r["tps_runs"] == [r["tokens_per_second"]]
+        # the timed pass ran after an untimed one on the same Generator, its Stats its own
+        assert r["warm_seconds"] > 0 and r["graph_captures_runs"] == [r["graph_captures"]] == [0]
     assert any("depends on the model" in n for n in payload["notes"])

@@ -44,10 +44,19 @@ def test_quick_tiny_run(bench, tmp_path):
     want |= {("llada-moe-7b", "window", b, be) for b in (1, 2) for be in ("ours", "torch", "peer")}
     want |= {("llada2-mini", "block", b, be) for b in (1, 2) for be in ("ours", "torch", "peer")}
     assert set(rows) == want
+    # the target rows (batch 1, ours) of both models first: the time limit cannot cut them
+    first = [(r["model"], r["kind"], r["batch"], r["backend"]) for r in payload["results"][:2]]
+    assert first == [("llada-moe-7b", "window", 1, "ours"), ("llada2-mini", "block", 1, "ours")]
     for (model, kind, batch, _), r in rows.items():
         c = bench.synthetic_model.config(model, tiny=True)
         dense, expert, moe_layers = _bounds(c, 2)
-        assert r["graphs"] is False and r["S"] == 96 and r["ms"] > 0 and r["median_s"] > 0
+        assert (
+            r["graphs"] is False
+            and r["graphs_asked"] is False
+            and r["S"] == 96
+            and r["ms"] > 0
+            and r["median_s"] > 0
+        )
         # at least top_k distinct experts per MoE layer, at most all of them
         assert (
             dense + moe_layers * c.top_k * expert

@@ -18,7 +18,17 @@ sys.path.insert(0, str(ROOT / "bench_kernels"))
 import report
 
 COMMAND_S = 540  # one command on the lent machine: <= 600 s, less the start of the call and the copies back
-ONE_CALL_ORDER = ["environment", "build", "selftest", "gpu-tests", "bench_forward", "hero", "nsys", "report"]
+ONE_CALL_ORDER = [
+    "environment",
+    "build",
+    "selftest",
+    "gpu-tests",
+    "bench_forward",
+    "e2e_synthetic",
+    "hero",
+    "nsys",
+    "report",
+]
 
 
 def plan(*options):
@@ -134,6 +144,11 @@ def test_dry_run_of_the_one_call(tmp_path):
         for name in written:
             assert rep["benchmarks"][name]["complete"], name
             assert f"### {name}" in md
+    assert_finished_or_cut(steps["e2e_synthetic"])
+    if steps["e2e_synthetic"]["rc"] == "0":
+        synthetic = {"e2e_synthetic_llada-moe-7b_cpu.json", "e2e_synthetic_llada2-mini_cpu.json"}
+        assert synthetic <= raw and all(f"### {name}" in md for name in synthetic)
+        assert all(rep["benchmarks"][name]["complete"] for name in synthetic)
 
 
 @pytest.mark.slow
