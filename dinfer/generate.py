@@ -56,6 +56,7 @@ from .batch import check_prompt, span
 from .batch import slots as slots_storage
 from .decoders import SMOOTHING_WEIGHT, Decoder, DecoderConfig
 from .graphs import StepGraphs
+from .graphs import enabled_for as graphs_enabled_for
 from .kv import CACHE_MODES, CLEAN_KV, manager_for
 from .params import Bool, Instance, Int, OneOf, Real, Tuple, check
 from .scheduler import Request, Round, Scheduler
@@ -236,14 +237,7 @@ class Generator:
         check_for_model(model, cfg)
         self.model, self.cfg = model, cfg
         self.mask_id, self.eos_id = model.config.mask_id, model.config.eos_id
-        # Not under tensor parallelism: the vocabulary-parallel decode step reads values on the host.
-        use_graphs = (
-            cfg.cuda_graphs
-            and model.device.type == "cuda"
-            and cfg.decoder.temperature == 0
-            and parallel_of(model) is None
-        )
-        self.graphs = StepGraphs(enabled=use_graphs and not cfg.time_phases)
+        self.graphs = StepGraphs(enabled=graphs_enabled_for(model, cfg))
         self.stats = Stats(timed=cfg.time_phases or model.device.type == "cpu")
         self.sched = None
         self._next_id = 0

@@ -42,6 +42,19 @@ log = logging.getLogger(__name__)
 _HOST = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
+def enabled_for(model, cfg) -> bool:
+    """Whether a run of GenerationConfig `cfg` on `model` replays CUDA graphs: on a GPU, greedy
+    decoding (sampling keys its noise per iteration on the host), no tensor parallelism (the
+    vocabulary-parallel decode step reads values on the host), no phase timing (it synchronises)."""
+    return (
+        cfg.cuda_graphs
+        and model.device.type == "cuda"
+        and cfg.decoder.temperature == 0
+        and getattr(model, "parallel", None) is None
+        and not cfg.time_phases
+    )
+
+
 class CUDAGraphs:
     """The product's graph factory: `fn` captured as a CUDA graph, every capture in one memory
     pool (the graphs replay one at a time on one stream, so they may share it)."""

@@ -186,16 +186,24 @@ def free_bytes(device: torch.device) -> Optional[int]:
         return None
 
 
-def check_memory(model, kv_rows: int, forward_rows: int, logit_rows: int, what: str) -> None:
+def check_memory(
+    model, kv_rows: int, forward_rows: int, logit_rows: int, what: str, graphs: bool = False
+) -> None:
     """MemoryError, before the caches are allocated, when the run (run_bytes; `what` says what it
     is) would need more than the device has free: a clear refusal instead of an out-of-memory kill
-    (host) or a CUDA OOM mid-run."""
+    (host) or a CUDA OOM mid-run. graphs: the run replays CUDA graphs (dinfer.graphs), whose pool
+    keeps a captured forward's activations and logits beside the allocator's eager copy of them (the
+    warm-up ran eagerly): counted twice."""
     # The weights' dtype is the cache's and the activations' (model.embedding: what Generator reads)
-    need = run_bytes(model.config, model.embedding.dtype, kv_rows, forward_rows, logit_rows)
+    dtype = model.embedding.dtype
+    need = run_bytes(model.config, dtype, kv_rows, forward_rows, logit_rows)
+    if graphs:
+        need += run_bytes(model.config, dtype, 0, forward_rows, logit_rows)
     free = free_bytes(model.device)
     if free is not None and need > free:
         raise MemoryError(
-            f"{what} needs about {_size(need)} (KV cache and forwards), more than the {_size(free)} free "
+            f"{what} needs about {_size(need)} (KV cache and forwards{', with their CUDA graphs' if graphs else ''}), "
+            f"more than the {_size(free)} free "
             f"on {model.device}; lower batch_size, gen_length or after_look"
         )
 

@@ -35,6 +35,7 @@ import torch
 import dinfer_kernels as dk
 
 from ..batch import Batch, first_block
+from ..graphs import enabled_for as graphs_enabled_for
 from ..params import check_memory
 from ..scheduler import Request
 from .base import KVManager, Window, block_rows
@@ -141,7 +142,9 @@ class PagedKV(KVManager):
         self.chunk = max(bl, cfg.prefill_chunk // bl * bl)  # prefill positions per forward
         forward_rows = slots * max(2 * bl, min(self.chunk, max_total))
         what = f"a paged cache of {num_pages} pages x {bl} positions"
-        check_memory(model, num_pages * bl, forward_rows, slots * bl, what)  # a refusal, not an OOM
+        check_memory(
+            model, num_pages * bl, forward_rows, slots * bl, what, graphs_enabled_for(model, cfg)
+        )  # a refusal, not an OOM
         self.pool = PagePool(model, num_pages, bl)
         # The block tables' width, the same for every round (CUDA graphs replay across blocks on one
         # shape): a block's fused window [start - bl, start + bl) ends within its sequence's pages,

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..batch import Batch
+from ..graphs import enabled_for as graphs_enabled_for
 from ..params import check_memory
 from .base import KVManager, Window, block_rows
 
@@ -68,7 +69,9 @@ class RefreshKV(KVManager):
         slots, width = storage.size, storage.max_len
         rows = slots * width  # the cache, and a refresh's forward over every row
         what = f"a run of {slots} sequence(s) x {width} positions"
-        check_memory(model, rows, rows, slots * cfg.block_length, what)  # a refusal, not an OOM
+        check_memory(
+            model, rows, rows, slots * cfg.block_length, what, graphs_enabled_for(model, cfg)
+        )  # a refusal, not an OOM
         self.cache = model.new_cache(slots, width)
 
     def start_round(self, batch: Batch, requests, blocks, stats) -> RoundCache:

@@ -142,3 +142,14 @@ def test_memory_refused_before_allocating(llm, monkeypatch):
 def test_look_bounded_when_the_llm_is_built():
     with pytest.raises(ValueError, match="after_look: must be <= the model's"):
         LLM(device="cpu", after_look=10**8)
+
+
+def test_memory_with_cuda_graphs_counts_the_pool_beside_the_eager_forward(llm, monkeypatch):
+    """A captured forward's activations and logits stay in the graph pool beside the allocator's
+    eager copy of them: a run that fits eagerly may not fit with graphs, and is refused, not OOM'd."""
+    model, kv, rows, logits = llm.model, 64, 64, 16
+    eager = params.run_bytes(model.config, model.dtype, kv, rows, logits)
+    monkeypatch.setattr(params, "free_bytes", lambda device: eager + 1)
+    params.check_memory(model, kv, rows, logits, "a run")
+    with pytest.raises(MemoryError, match="with their CUDA graphs"):
+        params.check_memory(model, kv, rows, logits, "a run", graphs=True)
