@@ -8,37 +8,18 @@ import re
 import pytest
 import torch
 from helpers.engine_models import MOE, model_of, run
+from helpers.nvtx import record_ranges
 
 from dinfer_kernels import profiling
 
 OP_RANGE = re.compile(r"dinfer::(\w+)\[(cpu|torch|triton|cuda)\]$")
 
 
-class FakeNVTX:
-    """torch._C._nvtx's push and pop, building the tree of ranges: (name, [children])."""
-
-    def __init__(self):
-        self.root = ("", [])
-        self.stack = [self.root]
-
-    def rangePushA(self, name):
-        node = (name, [])
-        self.stack[-1][1].append(node)
-        self.stack.append(node)
-        return len(self.stack) - 2
-
-    def rangePop(self):
-        self.stack.pop()
-        return len(self.stack) - 1
-
-
 @pytest.fixture
 def nvtx(monkeypatch):
-    fake = FakeNVTX()
-    monkeypatch.setattr(profiling, "_NVTX", fake)
-    monkeypatch.setattr(profiling, "ENABLED", True)
+    fake = record_ranges(monkeypatch)
     yield fake
-    assert len(fake.stack) == 1, "a range was left open"
+    assert fake.depth == 0, "a range was left open"
 
 
 def names(nodes):
@@ -83,8 +64,7 @@ def test_a_forward_names_its_layers_and_their_ops(nvtx):
 
 
 def test_no_range_by_default(monkeypatch):
-    fake = FakeNVTX()
-    monkeypatch.setattr(profiling, "_NVTX", fake)
+    fake = record_ranges(monkeypatch)
     monkeypatch.setattr(profiling, "ENABLED", False)
     model = model_of(MOE)
     model.forward(*_forward_inputs(model))

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from helpers.nvtx import record_ranges
 from torch.profiler import ProfilerActivity, profile
 
 import dinfer_kernels as dk
@@ -16,28 +17,10 @@ from dinfer_kernels import profiling
 from dinfer_kernels.ops import rms_norm as rms_norm_mod
 
 
-class FakeNVTX:
-    """torch._C._nvtx's push and pop, recording the ranges as (depth, name) in push order."""
-
-    def __init__(self):
-        self.ranges, self.depth = [], 0
-
-    def rangePushA(self, name):
-        self.ranges.append((self.depth, name))
-        self.depth += 1
-        return self.depth - 1
-
-    def rangePop(self):
-        self.depth -= 1
-        return self.depth
-
-
 @pytest.fixture
 def nvtx(monkeypatch):
     """Ranges on, NVTX recorded."""
-    fake = FakeNVTX()
-    monkeypatch.setattr(profiling, "_NVTX", fake)
-    monkeypatch.setattr(profiling, "ENABLED", True)
+    fake = record_ranges(monkeypatch)
     yield fake
     assert fake.depth == 0, "a range was left open"
 
@@ -87,8 +70,7 @@ def test_op_ranges_without_a_profiler_take_the_direct_path(nvtx, monkeypatch):
 
 
 def test_ranges_are_off_by_default_and_pay_nothing(monkeypatch):
-    fake = FakeNVTX()
-    monkeypatch.setattr(profiling, "_NVTX", fake)
+    fake = record_ranges(monkeypatch)
     monkeypatch.setattr(profiling, "ENABLED", False)
     dk.rms_norm(*_rms_inputs(), 1e-5)
     with profiling.region("anything"):
