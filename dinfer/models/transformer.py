@@ -47,11 +47,30 @@ class KVCache:
         return self.keys[0].shape[1]
 
 
+def fused_qkv(weights: dict, num_layers: int) -> dict:
+    """`weights` with each layer's q, k and v projections replaced by one `qkv`: their rows
+    concatenated (Q heads, then K heads, then V heads). A new dict; weights already fused (LLaDA2's)
+    are returned as they are."""
+    if "layers.0.q" not in weights:
+        return weights
+    w = dict(weights)
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        w[p + "qkv"] = torch.cat([w.pop(p + "q"), w.pop(p + "k"), w.pop(p + "v")])
+    return w
+
+
 class DiffusionLM:
-    def __init__(self, config: ModelConfig, weights: dict, ops=dk, parallel=None):
+    def __init__(self, config: ModelConfig, weights: dict, ops=dk, parallel=None, fuse_qkv=None):
+        """fuse_qkv: the q, k and v projections of each layer as one [(Hq + 2 Hkv) D, H] weight, one
+        GEMM instead of three (fewer launches, a wider and better-streamed GEMM), in the layout of
+        LLaDA2's fused projection. Default: on a GPU for inference (ops dinfer_kernels); the host
+        keeps the three (its outputs stay those of the separate GEMMs) and so does training (its
+        parameters are the three tensors)."""
         self.config = config
         self.parallel = parallel
-        self.w = weights
+        fuse = weights["embed"].device.type == "cuda" and ops is dk if fuse_qkv is None else fuse_qkv
+        self.w = fused_qkv(weights, config.num_layers) if fuse else weights
         self.ops = ops
         self.dtype = weights["embed"].dtype
         self.device = weights["embed"].device

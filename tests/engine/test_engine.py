@@ -72,6 +72,26 @@ def test_transformer_matches_the_released_forward(cfg):
     )
 
 
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_fused_qkv_projection_is_the_released_forward(cfg):
+    """The GPU default: each layer's q, k and v as one GEMM; the host keeps the three."""
+    model = model_of(cfg)
+    assert "layers.0.q" in model.w  # the host default
+    fused = DiffusionLM(cfg, model.w, fuse_qkv=True)
+    assert "layers.0.q" not in fused.w and "layers.0.q" in model.w  # the caller's dict untouched
+    assert fused.w["layers.0.qkv"].shape[0] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    tokens = torch.randint(0, cfg.vocab_size, (13,))
+    got = fused.forward(
+        fused.embed(tokens[None]),
+        torch.arange(13)[None],
+        fused.new_cache(1, 13),
+        torch.tensor([13], dtype=torch.int32),
+    )
+    assert_precision(
+        got, naive_forward(cfg, model.w, tokens, torch.float32), naive_forward(cfg, model.w, tokens), "logits"
+    )
+
+
 @pytest.mark.parametrize("cfg", [MOE, DENSE], ids=["moe", "dense"])
 def test_window_forward_over_a_filled_cache_equals_the_full_forward(cfg):
     model = model_of(cfg)
