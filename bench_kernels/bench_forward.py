@@ -75,6 +75,7 @@ import torch.nn.functional as F
 import dinfer_kernels as dk
 from dinfer.kv.paged import PagePool
 from dinfer.models.transformer import DiffusionLM
+from dinfer.parallel import weight_bytes
 from dinfer.params import free_bytes, run_bytes
 from dinfer_kernels.reference.moe import route
 from dinfer_kernels.reference.rope import inv_freq
@@ -372,7 +373,7 @@ def run_model(run, name, keep):
         name, run.device, cli_options.torch_dtype(args.dtype), args.layers, args.tiny
     )
     c = model.config
-    print(f"## {name}: {c.num_layers} layers, {synthetic_model.weight_bytes(model) / 1e9:.2f} GB of weights")
+    print(f"## {name}: {c.num_layers} layers, {weight_bytes(model.w) / 1e9:.2f} GB of weights")
     going = True
     for kind, S, B in [
         (k, S, B) for k in KINDS[name] if k in args.kinds for S in args.seq for B in args.batch

@@ -98,8 +98,3 @@ def build(name: str, device="cpu", dtype=torch.bfloat16, layers=None, tiny: bool
     """A DiffusionLM of released model `name` with random weights on `device` (config's arguments)."""
     c = config(name, layers, tiny)
     return DiffusionLM(c, random_weights_on(c, device, dtype, seed))
-
-
-def weight_bytes(model) -> int:
-    """Bytes of every weight of `model`."""
-    return sum(t.numel() * t.element_size() for t in model.w.values())
