@@ -12,6 +12,8 @@ Ops (each a torch.library custom op with backend="auto"|"cuda"|"triton"|"cpu"|"t
                   experts or a slice of local ones, from a router or a given top-k
   decode_step_vocab_parallel, soft_embedding_vocab_parallel
                   the two over a vocabulary split across a torch.distributed group (plain functions)
+  fp8_block_quantize, fp8_block_dequantize
+                  FP8 (e4m3) weights with 128 x 128 block scales, the form moe takes FP8 experts in
   moe_route       the MoE router alone, top-k experts and weights: the all-to-all path's pairs (a
                   plain function)
 Contracts: dinfer_kernels/reference/ (the pure-torch references, the spec of every op).
@@ -30,6 +32,7 @@ dinfer_kernels.reference:
 from . import _openmp_wait  # noqa: F401
 from ._backend import available_backends, prefer_backend
 from .block_mask import BlockMask
+from .fp8 import FP8_BLOCK, fp8_block_dequantize, fp8_block_quantize
 from .ops.attention import attention
 from .ops.decode import CreditState, decode_step
 from .ops.moe import moe, moe_route
@@ -51,10 +54,13 @@ __all__ = [
     "DECODE_DEFAULTS",
     "DECODE_RULES",
     "DecodeOutput",
+    "FP8_BLOCK",
     "attention",
     "available_backends",
     "decode_step",
     "decode_step_vocab_parallel",
+    "fp8_block_dequantize",
+    "fp8_block_quantize",
     "moe",
     "moe_route",
     "prefer_backend",

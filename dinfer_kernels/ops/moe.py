@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _backend, _checks, _dispatch
+from ..fp8 import FP8_DTYPE, check_scale
 from ..reference.moe import SCORINGS, moe_reference, route
 
 _SCORING_CODES = {name: i for i, name in enumerate(SCORINGS)}
@@ -37,9 +38,24 @@ def _moe_op(
     topk_groups: int,
     routed_scaling: float,
     expert_offset: int,
+    shared_w13: Optional[torch.Tensor],
+    shared_w2: Optional[torch.Tensor],
+    w13_scale: Optional[torch.Tensor],
+    w2_scale: Optional[torch.Tensor],
+    shared_w13_scale: Optional[torch.Tensor],
+    shared_w2_scale: Optional[torch.Tensor],
     backend: str,
 ) -> torch.Tensor:
     name = SCORINGS[scoring]
+    given = dict(
+        shared_w13=shared_w13,
+        shared_w2=shared_w2,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
+        shared_w13_scale=shared_w13_scale,
+        shared_w2_scale=shared_w2_scale,
+    )
+    extra = {name: t for name, t in given.items() if t is not None}  # backends default them to None
     if backend == "torch":
         return moe_reference(
             hidden,
@@ -57,6 +73,7 @@ def _moe_op(
             num_groups=num_groups,
             topk_groups=topk_groups,
             routed_scaling=routed_scaling,
+            **extra,
         )
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     _backend.impl("moe", backend)(
@@ -76,6 +93,7 @@ def _moe_op(
         expert_offset=expert_offset,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
+        **extra,
     )
     return out
 
@@ -97,6 +115,12 @@ def _(
     topk_groups,
     routed_scaling,
     expert_offset,
+    shared_w13,
+    shared_w2,
+    w13_scale,
+    w2_scale,
+    shared_w13_scale,
+    shared_w2_scale,
     backend,
 ):
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
@@ -161,9 +185,16 @@ def moe(
     topk_groups: int = 1,
     routed_scaling: float = 1.0,
     expert_offset: int = 0,
+    shared_w13: Optional[torch.Tensor] = None,
+    shared_w2: Optional[torch.Tensor] = None,
+    w13_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    shared_w13_scale: Optional[torch.Tensor] = None,
+    shared_w2_scale: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """[T, H] output of the routed experts, in hidden's dtype; see the reference docstring.
+    """[T, H] output of the routed experts (plus a shared expert's), in hidden's dtype; see the
+    reference docstring.
 
     LLaDA-MoE: moe(h, router_weight, w13, w2, 8) (softmax, no renormalisation).
     LLaDA2:    moe(h, router_weight, w13, w2, 8, scoring="sigmoid", expert_bias=b, num_groups=8,
@@ -173,17 +204,48 @@ def moe(
     The routing is exactly one of router_weight [E, H], router_logits [T, E], or a given top-k
     (topk_ids [T, top_k] int32 / int64 global expert ids, topk_weights [T, top_k] float; the router's
     options then keep their defaults).
+    Shared expert (LLaDA2): shared_w13 [2S, H], shared_w2 [H, S], in the same call (every token, weight 1).
+    FP8 experts: w13 / w2 (and the shared pair) float8_e4m3fn with their fp32 128 x 128 block scales
+    (dinfer_kernels.fp8_block_quantize makes them; layout in dinfer_kernels/fp8.py).
     """
     _checks.tensor("hidden", hidden, _checks.FLOAT_DTYPES, ndim=2)
     dev = hidden.device
     T, H = hidden.shape
-    _checks.tensor("w13", w13, (hidden.dtype,), ndim=3, device=dev)
+    fp8 = w13.dtype == FP8_DTYPE if isinstance(w13, torch.Tensor) else False
+    weight_dtype = FP8_DTYPE if fp8 else hidden.dtype
+    _checks.tensor("w13", w13, (weight_dtype,), ndim=3, device=dev)
     E_local, two_i = w13.shape[0], w13.shape[1]
     if two_i % 2 or two_i == 0:
         raise ValueError(f"w13: the middle dimension is gate + up rows (2 * I), got {two_i}")
     _checks.shape("w13", w13, [E_local, two_i, H])
-    _checks.tensor("w2", w2, (hidden.dtype,), ndim=3, device=dev)
+    _checks.tensor("w2", w2, (weight_dtype,), ndim=3, device=dev)
     _checks.shape("w2", w2, [E_local, H, two_i // 2])
+    if (shared_w13 is None) != (shared_w2 is None):
+        missing = "shared_w13" if shared_w13 is None else "shared_w2"
+        raise ValueError(f"{missing}: shared_w13 and shared_w2 come together (the shared expert)")
+    if shared_w13 is not None:
+        _checks.tensor("shared_w13", shared_w13, (weight_dtype,), ndim=2, device=dev)
+        two_s = shared_w13.shape[0]
+        if two_s % 2 or two_s == 0:
+            raise ValueError(f"shared_w13: the first dimension is gate + up rows (2 * S), got {two_s}")
+        _checks.shape("shared_w13", shared_w13, [two_s, H])
+        _checks.tensor("shared_w2", shared_w2, (weight_dtype,), ndim=2, device=dev)
+        _checks.shape("shared_w2", shared_w2, [H, two_s // 2])
+    scales = dict(
+        w13_scale=(w13_scale, w13, 2),
+        w2_scale=(w2_scale, w2, 1),
+        shared_w13_scale=(shared_w13_scale, shared_w13, 2),
+        shared_w2_scale=(shared_w2_scale, shared_w2, 1),
+    )
+    for name, (scale, weight, halves) in scales.items():
+        if weight is None or not fp8:
+            if scale is not None:
+                why = "there is no shared expert" if weight is None else "the weights are not float8_e4m3fn"
+                raise ValueError(f"{name}: block scales go with FP8 weights only ({why})")
+        elif scale is None:
+            raise ValueError(f"{name}: FP8 weights need their fp32 block scales")
+        else:
+            check_scale(name, scale, weight, halves)
     routed_scaling = _checks.number("routed_scaling", routed_scaling)
     if topk_ids is not None or topk_weights is not None:
         if router_weight is not None or router_logits is not None:
@@ -223,8 +285,10 @@ def moe(
             raise ValueError(f"w13: {E_local} local experts are more than the router's E={E}")
         expert_offset = _checks.integer("expert_offset", expert_offset, 0, E - E_local + 1)
         rows_per_expert = T * top_k / E
-    if E_local == 0:  # no local expert: nothing contributes
-        return torch.zeros_like(hidden, memory_format=torch.contiguous_format)
+    if E_local == 0:  # no local expert: nothing contributes but a shared expert (the reference runs it)
+        if shared_w13 is None:
+            return torch.zeros_like(hidden, memory_format=torch.contiguous_format)
+        backend = "torch"
     return _moe_op(
         hidden,
         router_weight,
@@ -241,6 +305,12 @@ def moe(
         topk_groups,
         routed_scaling,
         expert_offset,
+        shared_w13,
+        shared_w2,
+        w13_scale,
+        w2_scale,
+        shared_w13_scale,
+        shared_w2_scale,
         _backend.resolve(
             backend,
             dev,

@@ -23,6 +23,16 @@ num_groups      experts split into num_groups equal consecutive groups (1: no gr
 topk_groups     groups kept per token (group score: the sum of the top-2 selection scores in the group,
                 or the one score of a single-expert group)
 routed_scaling  multiplies the final weights (LLaDA2: 2.5)
+shared_w13      [2S, H] or None: a shared expert (LLaDA2), rows [0, S) gate, [S, 2S) up; with
+shared_w2       [H, S]: every token takes it with weight 1 (not renormalised, not scaled), whatever
+                the routing, expert_offset or given top-k
+w13_scale, w2_scale, shared_w13_scale, shared_w2_scale
+                fp32 block scales when the weights are float8_e4m3fn (FP8 experts, W8A16), the
+                layout of dinfer_kernels/fp8.py (128 x 128 blocks; the gate and up halves of a w13
+                stack blocked on their own): w13_scale [E_local, 2*cdiv(I,128), cdiv(H,128)],
+                w2_scale [E_local, cdiv(H,128), cdiv(I,128)], shared_w13_scale [2*cdiv(S,128),
+                cdiv(H,128)], shared_w2_scale [cdiv(H,128), cdiv(S,128)]. Each weight is used as
+                fp8_block_dequantize gives it: the fp32 product q * scale rounded to hidden's dtype.
 
     l = hidden·router_weightᵀ in fp32 (or router_logits in fp32); in fp64 with compute_dtype=float64, the exact
     routing that precision checks hold the fp32 routers to
@@ -35,6 +45,8 @@ routed_scaling  multiplies the final weights (LLaDA2: 2.5)
     (given top-k: e = topk_ids, w = topk_weights)
     out[t] = Σ_k [offset <= e_k < offset + E_local] w_k · W2_e · cast(silu(g) ⊙ u),
              [g; u] = W13_e · hidden[t],  W13_e = w13[e - offset], W2_e = w2[e - offset]
+    plus, with a shared expert, W2_s · cast(silu(g) ⊙ u), [g; u] = W13_s · hidden[t], added to the
+    routed fp32 sum before the result is rounded
 
 GEMMs run in the weights' dtype (fp32 accumulation); silu(g)·u in fp32, rounded to the dtype before
 the second GEMM; the routed sum in fp32; result in hidden's dtype, [T, H]. Backends may keep more
@@ -42,6 +54,8 @@ precision (no rounding of g, u or W2·a to the dtype) and sum the k slots in slo
 """
 
 import torch
+
+from ..fp8 import FP8_DTYPE, fp8_block_dequantize
 
 SCORINGS = ("softmax", "sigmoid")
 RENORM_EPS = 1e-20
@@ -95,8 +109,12 @@ def route(
     return w, order
 
 
-def _expert(x, w13_e, w2_e, dt, acc):
-    """One expert on rows x: W2 · cast(silu(g) ⊙ u), [g; u] = W13 · x, as the docstring above says."""
+def _expert(x, w13_e, w2_e, dt, acc, s13=None, s2=None):
+    """One expert on rows x: W2 · cast(silu(g) ⊙ u), [g; u] = W13 · x, as the docstring above says
+    (FP8 weights dequantised with their block scales s13 / s2 first)."""
+    if w13_e.dtype == FP8_DTYPE:
+        w13_e = fp8_block_dequantize(w13_e, s13, x.dtype, halves=2)
+        w2_e = fp8_block_dequantize(w2_e, s2, x.dtype)
     gu = (x @ w13_e.to(dt).t()).to(acc)
     inter = gu.shape[1] // 2
     a = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(dt)
@@ -122,6 +140,12 @@ def moe_reference(
     num_groups=1,
     topk_groups=1,
     routed_scaling=1.0,
+    shared_w13=None,
+    shared_w2=None,
+    w13_scale=None,
+    w2_scale=None,
+    shared_w13_scale=None,
+    shared_w2_scale=None,
 ):
     T, H = hidden.shape
     E_local = w13.shape[0]
@@ -146,6 +170,16 @@ def moe_reference(
         )
     out = torch.zeros(T, H, dtype=acc, device=hidden.device)
     x = hidden.to(dt)
+    fp8 = w13.dtype == FP8_DTYPE
+
+    def scales(e):
+        return (w13_scale[e], w2_scale[e]) if fp8 else (None, None)
+
+    def result():
+        if shared_w13 is not None:
+            out.add_(_expert(x, shared_w13, shared_w2, dt, acc, shared_w13_scale, shared_w2_scale))
+        return out.to(hidden.dtype if compute_dtype is None else compute_dtype)
+
     local = experts - expert_offset  # index into w13 / w2; outside [0, E_local): another rank's
     # Under CUDA-graph capture no shape may depend on the routing: every local expert then runs on
     # every token with weight 0 where it was not chosen (same sums, more FLOPs).
@@ -153,8 +187,9 @@ def moe_reference(
         static_shapes = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
     if static_shapes:
         for e in range(E_local):
-            out += _expert(x, w13[e], w2[e], dt, acc) * (w * (local == e)).sum(-1, keepdim=True).to(acc)
-        return out.to(hidden.dtype if compute_dtype is None else compute_dtype)
+            chosen = (w * (local == e)).sum(-1, keepdim=True).to(acc)
+            out += _expert(x, w13[e], w2[e], dt, acc, *scales(e)) * chosen
+        return result()
     # The (token, slot) pairs of the local experts grouped by expert once: one sort, one gather, one
     # index_add (pairs of other experts are never gathered).
     flat = local.flatten()
@@ -164,8 +199,8 @@ def moe_reference(
         counts = torch.bincount(flat[order], minlength=E_local).tolist()
         token = order // top_k
         ys = [
-            _expert(rows, w13[e], w2[e], dt, acc)
+            _expert(rows, w13[e], w2[e], dt, acc, *scales(e))
             for e, rows in enumerate(x.index_select(0, token).split(counts))
         ]
         out.index_add_(0, token, torch.cat(ys) * w.flatten()[order, None].to(acc))
-    return out.to(hidden.dtype if compute_dtype is None else compute_dtype)
+    return result()

@@ -280,7 +280,7 @@ def test_opcheck_model_ops():
     hidden, router, w13, w2 = moe_case()
     torch.library.opcheck(
         torch.ops.dinfer.moe.default,
-        (hidden, router, None, None, None, w13, w2, 2, False, 0, None, 1, 1, 1.0, 0, "torch"),
+        (hidden, router, None, None, None, w13, w2, 2, False, 0, None, 1, 1, 1.0, 0, *(None,) * 6, "torch"),
     )
 
 

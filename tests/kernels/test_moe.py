@@ -789,9 +789,46 @@ def test_opcheck(backend, device):
     hidden, router, w13, w2 = make(3, 8)
     d = lambda t: t.to(device)
     bias = d(torch.rand(8))
-    routed = (d(hidden), d(router), None, None, None, d(w13), d(w2), 2, True, 1, bias, 4, 2, 2.5, 0, backend)
+    plain = (None,) * 6  # no shared expert, no FP8 scales
+    routed = (
+        d(hidden),
+        d(router),
+        None,
+        None,
+        None,
+        d(w13),
+        d(w2),
+        2,
+        True,
+        1,
+        bias,
+        4,
+        2,
+        2.5,
+        0,
+        *plain,
+        backend,
+    )
     ids, w = d(torch.tensor([[5, 6], [0, 7], [6, 6]])), d(torch.rand(3, 2))
-    given = (d(hidden), None, None, ids, w, d(w13[5:]), d(w2[5:]), 2, False, 0, None, 1, 1, 1.0, 5, backend)
+    given = (
+        d(hidden),
+        None,
+        None,
+        ids,
+        w,
+        d(w13[5:]),
+        d(w2[5:]),
+        2,
+        False,
+        0,
+        None,
+        1,
+        1,
+        1.0,
+        5,
+        *plain,
+        backend,
+    )
     for args in (routed, given):
         torch.library.opcheck(
             torch.ops.dinfer.moe.default,
