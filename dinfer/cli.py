@@ -36,6 +36,7 @@ from .generate import CACHE_MODES
 from .kv import CLEAN_KV
 from .llm import LLM, _device, _dtype, checkpoint_defaults, generation_config
 from .models.embedded import DEFAULT, EMBEDDED, model_dir
+from .models.quantization import QUANTIZE_CHOICES
 from .parallel.plan import EP_MODES
 from .tasks import TASKS
 
@@ -65,6 +66,12 @@ def _model_options(p: argparse.ArgumentParser, batch_default: Optional[str]) -> 
         "--dtype",
         help=f"bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on the host: "
         f"{str(_dtype(None, device)).replace('torch.', '')} here)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        help="fp8: the expert weights converted to FP8 (e4m3, 128x128 block scales) at load; an FP8 "
+        "checkpoint loads as FP8 without it (default: none)",
     )
     if batch_default is None:  # dinfer serve: one process (its engine is not wired to tensor parallelism)
         return
@@ -376,6 +383,7 @@ def _llm(args: argparse.Namespace) -> LLM:
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel,
         expert_parallel=args.expert_parallel,
+        quantize=args.quantize,
     )
 
 
@@ -523,6 +531,7 @@ def _serve(args: argparse.Namespace, state: dict) -> None:
         max_lanes=args.max_lanes,
         device=args.device,
         dtype=args.dtype,
+        quantize=args.quantize,
         name=args.served_model_name,
         log_level=args.log_level,
         **{k: v for k, v in _options(args).items() if v is not None},

@@ -26,6 +26,7 @@ from .generate import GenerationConfig, generate
 from .models.checkpoint import load_weights
 from .models.config import ModelConfig
 from .models.embedded import generation_defaults, model_dir
+from .models.quantization import check_quantize, quantize_experts
 from .models.tokenizer import Tokenizer
 from .models.transformer import DiffusionLM
 from .params import Bool, Int, check_windows
@@ -95,6 +96,10 @@ class LLM:
     expert_parallel: how the MoE layers combine their experts' outputs: "allreduce" (each rank's
     experts on every token routed to them, one all-reduce) or "alltoall" (tokens dispatched to the
     experts' ranks and back).
+    quantize: "fp8" converts the expert weights (routed and shared) to FP8 with 128 x 128 block scales
+    at load (dinfer.models.quantization), as an FP8 checkpoint has them; an FP8 checkpoint needs no
+    option. Under tensor parallelism the routed experts only: the ranks' shared-expert slices stay
+    in `dtype`.
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class LLM:
         dtype=None,
         tensor_parallel_size: int = 1,
         expert_parallel: str = "allreduce",
+        quantize: Optional[str] = None,
         _join=None,
         **defaults,
     ):
@@ -116,6 +122,7 @@ class LLM:
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         config = ModelConfig.from_dir(path)
+        check_quantize(quantize, config)
         self.defaults = {**checkpoint_defaults(path, config), **defaults}
         self._given = set(defaults)  # the options the caller set (the rest: the checkpoint's or ours)
         self._config_file = os.path.join(path, "config.json")
@@ -125,11 +132,14 @@ class LLM:
         self.tokenizer = Tokenizer(path, config=config)  # checked against the model config
         self.rank, self.comm, self._workers, self._torchrun = 0, None, None, False
         if tensor_parallel_size == 1:
-            self.model = DiffusionLM(config, load_weights(path, config, dtype=self.dtype, device=self.device))
+            weights = load_weights(path, config, dtype=self.dtype, device=self.device)
+            self.model = DiffusionLM(config, quantize_experts(weights, config) if quantize else weights)
             return
-        self._start_parallel(config, tensor_parallel_size, expert_parallel, _join, device, dtype, defaults)
+        self._start_parallel(
+            config, tensor_parallel_size, expert_parallel, quantize, _join, device, dtype, defaults
+        )
 
-    def _start_parallel(self, config, world, ep_mode, join, device, dtype, defaults) -> None:
+    def _start_parallel(self, config, world, ep_mode, quantize, join, device, dtype, defaults) -> None:
         """Joins (or starts) the tensor-parallel group and loads this rank's shard."""
         parallel.ShardPlan(
             config, world, 0, ep_mode
@@ -137,7 +147,7 @@ class LLM:
         if join is None and not parallel.under_torchrun():
             args = dict(model_path=self.path, device=device, dtype=dtype, tensor_parallel_size=world)
             self._workers = parallel.launch.Workers(
-                world, _run_rank, (dict(args, expert_parallel=ep_mode, **defaults),), None
+                world, _run_rank, (dict(args, expert_parallel=ep_mode, quantize=quantize, **defaults),), None
             )
             join = (0, self._workers.init_method, None)
         self._torchrun = join is None
@@ -148,7 +158,9 @@ class LLM:
         if self._workers is not None:
             self._workers.comm = self.comm
         self.rank = self.comm.rank
-        self.model = parallel.load_model(self.path, self.comm, ep_mode, dtype=self.dtype, device=self.device)
+        self.model = parallel.load_model(
+            self.path, self.comm, ep_mode, dtype=self.dtype, device=self.device, quantize=quantize
+        )
 
     def broadcast(self, obj):
         """Rank 0's obj on every rank of a tensor-parallel group started by torchrun (itself alone)."""

@@ -25,19 +25,33 @@ import operator
 import os
 import re
 import struct
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+import dinfer_kernels as dk
+
 from .config import CONFIG_FILE, CheckpointError, ModelConfig
 from .families import FAMILIES
 from .family import EXPERTS, LAYOUTS, Plan, Source
+from .quantization import (
+    FP8,
+    SCALE,
+    SCALE_INV,
+    halves,
+    is_expert_weight,
+    quantization_config,
+    scale_index,
+    scale_shape,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FP8_DTYPE = "F8_E4M3"  # FP8 checkpoints' quantised weights (dinfer.models.quantization)
+_STORED = {**_DTYPES, FP8_DTYPE: torch.float8_e4m3fn}  # what the parser reads
 
 
 def _symbolic_shapes(config: ModelConfig) -> Dict[str, Tuple[str, ...]]:
@@ -155,19 +169,21 @@ class _SafetensorsFile:
                 f"{where}: data_offsets [{begin}, {end}] lie outside the {self._data_len} data "
                 "bytes (truncated or corrupt file)"
             )
-        if dtype in _DTYPES and end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
+        if dtype in _STORED and end - begin != math.prod(shape) * _STORED[dtype].itemsize:
             raise CheckpointError(
                 f"{where}: data_offsets span {end - begin} bytes but shape {list(shape)} of "
-                f"{dtype} needs {math.prod(shape) * _DTYPES[dtype].itemsize} (corrupt file)"
+                f"{dtype} needs {math.prod(shape) * _STORED[dtype].itemsize} (corrupt file)"
             )
         return dtype, shape, begin, end
 
-    def check(self, name: str, shape: Tuple[int, ...], sizes: Tuple[Tuple[int, str], ...]) -> None:
-        """A CheckpointError unless tensor `name` has a dtype we load and `shape`, whose dimensions
-        `sizes` sets as (size, config.json key); a wrong size names the key."""
+    def check(
+        self, name: str, shape: Tuple[int, ...], sizes: Tuple[Tuple[int, str], ...], fp8: bool = False
+    ) -> None:
+        """A CheckpointError unless tensor `name` has a dtype we load (FP8 too when `fp8`) and `shape`,
+        whose dimensions `sizes` sets as (size, config.json key); a wrong size names the key."""
         dtype, got, _, _ = self.entries[name]
         where = f"tensor {name!r} in {self.path}"
-        if dtype not in _DTYPES:
+        if dtype not in _DTYPES and not (fp8 and dtype == FP8_DTYPE):
             raise CheckpointError(f"{where} has dtype {dtype}; supported: {', '.join(_DTYPES)}")
         if got == tuple(shape):
             return
@@ -182,7 +198,7 @@ class _SafetensorsFile:
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor `name` (checked), as a view of the mapping where alignment allows."""
         dtype, shape, begin, end = self.entries[name]
-        torch_dtype = _DTYPES[dtype]
+        torch_dtype = _STORED[dtype]
         offset = self._data_start + begin
         if (
             offset % torch_dtype.itemsize
@@ -203,6 +219,7 @@ class _Checkpoint:
     def __init__(self, path: str):
         self.path = path
         self._files: Dict[str, _SafetensorsFile] = {}
+        self.fp8: Set[str] = set()  # the tensors stored in FP8, each with its block scales (open_checked)
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
             self.where = _read_index(index)
@@ -227,6 +244,15 @@ class _Checkpoint:
 
     def file(self, name: str) -> _SafetensorsFile:
         return self._files[self.where[name]]
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor `name` as stored (a view of the file where it can be); an FP8 one read for any other
+        dtype is dequantised to it (dinfer_kernels.fp8_block_dequantize: q * its block's scale)."""
+        t = self.file(name).tensor(name)
+        if name in self.fp8 and dtype != torch.float8_e4m3fn:
+            scale = self.file(name + SCALE_INV).tensor(name + SCALE_INV).float()
+            return dk.fp8_block_dequantize(t, scale, dtype)
+        return t
 
     def _open(self, shard: str, listed: str) -> _SafetensorsFile:
         file = os.path.join(self.path, shard)
@@ -268,15 +294,45 @@ def load_weights(
     bias), which stay fp32 (as dInfer keeps its gate). A tensor already in the target dtype, loaded to the host, is a view of the
     memory-mapped file; any other is converted with one copy, and per-expert tensors are copied straight
     into a preallocated stacked tensor. Values are not inspected (NaN weights load).
+    An FP8 checkpoint's expert weights stay FP8 with their block scales, its other FP8 tensors are
+    dequantised (tensor_plan).
     """
     ckpt, plan = open_checked(path, config)
-    shapes = expected_shapes(config)
     return {
-        name: _assemble(
-            ckpt, sources, shapes[name], torch.float32 if kept_fp32(config, name) else dtype, device
-        )
-        for name, sources in plan.items()
+        name: _assemble(ckpt, sources, shape, to, device)
+        for name, (sources, shape, to) in tensor_plan(ckpt, config, plan, dtype).items()
     }
+
+
+def tensor_plan(
+    ckpt: "_Checkpoint", config: ModelConfig, plan: Plan, dtype: torch.dtype, fp8_shared: bool = True
+) -> Dict[str, Tuple[List[Source], Tuple[int, ...], torch.dtype]]:
+    """Canonical name -> (sources, shape, dtype) of every tensor a load makes: each of `plan`'s in
+    `dtype` (kept_fp32's in fp32), except the expert weights of an MoE layer whose experts the
+    checkpoint stores wholly in FP8 (routed and shared alike: the moe op takes both in one dtype; with
+    fp8_shared False the routed ones alone, the shared expert dequantised): those stay FP8 and add
+    their block scales `<name>_scale` (fp32, dinfer_kernels.fp8's layout) from the `_scale_inv` ones."""
+    shapes = expected_shapes(config)
+    stacks: Dict[str, List[str]] = {}  # a layer's prefix -> its expert weights kept in FP8 if all are
+    for name in plan:
+        if is_expert_weight(name) and (fp8_shared or not name.rsplit(".", 1)[-1].startswith("shared")):
+            stacks.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    kept = {
+        name
+        for names in stacks.values()
+        if all(src in ckpt.fp8 for name in names for src, _ in plan[name])
+        for name in names
+    }
+    out = {}
+    for name, sources in plan.items():
+        if name not in kept:
+            out[name] = (sources, shapes[name], torch.float32 if kept_fp32(config, name) else dtype)
+            continue
+        n, half = halves(name), shapes[name][-2] // halves(name)
+        out[name] = (sources, shapes[name], torch.float8_e4m3fn)
+        scales = [(src + SCALE_INV, scale_index(index, half)) for src, index in sources]
+        out[name + SCALE] = (scales, scale_shape(shapes[name], n), torch.float32)
+    return out
 
 
 def open_checked(path, config: ModelConfig):
@@ -285,14 +341,68 @@ def open_checked(path, config: ModelConfig):
     ckpt = _Checkpoint(os.fspath(path))
     layout = _layout(ckpt, config)
     plan = checkpoint_plan(config, layout)
-    _check_structure(ckpt, config, layout, plan)
+    scales = _fp8_tensors(ckpt, config, layout, plan)
+    _check_structure(ckpt, config, layout, plan, scales)
     symbols, sizes = _symbolic_shapes(config), _dim_sizes(config)
     for name, sources in plan.items():
         dims = _source_dims(symbols[name], sources[0][1])  # every part of a stacked tensor has one shape
         shape, dim_sizes = tuple(sizes[d][0] for d in dims), tuple(sizes[d] for d in dims)
         for src, _ in sources:
-            ckpt.file(src).check(src, shape, dim_sizes)
+            ckpt.file(src).check(src, shape, dim_sizes, fp8=config.quantization == FP8)
+    for src in ckpt.fp8:
+        _check_scales(ckpt, src)
     return ckpt, plan
+
+
+def _fp8_tensors(ckpt: "_Checkpoint", config: ModelConfig, layout: str, plan: Plan) -> Set[str]:
+    """Finds the planned tensors stored in FP8 (ckpt.fp8) and returns their scales' names; a
+    CheckpointError for FP8 tensors config.json does not announce, in the fused layout, or without
+    their scales, and for scales of a tensor that is not FP8."""
+    for sources in plan.values():
+        for src, _ in sources:
+            if src not in ckpt.where or ckpt.file(src).entries[src][0] != FP8_DTYPE:
+                continue
+            where = f"tensor {src!r} in {ckpt.file(src).path}"
+            if config.quantization != FP8:
+                raise CheckpointError(
+                    f"{where} is FP8 ({FP8_DTYPE}) but {CONFIG_FILE} has no quantization_config "
+                    "(an FP8 checkpoint's config names its format: quant_method 'fp8')"
+                )
+            if layout != "hf":
+                raise CheckpointError(
+                    f"{where} is FP8 in dInfer's fused layout, which has no FP8 format (FP8 checkpoints "
+                    "ship per-expert tensors)"
+                )
+            if src + SCALE_INV not in ckpt.where:
+                raise CheckpointError(
+                    f"{where} is FP8 but the checkpoint has no {src + SCALE_INV!r} (its block scales)"
+                )
+            ckpt.fp8.add(src)
+    for name in ckpt.where:
+        weight = name[: -len(SCALE_INV)]
+        stored = ckpt.file(weight).entries[weight][0] if weight in ckpt.where else None
+        if name.endswith(SCALE_INV) and stored not in (None, FP8_DTYPE):
+            raise CheckpointError(
+                f"{ckpt.file(name).path}: {name!r} holds block scales but {weight!r} is not FP8 "
+                f"(dtype {ckpt.file(weight).entries[weight][0]})"
+            )
+    return {src + SCALE_INV for src in ckpt.fp8}
+
+
+def _check_scales(ckpt: "_Checkpoint", src: str) -> None:
+    """A CheckpointError unless FP8 tensor `src` has fp32 / bf16 scales, one per 128 x 128 block."""
+    name = src + SCALE_INV
+    shape = ckpt.file(src).entries[src][1]
+    dtype, got, _, _ = ckpt.file(name).entries[name]
+    where = f"tensor {name!r} in {ckpt.file(name).path}"
+    if dtype not in ("F32", "BF16"):
+        raise CheckpointError(f"{where} has dtype {dtype}; block scales are F32 or BF16")
+    want = scale_shape(shape, 1)
+    if len(shape) != 2 or got != want:
+        raise CheckpointError(
+            f"{where} has shape {list(got)}, expected {list(want)}: one scale per {dk.FP8_BLOCK} x "
+            f"{dk.FP8_BLOCK} block of {src!r} {list(shape)}"
+        )
 
 
 def _layout(ckpt: _Checkpoint, config: ModelConfig) -> str:
@@ -311,9 +421,12 @@ def kept_fp32(config: ModelConfig, name: str) -> bool:
     return name.endswith(config.family_spec.fp32_tensors)
 
 
-def _check_structure(ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: Plan) -> None:
+def _check_structure(
+    ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: Plan, scales: Set[str]
+) -> None:
     """The checkpoint's tensor names against config: family, layer and expert counts, optional
-    tensors, then every planned tensor present and every present tensor planned."""
+    tensors, then every planned tensor present and every present tensor planned (or the `scales`
+    of FP8 ones)."""
     names, key, spec = set(ckpt.where), config.hf_key, config.family_spec
     if not any(n.startswith(spec.tensor_root) for n in names):
         for other in FAMILIES.values():  # the first family whose tensors these are, by their root
@@ -345,7 +458,7 @@ def _check_structure(ckpt: _Checkpoint, config: ModelConfig, layout: str, plan: 
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(f"{ckpt.source} ({layout} layout) has no tensor {missing[0]!r}{more}")
-    extra = sorted(n for n in names - wanted if not n.endswith(_DERIVED))
+    extra = sorted(n for n in names - wanted - scales if not n.endswith(_DERIVED))
     if extra:
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
         raise CheckpointError(
@@ -366,12 +479,10 @@ def _assemble(
     ckpt: _Checkpoint, sources: List[Source], shape: Tuple[int, ...], dtype: torch.dtype, device
 ) -> torch.Tensor:
     if len(sources) == 1 and sources[0][1] == ():
-        return (
-            ckpt.file(sources[0][0]).tensor(sources[0][0]).to(dtype=dtype, device=device)
-        )  # no-op if unchanged
+        return ckpt.read(sources[0][0], dtype).to(dtype=dtype, device=device)  # no-op if unchanged
     out = torch.empty(shape, dtype=dtype, device=device)
     for name, index in sources:
-        out[index].copy_(ckpt.file(name).tensor(name))
+        out[index].copy_(ckpt.read(name, dtype))
     return out
 
 
@@ -385,17 +496,27 @@ def save_checkpoint(
 ) -> None:
     """Write config.json and the weights under the released names of `layout` ("hf" splits w13/w2 into
     per-expert tensors; "fused" is dInfer's stacked layout), as one model.safetensors or as `shards` files
-    plus model.safetensors.index.json. `dtype` casts every tensor (None keeps each tensor's own)."""
+    plus model.safetensors.index.json. `dtype` casts every tensor (None keeps each tensor's own) but
+    FP8 ones: weights with FP8 expert tensors and their `<name>_scale` (dinfer.models.quantization,
+    the hf layout only) make an FP8 checkpoint, each FP8 tensor with its `_scale_inv` and
+    config.json's quantization_config naming the modules left unconverted."""
     from safetensors.torch import save_file
 
     tensors = _released_tensors(config, weights, layout, dtype)
+    hf = config.to_hf(layout)
+    if any(t.dtype == torch.float8_e4m3fn for t in tensors.values()):
+        hf["quantization_config"] = quantization_config(
+            n[: -len(".weight")]
+            for n, t in tensors.items()
+            if n.endswith(".weight") and t.dim() == 2 and t.dtype != torch.float8_e4m3fn
+        )
     names = list(tensors)
     if not 1 <= shards <= len(names):
         raise ValueError(f"shards must be between 1 and {len(names)} (the number of tensors), got {shards}")
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config.to_hf(layout), f, indent=2)
+        json.dump(hf, f, indent=2)
     if shards == 1:
         save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
         return
@@ -422,10 +543,21 @@ def _released_tensors(
             raise ValueError(
                 f"weight {name!r} has shape {list(weights[name].shape)}, expected {list(shapes[name])}"
             )
+        fp8 = weights[name].dtype == torch.float8_e4m3fn
+        if fp8 and (layout != "hf" or name + SCALE not in weights):
+            raise ValueError(
+                f"weight {name!r} is FP8: it needs {name + SCALE!r} (its block scales) and the hf layout"
+            )
         for released, index in sources:
             # Own storage per tensor: save_file refuses tensors that share memory (the w13/w2 slices).
-            part = weights[name][index].to(device="cpu", dtype=dtype or weights[name].dtype, copy=True)
-            out[released] = part.contiguous()
+            to = weights[name].dtype if fp8 or dtype is None else dtype
+            out[released] = weights[name][index].to(device="cpu", dtype=to, copy=True).contiguous()
+            if fp8:
+                half = shapes[name][-2] // halves(name)
+                scale = weights[name + SCALE][scale_index(index, half)]
+                out[released + SCALE_INV] = scale.to(
+                    device="cpu", dtype=torch.float32, copy=True
+                ).contiguous()
     return out
 
 

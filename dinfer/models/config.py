@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 from .config_keys import CONFIG_FILE, CheckpointError, ConfigKeys
 from .families import FAMILIES, family_of
 from .family import LAYOUTS, Family
+from .quantization import parse_quantization
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class ModelConfig:
     topk_groups: int = 1
     routed_scaling: float = 1.0  # multiplies the final top-k weights
     block_length: int = 0  # > 0: block-causal attention in blocks of this length from position 0
+    # "fp8": the checkpoint's config.json has the fine-grained FP8 quantization_config (its tensors
+    # may be FP8 with block scales: dinfer.models.quantization); None: no quantization.
+    quantization: Optional[str] = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -98,7 +102,12 @@ class ModelConfig:
         names the source in errors."""
         keys = ConfigKeys(d, file)
         family = family_of(keys)
-        return cls(family=family.name, **family.parse(keys), architectures=keys.architectures())
+        return cls(
+            family=family.name,
+            **family.parse(keys),
+            architectures=keys.architectures(),
+            quantization=parse_quantization(keys),
+        )
 
     @classmethod
     def from_dir(cls, path) -> "ModelConfig":

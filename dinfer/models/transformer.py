@@ -34,6 +34,9 @@ from dinfer_kernels import profiling
 
 from .config import ModelConfig
 
+# The moe op's optional per-layer weights: the shared expert, and FP8 experts' block scales.
+_MOE_EXTRAS = ("shared_w13", "shared_w2", "w13_scale", "w2_scale", "shared_w13_scale", "shared_w2_scale")
+
 
 @dataclass
 class KVCache:
@@ -235,6 +238,9 @@ class DiffusionLM:
         elif self.parallel is not None:
             out = self.parallel.moe(m, w, p, c, self._routing)
         else:
+            # LLaDA2's shared expert (every token, weight 1) runs inside the op, added to the routed
+            # fp32 sum; FP8 expert weights come with their block scales
+            extra = {k: w[p + k] for k in _MOE_EXTRAS if p + k in w}
             out = self.ops.moe(
                 m,
                 w[p + "router"],
@@ -244,10 +250,8 @@ class DiffusionLM:
                 renormalize=c.router_renormalize,
                 expert_bias=w.get(p + "expert_bias"),
                 **self._routing,
+                **extra,
             )
-            if p + "shared_w13" in w:  # LLaDA2's shared expert: every token, weight 1
-                g, u = (m @ w[p + "shared_w13"].t()).chunk(2, dim=-1)
-                out = out + (F.silu(g) * u) @ w[p + "shared_w2"].t()
         if ffn_rows is not None:
             out = out.new_zeros(B * W, H).index_copy(0, ffn_rows, out)
         return out.view(B, W, H)

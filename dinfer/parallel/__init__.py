@@ -19,6 +19,7 @@ from typing import Dict
 import torch
 
 from ..models.config import ModelConfig
+from ..models.quantization import quantize_experts
 from ..models.transformer import DiffusionLM
 from .comm import Comm, ParallelError, backend_for
 from .launch import join, under_torchrun
@@ -28,12 +29,16 @@ from .tp import TensorParallel
 
 
 def load_model(
-    path, comm: Comm, ep_mode: str = "allreduce", dtype=torch.bfloat16, device="cpu"
+    path, comm: Comm, ep_mode: str = "allreduce", dtype=torch.bfloat16, device="cpu", quantize=None
 ) -> DiffusionLM:
-    """This rank's DiffusionLM of the checkpoint folder `path` (its slices only are read)."""
+    """This rank's DiffusionLM of the checkpoint folder `path` (its slices only are read); quantize
+    "fp8": its routed experts converted to FP8 (dinfer.models.quantization; the shared expert's
+    column slices stay in `dtype`, as an FP8 checkpoint's are dequantised: load_shard)."""
     config = ModelConfig.from_dir(path)
     plan = ShardPlan(config, comm.world, comm.rank, ep_mode)
     weights = load_shard(path, config, plan, dtype=dtype, device=device)
+    if quantize:
+        weights = quantize_experts(weights, config, shared=False)
     return DiffusionLM(plan.local_config, weights, parallel=TensorParallel(plan, comm))
 
 

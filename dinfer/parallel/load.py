@@ -15,7 +15,7 @@ from typing import Dict
 
 import torch
 
-from ..models.checkpoint import expected_shapes, kept_fp32, open_checked
+from ..models.checkpoint import open_checked, tensor_plan
 from ..models.config import ModelConfig
 from .plan import ShardPlan
 
@@ -33,32 +33,33 @@ def _coverage(index: tuple, rows: int):
 def load_shard(
     path, config: ModelConfig, plan: ShardPlan, dtype=torch.bfloat16, device="cpu"
 ) -> Dict[str, torch.Tensor]:
-    """This rank's canonical weights (plan.take of load_weights' tensors, without reading the rest)."""
+    """This rank's canonical weights (plan.take of load_weights' tensors, without reading the rest).
+    An FP8 checkpoint's routed experts stay FP8, their block scales sliced with them; its shared
+    expert is dequantised like its other FP8 tensors (each read whole, then sliced): the ranks run
+    their column slices of it (dinfer/parallel/tp.py), which need not fall on 128-wide blocks."""
     ckpt, sources_of = open_checked(path, config)
-    shapes = expected_shapes(config)
     out = {}
-    for name, sources in sources_of.items():
-        to = torch.float32 if kept_fp32(config, name) else dtype
+    for name, (sources, shape, to) in tensor_plan(ckpt, config, sources_of, dtype, fp8_shared=False).items():
         if len(sources) == 1 and sources[0][1] == ():
             src = sources[0][0]
-            part = plan.take(name, ckpt.file(src).tensor(src))
+            part = plan.take(name, ckpt.read(src, to))
             out[name] = part.to(dtype=to, device=device).contiguous()
             continue
         # Stacked experts or the shared expert's gate / up halves: each source fills a dim-0 interval
         # of the canonical tensor; only its intersection with the rank's ranges is read.
         r = plan.ranges(name)
-        dim, ranges = r if r is not None else (0, [(0, shapes[name][0])])
+        dim, ranges = r if r is not None else (0, [(0, shape[0])])
         assert dim == 0, f"{name}: multi-source tensors are only split along their first dimension"
         rows = sum(hi - lo for lo, hi in ranges)
-        t = torch.empty((rows, *shapes[name][1:]), dtype=to, device=device)
+        t = torch.empty((rows, *shape[1:]), dtype=to, device=device)
         at = 0
         for lo, hi in ranges:
             for src, index in sources:
-                c0, c1 = _coverage(index, shapes[name][0])
+                c0, c1 = _coverage(index, shape[0])
                 a, b = max(lo, c0), min(hi, c1)
                 if a >= b:
                     continue
-                view = ckpt.file(src).tensor(src)
+                view = ckpt.read(src, to)
                 if index and isinstance(index[0], int):  # one row of the canonical tensor
                     t[(at + a - lo, *index[1:])].copy_(view)
                 else:

@@ -10,7 +10,8 @@ Tensor parallelism over `world` ranks, Megatron style, with expert parallelism o
     o                     columns: the rank's query heads (row-parallel: one all-reduce)
     gate, up / down       rows / columns: the rank's slice of the dense MLP width
     shared_w13 / _w2      the shared expert likewise (gate and up halves sliced alike)
-    w13, w2               the rank's contiguous slice of the experts
+    w13, w2               the rank's contiguous slice of the experts (FP8 ones: their block
+                          scales w13_scale / w2_scale too)
     everything else       replicated (norms, the fp32 router and expert bias)
 
 A size that does not divide is a ParallelConfigError naming it and its config.json key.
@@ -148,7 +149,7 @@ class ShardPlan:
             return 0, [(s0, s1), (S + s0, S + s1)]
         if base == "shared_w2":
             return 1, [self._width(c.shared_intermediate_size)]
-        if base in ("w13", "w2"):
+        if base in ("w13", "w2", "w13_scale", "w2_scale"):  # FP8 experts' block scales go with them
             return 0, [self.experts]
         return None
 

@@ -17,7 +17,7 @@ parallel=TensorParallel(plan, comm))`; None keeps the one-process forward untouc
   embedding take them as they are (dinfer_kernels.decode_step_vocab_parallel).
 
 The routed experts of a rank run through dinfer_kernels.moe on its local experts (expert_offset: the
-rank's first expert, w13 / w2 its slice only): from the router in "allreduce", from the received
+rank's first expert, w13 / w2 its slice only; FP8 ones with their block scales' slice): from the router in "allreduce", from the received
 (expert, weight) pairs in "alltoall" (dinfer_kernels.moe_route chooses them on the sending rank).
 """
 
@@ -65,6 +65,7 @@ class TensorParallel:
     def moe(self, m: torch.Tensor, w: dict, p: str, config, routing: dict) -> torch.Tensor:
         """The MoE layer's output [T, H] (every token, on every rank) for its input m [T, H]."""
         options = dict(renormalize=config.router_renormalize, expert_bias=w.get(p + "expert_bias"), **routing)
+        scales = dict(w13_scale=w.get(p + "w13_scale"), w2_scale=w.get(p + "w2_scale"))  # FP8 experts'
 
         def shared(x):
             if p + "shared_w13" not in w:
@@ -74,13 +75,20 @@ class TensorParallel:
 
         if self.ep_mode == "allreduce":
             out = dk.moe(
-                m, w[p + "router"], w[p + "w13"], w[p + "w2"], config.top_k, expert_offset=self.e0, **options
+                m,
+                w[p + "router"],
+                w[p + "w13"],
+                w[p + "w2"],
+                config.top_k,
+                expert_offset=self.e0,
+                **options,
+                **scales,
             ).float()  # the partial sums added in fp32, as the shared expert's
             part = shared(m)
             return self.reduce(out if part is None else out + part).to(m.dtype)
-        return self._moe_alltoall(m, w, p, config, options, shared)
+        return self._moe_alltoall(m, w, p, config, options, scales, shared)
 
-    def _moe_alltoall(self, m, w, p, config, options, shared) -> torch.Tensor:
+    def _moe_alltoall(self, m, w, p, config, options, scales, shared) -> torch.Tensor:
         comm, n = self.comm, self.world
         T, H = m.shape
         chunk = -(-T // n)  # equal slices (the last ones may be short or empty), padded to n * chunk
@@ -109,6 +117,7 @@ class TensorParallel:
             topk_ids=got_meta[:, :1].long(),
             topk_weights=got_meta[:, 1:],
             expert_offset=self.e0,
+            **scales,
         )
         back = comm.all_to_all(y.float(), recv, send_list)
         out = torch.zeros(chunk, H, dtype=torch.float32, device=m.device)

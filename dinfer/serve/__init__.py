@@ -40,6 +40,7 @@ def serve(
     max_lanes: int = 4,
     device=None,
     dtype=None,
+    quantize: Optional[str] = None,
     name: Optional[str] = None,
     llm=None,
     log_level: str = "info",
@@ -54,7 +55,7 @@ def serve(
     from ..models.embedded import DEFAULT
 
     if llm is None:
-        llm = LLM(model, device=device, dtype=dtype, **defaults)
+        llm = LLM(model, device=device, dtype=dtype, quantize=quantize, **defaults)
     if name is None:
         name = DEFAULT if model is None else str(model)
     app = create_app(

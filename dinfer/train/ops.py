@@ -57,14 +57,37 @@ def attention(q, k, v, k_cache, v_cache, positions, seq_lens, write_back=True, a
     return (o * ~empty[:, None]).transpose(1, 2)
 
 
-def moe(hidden, router_weight, w13, w2, top_k, renormalize=False, expert_bias=None, **routing):
+def moe(
+    hidden,
+    router_weight,
+    w13,
+    w2,
+    top_k,
+    renormalize=False,
+    expert_bias=None,
+    shared_w13=None,
+    shared_w2=None,
+    **routing,
+):
     """routing: LLaDA2's router (scoring, num_groups, topk_groups, routed_scaling), as the kernel
-    op takes it. The expert bias only chooses experts: no gradient reaches it."""
+    op takes it; shared_w13 / shared_w2: LLaDA2's shared expert, added for every token. The expert
+    bias only chooses experts: no gradient reaches it."""
     if _loads is not None:
         with torch.no_grad():
             _, experts = route(hidden, router_weight, top_k, renormalize, expert_bias, **routing)
         _loads.append(torch.bincount(experts.flatten(), minlength=w13.shape[0]))
-    return moe_reference(hidden, router_weight, w13, w2, top_k, renormalize, expert_bias, **routing)
+    return moe_reference(
+        hidden,
+        router_weight,
+        w13,
+        w2,
+        top_k,
+        renormalize,
+        expert_bias,
+        shared_w13=shared_w13,
+        shared_w2=shared_w2,
+        **routing,
+    )
 
 
 @contextlib.contextmanager
