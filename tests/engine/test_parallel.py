@@ -34,6 +34,7 @@ from dinfer.generate import GenerationConfig, generate
 from dinfer.models import load_weights, random_weights, save_checkpoint
 from dinfer.models.config import ModelConfig
 from dinfer.models.embedded import model_dir
+from dinfer.models.quantization import quantize_experts
 from dinfer.models.transformer import DiffusionLM
 from dinfer.parallel import (
     Comm,
@@ -469,6 +470,68 @@ def test_sliced_loading_and_weight_bytes(ranks, checkpoints):
         # ... each rank holding ~1/N of them (the vocabulary split is uneven by at most a row)
         row = 2 * config.hidden_size * 4
         assert max(held) <= (sharded + (copies - 1) * kv) / world + row, (label, held)
+
+
+# ----------------------------------------------------------------------------- FP8 experts
+
+
+def fp8_job(comm, paths):
+    """Each rank's expert weights and forward_case logits, in both EP modes: of the FP8 checkpoint,
+    and of the bf16 one with quantize="fp8"."""
+    res = {}
+    for label, quantize in (("fp8", None), ("plain", "fp8")):
+        for mode in EP_MODES:
+            model = load_model(paths[label], comm, mode, dtype=torch.float32, quantize=quantize)
+            experts = {n: t for n, t in model.w.items() if n.endswith(("w13", "w2", "_scale"))}
+            res[label, mode] = experts, forward_case(model)
+    return res
+
+
+def dequantised(weights):
+    """`weights` with every FP8 tensor dequantised to fp32 (its scales dropped)."""
+    out = {}
+    for n, t in weights.items():
+        if t.dtype == torch.float8_e4m3fn:
+            t = dk.fp8_block_dequantize(
+                t, weights[n + "_scale"], torch.float32, halves=2 if n.endswith("w13") else 1
+            )
+        if not n.endswith("_scale"):
+            out[n] = t
+    return out
+
+
+def test_fp8_experts_under_expert_parallelism(tmp_path):
+    """The routed FP8 experts and their block scales are sliced with the experts; the shared expert is
+    dequantised (its column slices need not fall on blocks) or, quantising at load, left as it is;
+    the logits equal one process's within precision."""
+    plain = model_dir("tiny-llada2")
+    config = ModelConfig.from_dir(plain)
+    original = load_weights(plain, config, dtype=torch.float32)
+    save_checkpoint(tmp_path, config, quantize_experts(original, config))
+    results = spawn(2, fp8_job, {"fp8": str(tmp_path), "plain": plain})
+    fp8 = load_weights(tmp_path, ModelConfig.from_dir(tmp_path), dtype=torch.float32)
+    one_process = {"fp8": fp8, "plain": quantize_experts(original, config, shared=False)}
+    for label, full in one_process.items():
+        held = dequantised(full)  # what the ranks hold of the shared expert
+        # one process on the FP8 model (the op takes the shared expert in the routed experts' dtype:
+        # with it unquantised, on the dequantised routed experts, the same fp32 computation)
+        same = forward_case(DiffusionLM(config, full if label == "fp8" else held))
+        truth = forward_case(DiffusionLM(config, {n: t.double() for n, t in held.items()}, ops=Float64Ops))
+        for mode in EP_MODES:
+            for r, res in enumerate(results):
+                experts, _ = res[label, mode]
+                plan = ShardPlan(config, 2, r)
+                assert experts["layers.1.w13"].dtype == torch.float8_e4m3fn
+                assert {n for n in experts if n.endswith("_scale")} == {
+                    f"layers.{i}.{w}_scale" for i in range(1, config.num_layers) for w in ("w13", "w2")
+                }
+                for n, t in experts.items():
+                    want = plan.take(n, held[n] if ".shared_" in n else full[n])
+                    assert t.dtype == want.dtype, (label, mode, n)
+                    assert torch.equal(t.view(torch.uint8), want.view(torch.uint8)), (label, mode, n)
+            for j, part in enumerate(("full forward", "window forward")):
+                got = torch.cat([res[label, mode][1][j] for res in results], dim=1)
+                assert_precision(got, same[j], truth[j], f"{label} {mode}: {part}")
 
 
 # ----------------------------------------------------------------------------- failures
