@@ -5,7 +5,8 @@ Backends are called directly with a NaN-poisoned, caller-allocated output (an un
 fails), and through the public op. Without a GPU the Triton kernels run in the interpreter
 (conftest sets TRITON_INTERPRET): shapes stay small (H/I = 200/72, not powers of two), fp32 and
 fp16 only (the interpreter's bf16 arithmetic is unreliable); some cases widen the GEMM tiles to keep
-the interpreter's program count down. bf16 runs on the host kernel and on a GPU; the LLaDA-MoE shape
+the interpreter's program count down. A shared expert and FP8 expert weights (issue 40) run through
+the same checks; the FP8 truth is the reference on the weights dequantised in float64. bf16 runs on the host kernel and on a GPU; the LLaDA-MoE shape
 on a GPU only.
 Tolerance: conftest.assert_precision — the error against the float64 truth is at most twice that of
 the reference run in the same dtype, plus a few fp32 ulps of the output's magnitude.
@@ -610,6 +611,25 @@ def test_triton_alignment(device, T, k, e0, e1, block_m, n_virt, one_launch):
     be = ws.block_expert.cpu().tolist()
     expect_be = [e for e, p in enumerate(padded) for _ in range(p // block_m)]  # local
     assert be == expect_be + [-1] * (ws.nb_max - len(expect_be))
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_triton_tiles_for_fp8_weights(device):
+    """Every chosen K tile divides an FP8 scale block (a tile lies in one scale column), FP8 weights
+    count 1 byte a stage (never fewer stages than 16-bit ones), and a config whose K tile does not
+    divide the block is refused, naming it."""
+    from dinfer_kernels.triton import moe as tm
+
+    for T, k, E, h, inter in [(1, 8, 256, 2048, 512), (32, 8, 64, 2048, 1024), (4096, 8, 64, 4096, 1536)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            plain = tm.choose_config(T, k, E, E, h, inter, dtype, n_virt=1)
+            fp8 = tm.choose_config(T, k, E, E, h, inter, dtype, n_virt=1, weight_dtype=torch.float8_e4m3fn)
+            assert dk.FP8_BLOCK % fp8.bk1 == 0 and dk.FP8_BLOCK % fp8.bk2 == 0
+            assert fp8.stages1 >= plain.stages1 and fp8.stages2 >= plain.stages2
+    hidden, router, w13, w2 = make(3, 4)
+    q13, q2, kw = quantized(w13, w2)
+    with pytest.raises(ValueError, match="^config"):
+        call_backend("triton", device, hidden, router, q13, q2, 2, config={"bk1": 256}, **kw)
 
 
 @pytest.mark.parametrize("device", triton_devices())
