@@ -22,7 +22,10 @@
 #   e2e_synthetic 45 s  the engine's tokens/s at both released shapes (bench_e2e.py --synthetic
 #                      llada-moe-7b, then llada2-mini, each under half the limit: random weights, every
 #                      layer, prompts of 64, 64 tokens generated, batch 1 and 32, graphs on and off)
-#   hero         68 s  the kernel cases that decide a forward, one process (bench_kernels/hero_cases.py)
+#   hero         68 s  the kernel cases that decide a forward, one process (bench_kernels/hero_cases.py);
+#                      the MoE step first: bench_moe at both released layers (--shape llada-moe, then
+#                      llada2-mini with its grouped sigmoid router and shared expert), T = 32 and 2048,
+#                      bf16 and FP8 weights, torch._grouped_mm alone beside ours (moe_<shape>_<gpu>.json)
 #   nsys         30 s  one forward under nsys (bench_forward.py --nsys-one); `nsys stats` into the report
 #   report       15 s  report.md, report.json, raw.tar.gz
 # Second, optional, on the warm machine (its build is reused):  bash bench_kernels/gpu_check.sh --more "$OUT"
@@ -37,7 +40,7 @@
 # OUT_DIR/steps.tsv; a failing step is recorded and the script goes on. At its limit a step gets SIGINT
 # (pytest writes its junit, a benchmark keeps the cases it finished: each appends its JSON case by
 # case), and SIGKILL 5 s later, inside the limit. A step never runs past what is left of the budget.
-# Benchmark results are OUT_DIR/<bench>_<gpu>.json (forward_h100.json, moe_llada2_h200.json): the GPU
+# Benchmark results are OUT_DIR/<bench>_<gpu>.json (forward_h100.json, moe_llada2-mini_h200.json): the GPU
 # in the name (environment.gpu_slug), so numbers from two GPUs never meet in one file or one ratio.
 # At most 8 files come back from the machine: report.md, report.json, gpu_check.log and raw.tar.gz
 # (junit, logs, JSON, the nsys summary).

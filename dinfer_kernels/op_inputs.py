@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .fp8 import fp8_block_quantize
 from .ops import OPS
 from .ops.rope import rope_table
 
@@ -269,16 +270,40 @@ def moe_inputs(
     generator=None,
     weight_scale: float = 0.9,
     router_scale: float = 0.2,
+    shared_inter: int = 0,
+    bias_scale: float = 0.0,
+    fp8: bool = False,
 ) -> dict:
     """hidden [T, H] (randn), router_weight [E, H] fp32 (router_scale * randn), w13 [E, 2I, H] and
-    w2 [E, H, I] (weight_scale / sqrt(fan-in) * randn) and top_k."""
-    return dict(
+    w2 [E, H, I] (weight_scale / sqrt(fan-in) * randn) and top_k. shared_inter S > 0: a shared expert
+    too, shared_w13 [2S, H] and shared_w2 [H, S] (drawn as the experts are); bias_scale > 0:
+    expert_bias [E] fp32 (bias_scale * randn). fp8: every expert weight (the shared ones too) as
+    float8_e4m3fn with its 128 x 128 block scales (fp8_block_quantize of the drawn fp32 values, the
+    gate/up stacks with halves=2): w13_scale, w2_scale (shared_w13_scale, shared_w2_scale). The
+    options draw after the defaults, so a default call's values are the same with or without them."""
+    inputs = dict(
         hidden=_randn((T, H), generator, device).to(dtype),
         router_weight=_randn((E, H), generator, device, router_scale),
-        w13=_randn((E, 2 * I, H), generator, device, weight_scale / H**0.5).to(dtype),
-        w2=_randn((E, H, I), generator, device, weight_scale / I**0.5).to(dtype),
+        w13=_randn((E, 2 * I, H), generator, device, weight_scale / H**0.5),
+        w2=_randn((E, H, I), generator, device, weight_scale / I**0.5),
         top_k=top_k,
     )
+    gate_up = {"w13"}
+    if shared_inter > 0:
+        S = shared_inter
+        inputs["shared_w13"] = _randn((2 * S, H), generator, device, weight_scale / H**0.5)
+        inputs["shared_w2"] = _randn((H, S), generator, device, weight_scale / S**0.5)
+        gate_up.add("shared_w13")
+    if bias_scale > 0:
+        inputs["expert_bias"] = _randn((E,), generator, device, bias_scale)
+    for name in ("w13", "w2", "shared_w13", "shared_w2"):
+        if name in inputs:
+            if fp8:
+                halves = 2 if name in gate_up else 1
+                inputs[name], inputs[f"{name}_scale"] = fp8_block_quantize(inputs[name], halves=halves)
+            else:
+                inputs[name] = inputs[name].to(dtype)
+    return inputs
 
 
 # Every op's factory, by the op's name: <op>_inputs above (a missing one fails the import).

@@ -1,9 +1,11 @@
 """python -m dinfer_kernels selftest: every op on every backend available here against its reference.
 
 Run it after installing. Each op runs through its public entry (the `backend=` switch) at a real shape
-(vocabulary 157184, head dim 128, 64 experts top-8; the hidden sizes of the models on a GPU, smaller
-on the host so the float64 truth stays cheap there), once per dtype the backend serves; attention
-runs over contiguous caches and over the paged layout (outputs 2 and 3 of its row). The result is
+(vocabulary 157184, head dim 128, the MoE layers of LLaDA-MoE (64 experts top-8) and LLaDA2-mini (256
+experts top-8, grouped sigmoid routing, a shared expert); the hidden sizes of the models on a GPU,
+smaller on the host so the float64 truth stays cheap there), once per dtype the backend serves;
+attention runs over contiguous caches and over the paged layout (outputs 2 and 3 of its row), moe at
+both layers with the weights in the dtype and in FP8 (outputs 0-1 and 2-3). The result is
 held to the precision-tied bound of dinfer_kernels.precision (the error against a float64 truth at
 most twice that of the torch reference run in the same dtype); outputs that are integers or masks
 must equal the reference's (decode_step's row holds two calls: rule="threshold", and rule="joint" on
@@ -55,7 +57,7 @@ def _shapes(device, quick):
             "rope": dict(B=1, T=9, H=2, D=64),
             "qk_rope": dict(B=1, T=9, Hq=4, Hk=2, D=64),
             "attention": dict(B=1, W=8, S=70, Hq=4, Hkv=2, D=64, page_size=16),
-            "moe": dict(T=5, E=8, k=2, H=64, I=48),
+            "moe": dict(T=5, H=64, llada_moe=(8, 2, 48), llada2_mini=(16, 4, 16, 24)),
         }
     gpu = torch.device(device).type == "cuda"
     return {
@@ -65,7 +67,12 @@ def _shapes(device, quick):
         "rope": dict(B=2, T=256, H=16, D=128),
         "qk_rope": dict(B=2, T=256, Hq=16, Hk=4, D=128),
         "attention": dict(B=2, W=32, S=4096 if gpu else 1024, Hq=16, Hkv=4, D=128, page_size=32),
-        "moe": dict(T=64 if gpu else 16, E=64, k=8, H=2048 if gpu else 256, I=1024 if gpu else 128),
+        "moe": dict(
+            T=64 if gpu else 16,
+            H=2048 if gpu else 256,
+            llada_moe=(64, 8, 1024 if gpu else 128),
+            llada2_mini=(256, 8, 512, 512) if gpu else (256, 8, 64, 64),
+        ),
     }
 
 
@@ -161,13 +168,28 @@ def _attention(backend, device, dtype, B, W, S, Hq, Hkv, D, page_size):
     return outs, sames, truths, {}
 
 
-def _moe(backend, device, dtype, T, E, k, H, I):
-    a = op_inputs.moe_inputs(T, E, H, I, k, dtype=dtype, device=device)
-    out = moe(**a, backend=backend)
-    same = moe_reference(**a)
-    wide = {n: a[n].double() for n in ("hidden", "w13", "w2")}
-    truth = moe_reference(**dict(a, **wide), compute_dtype=F64)
-    return [out], [same], [truth], {}
+# LLaDA2's router: sigmoid scores with an expert bias that only chooses, 4 of 8 expert groups kept,
+# renormalised and scaled weights
+LLADA2_ROUTING = dict(scoring="sigmoid", renormalize=True, num_groups=8, topk_groups=4, routed_scaling=2.5)
+
+
+def _moe(backend, device, dtype, T, H, llada_moe, llada2_mini):
+    """Both released layers: LLaDA-MoE's (E, k, I = llada_moe; softmax top-k) and LLaDA2-mini's
+    (E, k, I, S = llada2_mini; LLADA2_ROUTING, a drawn expert bias and a shared expert of width S in
+    the same call), each with expert weights in the dtype (outputs 0 and 1) and in FP8 with 128 x 128
+    block scales (outputs 2 and 3). The float64 truth runs on the same FP8 values, dequantised exactly."""
+    outs, sames, truths = [], [], []
+    for fp8 in (False, True):
+        for (E, k, I, *S), routing in ((llada_moe, {}), (llada2_mini, LLADA2_ROUTING)):
+            shared = dict(shared_inter=S[0], bias_scale=0.1, router_scale=H**-0.5) if S else {}
+            a = op_inputs.moe_inputs(T, E, H, I, k, dtype=dtype, device=device, fp8=fp8, **shared)
+            a.update(routing)
+            outs.append(moe(**a, backend=backend))
+            sames.append(moe_reference(**a))
+            wide = ("hidden",) if fp8 else ("hidden", "w13", "w2", "shared_w13", "shared_w2")
+            truth = dict(a, **{n: a[n].double() for n in wide if n in a})
+            truths.append(moe_reference(**truth, compute_dtype=F64))
+    return outs, sames, truths, {}
 
 
 # Every op's case, by the op's name: _<op> above, or _decode for decode_step (its module's name).

@@ -18,15 +18,26 @@ Four launches, every grid fixed by the shapes (no host sync, CUDA-graph capturab
    expert), touched = min(e1 - e0, T*k'). (`ONE_LAUNCH = False` runs the alignment as a separate
    single-program kernel instead, with no ticket.) A given top-k (topk_ids / topk_weights) replaces
    the routing: copied into topk_ids / topk_w, then the alignment's own launch.
+   A shared expert [2S, H] / [H, S] runs as n_virt = cdiv(S, I) virtual experts of width I (the last
+   one narrower) after the local ones, each taking every token with weight 1: T more slots each
+   (T*k + v*T + t, after the routed ones; the sentinel is then T*(k + n_virt)) and a segment of
+   cdiv(T, BLOCK_M) blocks each in P_MAX. Their weights are read in place (gate rows v*I.., up rows
+   S + v*I.., w2 columns v*I.. with row stride S): no copy, no launch of their own.
 2. `_gemm1_kernel`, grid (P_MAX / BLOCK_M, cdiv(I, BN1)): the block's rows of hidden (gathered by
    token) times the gate *and* the up rows of its expert's w13 (two accumulators), SiLU(g) * u in
    fp32 in the epilogue, rounded to the dtype, written to act [P_MAX, I] at the block's rows (the
    padding rows get 0). Blocks of no expert return at once.
 3. `_gemm2_kernel`, grid (P_MAX / BLOCK_M, cdiv(H, BN2), SPLIT_K): act times the expert's w2 over a
-   K range, times the routing weight, fp32, written to the slot's row of part [SPLIT_K, T*k, H].
+   K range, times the routing weight (1 for a virtual expert), fp32, written to the slot's row of
+   part [SPLIT_K, T*(k + n_virt), H].
 4. `_combine_kernel`, grid (cdiv(T, BT), cdiv(H, BH)): out[t] = sum over slots j (then splits s) in
-   that fixed order of part[s, t*k + j], for the slots whose expert is local; no atomics, so the
-   result is bit-identical run to run.
+   that fixed order of part[s, t*k + j], for the slots whose expert is local, then the virtual
+   experts' slots in order; no atomics, so the result is bit-identical run to run.
+
+FP8 weights (float8_e4m3fn, 128 x 128 block scales, dinfer_kernels/fp8.py): the GEMMs load the e4m3
+tile, multiply it in fp32 by its block's scale (one per output row: every BK divides 128, so a K tile
+lies in one scale column; a virtual expert whose columns start mid-block takes two in GEMM 2) and
+round it to the activations' dtype, then the usual dot: exactly fp8_block_dequantize's weights.
 
 Tiles are chosen from the shapes only (`choose_config`): about k*T / experts rows per expert pick
 BLOCK_M in {16, 32, 64, 128}; at 16-32 rows (the diffusion window, ~12 rows per expert) the GEMMs
@@ -41,12 +52,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import fp8
 from .._moe_layout import given_topk
 
 # Programs wanted per launch: 2 per SM of an H200 (132 SMs). A constant, so tiles (and the summation
 # order of the split-K combine) do not depend on the device.
 TARGET_PROGRAMS = 2 * 132
 RENORM_EPS = tl.constexpr(1e-20)
+FP8_BLOCK = tl.constexpr(fp8.FP8_BLOCK)
+FP8_DTYPE = fp8.FP8_DTYPE
 # Run the alignment in the last routing program (one launch) or as its own launch.
 ONE_LAUNCH = True
 # Element budgets of the broadcast-multiply router tile [BT, E_PAD, BK] (64 fp32 registers per thread
@@ -85,19 +99,23 @@ def _stages(per_stage_bytes, most=4):
     return max(2, min(most, SMEM_BUDGET // max(1, per_stage_bytes)))
 
 
-def choose_config(T, top_k, E, e_loc, H, I, dtype) -> MoeConfig:
-    """Tiles from the shapes alone (deterministic; the same on every device)."""
+def choose_config(T, top_k, E, e_loc, H, I, dtype, *, n_virt=0, weight_dtype=None) -> MoeConfig:
+    """Tiles from the shapes alone (deterministic; the same on every device). n_virt: the virtual
+    experts of a shared expert (T rows each); weight_dtype: the experts' (FP8: 1 byte), default dtype.
+    Every BK is a power of two <= 128, so it divides an FP8 scale block."""
     item = torch.empty((), dtype=dtype).element_size()
+    w_item = torch.empty((), dtype=weight_dtype or dtype).element_size()
     k_eff = min(top_k, e_loc)
     n = max(1, T * k_eff)
     touched = max(1, min(e_loc, n))
-    rows = n / touched  # mean rows per touched expert
+    rows = n / touched  # mean rows per touched (routed) expert
     block_m = min(128, max(16, _pow2(rows)))
     bk = 128 if item == 2 else 64
+    busy = touched + n_virt  # experts with rows, virtual ones included
     if block_m <= 32:  # weight streaming: many narrow programs
-        bn1 = next((b for b in (64, 32) if touched * triton.cdiv(I, b) >= TARGET_PROGRAMS), 16)
-        bn2 = next((b for b in (64, 32) if touched * triton.cdiv(H, b) >= TARGET_PROGRAMS), 32)
-        progs = touched * triton.cdiv(H, bn2)
+        bn1 = next((b for b in (64, 32) if busy * triton.cdiv(I, b) >= TARGET_PROGRAMS), 16)
+        bn2 = next((b for b in (64, 32) if busy * triton.cdiv(H, b) >= TARGET_PROGRAMS), 32)
+        progs = busy * triton.cdiv(H, bn2)
         split = 1
         if progs < TARGET_PROGRAMS:
             split = max(1, min(triton.cdiv(TARGET_PROGRAMS, progs), triton.cdiv(I, 2 * bk)))
@@ -108,8 +126,8 @@ def choose_config(T, top_k, E, e_loc, H, I, dtype) -> MoeConfig:
         warps1 = warps2 = 8 if block_m == 128 else 4
     bk1 = min(bk, max(16, _pow2(H)))
     bk2 = min(bk, max(16, _pow2(triton.cdiv(I, split))))
-    stages1 = _stages((block_m + 2 * bn1) * bk1 * item)
-    stages2 = _stages((block_m + bn2) * bk2 * item)
+    stages1 = _stages((block_m * item + 2 * bn1 * w_item) * bk1)
+    stages2 = _stages((block_m * item + bn2 * w_item) * bk2)
     e_pad = max(16, _pow2(E))
     route_dot = T >= 256
     if route_dot:
@@ -126,15 +144,17 @@ def _route_bk(e_pad, H, dot):
     return min(64 if dot and e_pad <= 64 else 32, max(16, _pow2(H)))
 
 
-def buffer_sizes(T, top_k, e_loc, block_m, distinct=True):
+def buffer_sizes(T, top_k, e_loc, block_m, distinct=True, n_virt=0):
     """(P_MAX rows of the padded permuted list, number of BLOCK_M blocks) for the worst case;
-    distinct: a token's experts are distinct (a router's are; a given top-k's need not be)."""
+    distinct: a token's experts are distinct (a router's are; a given top-k's need not be);
+    n_virt virtual experts (a shared expert's) of T rows each after the local ones."""
     k_eff = min(top_k, e_loc) if distinct else top_k
     n = T * k_eff
     touched = min(e_loc, n)
     p_max = n + touched * (block_m - 1)
     if distinct:
         p_max = min(p_max, e_loc * triton.cdiv(T, block_m) * block_m)
+    p_max += n_virt * triton.cdiv(T, block_m) * block_m
     nb = triton.cdiv(p_max, block_m)
     return nb * block_m, nb
 
@@ -230,19 +250,24 @@ def _align(
     sorted_ids,
     block_expert,
     meta,
+    T,
     n_assign,
     e0,
     e_loc,
+    n_virt,
     nb_max,
     BLOCK_M: tl.constexpr,
     EL_PAD: tl.constexpr,
     CH: tl.constexpr,
     NBC: tl.constexpr,
 ):
-    """Counts, padded offsets, the permuted slot list and the block -> expert map (one program)."""
+    """Counts, padded offsets, the permuted slot list and the block -> expert map (one program).
+    The n_virt virtual experts of a shared expert follow the local ones, each with every token:
+    virtual expert v holds the slots n_assign + v*T + t, t in [0, T)."""
     el = tl.arange(0, EL_PAD)
-    elm = el < e_loc
-    counts = tl.zeros([EL_PAD], tl.int32)
+    elm = el < e_loc  # the routed experts (a routed id past them is another rank's, never virtual)
+    allm = el < e_loc + n_virt
+    counts = tl.where(allm & ~elm, T, 0)
     for f0 in range(0, n_assign, CH):
         f = f0 + tl.arange(0, CH)
         loc = tl.load(topk_ids + f, mask=f < n_assign, other=-1, cache_modifier=".cg") - e0
@@ -263,14 +288,20 @@ def _align(
         pos = tl.sum(tl.where(hit, rank, 0), 1)
         tl.store(sorted_ids + pos, f, mask=tl.sum(hit_i, 1) > 0)
         running += tl.sum(hit_i, 0)
+    for v in range(n_virt):
+        start = tl.sum(tl.where(el == e_loc + v, starts, 0), 0)
+        for t0 in range(0, T, CH):
+            t = t0 + tl.arange(0, CH)
+            tl.store(sorted_ids + start + t, n_assign + v * T + t, mask=t < T)
     r = tl.arange(0, BLOCK_M)
     pad_pos = (starts + counts)[:, None] + r[None, :]
-    tl.store(sorted_ids + pad_pos, n_assign, mask=elm[:, None] & (pad_pos < ends[:, None]))
+    sentinel = n_assign + n_virt * T
+    tl.store(sorted_ids + pad_pos, sentinel, mask=allm[:, None] & (pad_pos < ends[:, None]))
     block_end = ends // BLOCK_M
     n_blocks = total // BLOCK_M
     for b0 in range(0, nb_max, NBC):
         b = b0 + tl.arange(0, NBC)
-        local = tl.sum(((block_end[None, :] <= b[:, None]) & elm[None, :]).to(tl.int32), 1)
+        local = tl.sum(((block_end[None, :] <= b[:, None]) & allm[None, :]).to(tl.int32), 1)
         tl.store(block_expert + b, tl.where(b < n_blocks, local, -1), mask=b < nb_max)
     tl.store(meta + 1, total)
 
@@ -301,6 +332,7 @@ def _route_kernel(
     scaling,
     e0,
     e_loc,
+    n_virt,
     nb_max,
     HAS_LOGITS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -393,9 +425,11 @@ def _route_kernel(
                 sorted_ids,
                 block_expert,
                 meta,
+                T,
                 T * TOP_K,
                 e0,
                 e_loc,
+                n_virt,
                 nb_max,
                 BLOCK_M,
                 EL_PAD,
@@ -410,19 +444,42 @@ def _align_kernel(
     sorted_ids,
     block_expert,
     meta,
+    T,
     n_assign,
     e0,
     e_loc,
+    n_virt,
     nb_max,
     BLOCK_M: tl.constexpr,
     EL_PAD: tl.constexpr,
     CH: tl.constexpr,
     NBC: tl.constexpr,
 ):
-    _align(topk_ids, sorted_ids, block_expert, meta, n_assign, e0, e_loc, nb_max, BLOCK_M, EL_PAD, CH, NBC)
+    _align(
+        topk_ids,
+        sorted_ids,
+        block_expert,
+        meta,
+        T,
+        n_assign,
+        e0,
+        e_loc,
+        n_virt,
+        nb_max,
+        BLOCK_M,
+        EL_PAD,
+        CH,
+        NBC,
+    )
 
 
 # -------------------------------------------------------------------------------------------- GEMMs
+@triton.jit
+def _token(slot, n_assign, T, TOP_K: tl.constexpr):
+    """The token of a slot: t*k + j for a routed pair, n_assign + v*T + t for virtual expert v."""
+    return tl.where(slot < n_assign, slot // TOP_K, (slot - n_assign) % T).to(tl.int64)
+
+
 @triton.jit
 def _gemm1_kernel(
     hidden,
@@ -432,17 +489,30 @@ def _gemm1_kernel(
     s_we,
     s_wn,
     s_wk,
+    shared_w13,
+    s_sn,
+    w13_scale,
+    s_ce,
+    s_cn,
+    shared_scale,
+    s_dn,
     act,
     sorted_ids,
     block_expert,
     n_assign,
+    n_slots,
+    T,
     H,
     I,
+    S,
+    e_loc,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     IEEE: tl.constexpr,
+    SHARED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
@@ -450,12 +520,38 @@ def _gemm1_kernel(
         return
     p = b * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.load(sorted_ids + p)
-    valid = slot < n_assign
-    tok = (slot // TOP_K).to(tl.int64)
+    valid = slot < n_slots
+    tok = _token(slot, n_assign, T, TOP_K)
+    # Expert e's gate rows [0, I) and up rows [I, 2I); past the local experts, virtual expert v of the
+    # shared expert: its gate rows v*I.. (the last one narrower) and up rows S further, read in place.
+    w = w13 + e.to(tl.int64) * s_we
+    s_n = s_wn
+    row0 = 0
+    half = I
+    width = I
+    if SHARED:
+        v = e - e_loc
+        sh = v >= 0
+        w = tl.where(sh, shared_w13, w)
+        s_n = tl.where(sh, s_sn, s_wn)
+        row0 = tl.where(sh, v * I, 0)
+        half = tl.where(sh, S, I)
+        width = tl.where(sh, tl.minimum(I, S - row0), I)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    cm = cols < I
-    w_gate = w13 + e.to(tl.int64) * s_we + cols[:, None].to(tl.int64) * s_wn
-    w_up = w_gate + I * s_wn
+    cm = cols < width
+    rows = row0 + cols
+    w_gate = w + rows[:, None].to(tl.int64) * s_n
+    w_up = w_gate + half * s_n
+    if FP8:
+        # The 128 x 128 block scales of those rows (each half its own block rows); BK divides 128,
+        # so a K tile lies in one scale column.
+        sc = w13_scale + e.to(tl.int64) * s_ce
+        s_c = s_cn
+        if SHARED:
+            sc = tl.where(sh, shared_scale, sc)
+            s_c = tl.where(sh, s_dn, s_cn)
+        sc_gate = sc + (rows // FP8_BLOCK).to(tl.int64) * s_c
+        sc_up = sc_gate + (half + FP8_BLOCK - 1) // FP8_BLOCK * s_c
     acc_g = tl.zeros([BLOCK_M, BN], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BN], tl.float32)
     for k0 in range(0, H, BK):
@@ -467,6 +563,10 @@ def _gemm1_kernel(
         wm = cm[:, None] & km[None, :]
         g = tl.load(w_gate + kk[None, :] * s_wk, mask=wm, other=0.0)
         u = tl.load(w_up + kk[None, :] * s_wk, mask=wm, other=0.0)
+        if FP8:  # the contract's dequantisation: fp32 product, rounded to the activations' dtype
+            blk = k0 // FP8_BLOCK
+            g = (g.to(tl.float32) * tl.load(sc_gate + blk, mask=cm, other=1.0)[:, None]).to(a.dtype)
+            u = (u.to(tl.float32) * tl.load(sc_up + blk, mask=cm, other=1.0)[:, None]).to(a.dtype)
         if IEEE:
             acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision="ieee")
             acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision="ieee")
@@ -484,18 +584,31 @@ def _gemm2_kernel(
     s_we,
     s_wn,
     s_wk,
+    shared_w2,
+    s_sn,
+    w2_scale,
+    s_ce,
+    s_cn,
+    shared_scale,
+    s_dn,
     part,
     topk_w,
     sorted_ids,
     block_expert,
     n_assign,
+    n_slots,
     H,
     I,
+    S,
+    e_loc,
     K_CHUNK,
     BLOCK_M: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     IEEE: tl.constexpr,
+    SHARED: tl.constexpr,
+    FP8: tl.constexpr,
+    STRADDLE: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
@@ -504,26 +617,55 @@ def _gemm2_kernel(
     s = tl.program_id(2)
     p = b * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.load(sorted_ids + p)
-    valid = slot < n_assign
+    valid = slot < n_slots
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cm = cols < H
-    w_rows = w2 + e.to(tl.int64) * s_we + cols[:, None].to(tl.int64) * s_wn
+    # Expert e's w2 [H, I]; past the local experts, virtual expert v of the shared expert: the
+    # columns v*I.. of shared_w2 [H, S] (the last one narrower), read in place.
+    w = w2 + e.to(tl.int64) * s_we
+    s_n = s_wn
+    col0 = 0
+    width = I
+    if SHARED:
+        v = e - e_loc
+        sh = v >= 0
+        w = tl.where(sh, shared_w2, w)
+        s_n = tl.where(sh, s_sn, s_wn)
+        col0 = tl.where(sh, v * I, 0)
+        width = tl.where(sh, tl.minimum(I, S - col0), I)
+    w_rows = w + cols[:, None].to(tl.int64) * s_n + col0 * s_wk
+    if FP8:
+        sc = w2_scale + e.to(tl.int64) * s_ce
+        s_c = s_cn
+        if SHARED:
+            sc = tl.where(sh, shared_scale, sc)
+            s_c = tl.where(sh, s_dn, s_cn)
+        sc_rows = sc + (cols // FP8_BLOCK).to(tl.int64) * s_c
     a_rows = act + p.to(tl.int64)[:, None] * I
     lo = s * K_CHUNK
-    hi = tl.minimum(lo + K_CHUNK, I)
+    hi = tl.minimum(lo + K_CHUNK, width)
     acc = tl.zeros([BLOCK_M, BN], tl.float32)
     for k0 in range(lo, hi, BK):
         kk = k0 + tl.arange(0, BK)
         km = kk < hi
         a = tl.load(a_rows + kk[None, :], mask=km[None, :], other=0.0)
-        w = tl.load(w_rows + kk[None, :] * s_wk, mask=cm[:, None] & km[None, :], other=0.0)
+        wt = tl.load(w_rows + kk[None, :] * s_wk, mask=cm[:, None] & km[None, :], other=0.0)
+        if FP8:
+            first = (col0 + k0) // FP8_BLOCK
+            scale = tl.load(sc_rows + first, mask=cm, other=1.0)[:, None]
+            if STRADDLE:  # a virtual expert starts mid-block: its tiles may reach into the next column
+                last = (col0 + tl.minimum(k0 + BK, hi) - 1) // FP8_BLOCK
+                after = tl.load(sc_rows + last, mask=cm, other=1.0)[:, None]
+                scale = tl.where(((col0 + kk) // FP8_BLOCK == first)[None, :], scale, after)
+            wt = (wt.to(tl.float32) * scale).to(a.dtype)
         if IEEE:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            acc = tl.dot(a, tl.trans(wt), acc, input_precision="ieee")
         else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    weight = tl.load(topk_w + slot, mask=valid, other=0.0)
+            acc = tl.dot(a, tl.trans(wt), acc)
+    # The routing weight of a routed slot; 1 for the shared expert's.
+    weight = tl.load(topk_w + slot, mask=valid & (slot < n_assign), other=1.0)
     acc = acc * weight[:, None]
-    at = (s * n_assign + slot).to(tl.int64)[:, None] * H + cols[None, :]
+    at = (s * n_slots + slot).to(tl.int64)[:, None] * H + cols[None, :]
     tl.store(part + at, acc, mask=valid[:, None] & cm[None, :])
 
 
@@ -537,9 +679,11 @@ def _combine_kernel(
     T,
     H,
     n_assign,
+    n_slots,
+    n_virt,
     e0,
     e1,
-    S,
+    SPLIT,
     TOP_K: tl.constexpr,
     BT: tl.constexpr,
     BH: tl.constexpr,
@@ -553,38 +697,69 @@ def _combine_kernel(
         slot = rows * TOP_K + j
         eid = tl.load(topk_ids + slot, mask=live, other=-1)
         ok = live & (eid >= e0) & (eid < e1)
-        for s in range(S):
-            at = (s * n_assign + slot).to(tl.int64)[:, None] * H + cols[None, :]
+        for s in range(SPLIT):
+            at = (s * n_slots + slot).to(tl.int64)[:, None] * H + cols[None, :]
             acc += tl.load(part + at, mask=ok[:, None] & cm[None, :], other=0.0)
+    for v in range(n_virt):  # the shared expert's slots after the routed ones: a fixed order
+        slot = n_assign + v * T + rows
+        for s in range(SPLIT):
+            at = (s * n_slots + slot).to(tl.int64)[:, None] * H + cols[None, :]
+            acc += tl.load(part + at, mask=live[:, None] & cm[None, :], other=0.0)
     o = out + rows.to(tl.int64)[:, None] * s_ot + cols[None, :] * s_oh
     tl.store(o, acc.to(out.dtype.element_ty), mask=live[:, None] & cm[None, :])
 
 
 # ------------------------------------------------------------------------------------------ driver
-class Workspace:
-    """The device buffers of one call (exposed for tests and the benchmark's plain-GEMM baseline)."""
+def virtual_experts(I, S):
+    """How many virtual experts of width I (the last one narrower) run a shared expert of width S."""
+    return triton.cdiv(S, I) if S else 0
 
-    def __init__(self, T, top_k, e_loc, I, H, dtype, device, cfg, distinct=True):
-        self.p_max, self.nb_max = buffer_sizes(T, top_k, e_loc, cfg.block_m, distinct)
-        n = T * top_k
+
+class Workspace:
+    """The device buffers of one call (exposed for tests and the benchmark's plain-GEMM baseline).
+    Slots: the routed pairs t*k + j, then the n_virt virtual experts' n_assign + v*T + t."""
+
+    def __init__(self, T, top_k, e_loc, I, H, dtype, device, cfg, distinct=True, n_virt=0):
+        self.p_max, self.nb_max = buffer_sizes(T, top_k, e_loc, cfg.block_m, distinct, n_virt)
+        self.T, self.n_virt = T, n_virt
+        self.n_assign = n = T * top_k
+        self.n_slots = n + n_virt * T
         self.meta = torch.zeros(2, dtype=torch.int32, device=device)  # [ticket, padded rows]
         self.topk_ids = torch.empty(n, dtype=torch.int32, device=device)
         self.topk_w = torch.empty(n, dtype=torch.float32, device=device)
         self.sorted_ids = torch.empty(self.p_max, dtype=torch.int32, device=device)
         self.block_expert = torch.empty(self.nb_max, dtype=torch.int32, device=device)
         self.act = torch.empty((self.p_max, I), dtype=dtype, device=device)
-        self.part = torch.empty((cfg.split_k, n, H), dtype=torch.float32, device=device)
+        self.part = torch.empty((cfg.split_k, self.n_slots, H), dtype=torch.float32, device=device)
 
 
-def _align_args(e_loc, cfg):
+def _align_args(e_loc, cfg, n_virt=0):
     """The alignment's tile constants (_align, fused in the route kernel or its own launch) for a
-    slice of e_loc local experts."""
-    el_pad = max(16, _pow2(e_loc))
+    slice of e_loc local experts and n_virt virtual ones."""
+    el_pad = max(16, _pow2(e_loc + n_virt))
     return dict(
         BLOCK_M=cfg.block_m,
         EL_PAD=el_pad,
         CH=max(16, ALIGN_TILE // el_pad),
         NBC=max(16, ALIGN_TILE // el_pad),
+    )
+
+
+def _align_launch(ws, e0, e_loc, cfg):
+    """The alignment as its own single-program launch."""
+    _align_kernel[(1,)](
+        ws.topk_ids,
+        ws.sorted_ids,
+        ws.block_expert,
+        ws.meta,
+        ws.T,
+        ws.n_assign,
+        e0,
+        e_loc,
+        ws.n_virt,
+        ws.nb_max,
+        **_align_args(e_loc, cfg, ws.n_virt),
+        num_warps=4,
     )
 
 
@@ -614,7 +789,6 @@ def route_and_align(
     rw = hidden if has_logits else router_weight
     bias = expert_bias if expert_bias is not None else ws.topk_w
     bt = cfg.route_bt
-    align_args = _align_args(e_loc, cfg)
     _route_kernel[(triton.cdiv(T, bt),)](
         hidden,
         hidden.stride(0),
@@ -640,6 +814,7 @@ def route_and_align(
         float(routed_scaling),
         e0,
         e_loc,
+        ws.n_virt,
         ws.nb_max,
         HAS_LOGITS=has_logits,
         HAS_BIAS=expert_bias is not None,
@@ -654,49 +829,90 @@ def route_and_align(
         BK=_route_bk(e_pad, H, cfg.route_dot),
         USE_DOT=cfg.route_dot,
         ALIGN=cfg.one_launch,
-        **align_args,
+        **_align_args(e_loc, cfg, ws.n_virt),
         num_warps=4 if e_pad <= 64 else 8,
     )
     if not cfg.one_launch:
-        _align_kernel[(1,)](
-            ws.topk_ids,
-            ws.sorted_ids,
-            ws.block_expert,
-            ws.meta,
-            T * top_k,
-            e0,
-            e_loc,
-            ws.nb_max,
-            **align_args,
-            num_warps=4,
-        )
+        _align_launch(ws, e0, e_loc, cfg)
 
 
-def experts(hidden, w13, w2, top_k, e0, e1, out, cfg, ws):
-    """Launches 2-4: GEMM 1 (+SiLU*mul), GEMM 2 (+routing weight), the ordered combine."""
+def _strides(t, n):
+    """t's last n strides, or n zeros for an absent tensor."""
+    return t.stride()[-n:] if t is not None else (0,) * n
+
+
+def experts(
+    hidden,
+    w13,
+    w2,
+    top_k,
+    e0,
+    e1,
+    out,
+    cfg,
+    ws,
+    *,
+    shared_w13=None,
+    shared_w2=None,
+    w13_scale=None,
+    w2_scale=None,
+    shared_w13_scale=None,
+    shared_w2_scale=None,
+):
+    """Launches 2-4: GEMM 1 (+SiLU*mul), GEMM 2 (+routing weight), the ordered combine; with a
+    shared expert (ws.n_virt virtual experts after the local ones) and FP8 weights when given."""
     T, H = hidden.shape
     I = w13.shape[1] // 2
-    n = T * top_k
+    S = shared_w13.shape[0] // 2 if shared_w13 is not None else 0
+    shared = S > 0
+    fp8 = w13.dtype == FP8_DTYPE
+    if fp8 and (FP8_BLOCK.value % cfg.bk1 or FP8_BLOCK.value % cfg.bk2):
+        raise ValueError(
+            f"config: bk1={cfg.bk1}, bk2={cfg.bk2} must divide {FP8_BLOCK.value} for FP8 weights"
+        )
+    if shared:
+        # One K stride for the routed and the shared weights (a select of two would hide a stride
+        # of 1 from the compiler, and with it the vectorised loads): the same when both are
+        # contiguous, as loaded weights are; anything else is made so.
+        if shared_w13.stride(-1) != w13.stride(-1):
+            w13, shared_w13 = w13.contiguous(), shared_w13.contiguous()
+        if shared_w2.stride(-1) != w2.stride(-1):
+            w2, shared_w2 = w2.contiguous(), shared_w2.contiguous()
+    # Absent tensors: any pointer of the right kind stands in (their code is compiled out).
+    sw13, sw2 = (shared_w13, shared_w2) if shared else (w13, w2)
+    dummy = ws.topk_w
+    s13, s2 = (w13_scale, w2_scale) if fp8 else (dummy, dummy)
+    ss13, ss2 = (shared_w13_scale, shared_w2_scale) if fp8 and shared else (dummy, dummy)
     ieee = hidden.dtype == torch.float32
     _gemm1_kernel[(ws.nb_max, triton.cdiv(I, cfg.bn1))](
         hidden,
         hidden.stride(0),
         hidden.stride(1),
         w13,
-        w13.stride(0),
-        w13.stride(1),
-        w13.stride(2),
+        *w13.stride(),
+        sw13,
+        sw13.stride(-2),
+        s13,
+        *_strides(w13_scale, 3)[:2],
+        ss13,
+        _strides(shared_w13_scale, 2)[0],
         ws.act,
         ws.sorted_ids,
         ws.block_expert,
-        n,
+        ws.n_assign,
+        ws.n_slots,
+        T,
         H,
         I,
+        S,
+        e1 - e0,
         TOP_K=top_k,
         BLOCK_M=cfg.block_m,
         BN=cfg.bn1,
         BK=cfg.bk1,
         IEEE=ieee,
+        SHARED=shared,
+        FP8=fp8,
         num_warps=cfg.warps1,
         num_stages=cfg.stages1,
     )
@@ -706,21 +922,31 @@ def experts(hidden, w13, w2, top_k, e0, e1, out, cfg, ws):
     _gemm2_kernel[(ws.nb_max, triton.cdiv(H, cfg.bn2), split)](
         ws.act,
         w2,
-        w2.stride(0),
-        w2.stride(1),
-        w2.stride(2),
+        *w2.stride(),
+        sw2,
+        sw2.stride(-2),
+        s2,
+        *_strides(w2_scale, 3)[:2],
+        ss2,
+        _strides(shared_w2_scale, 2)[0],
         ws.part,
         ws.topk_w,
         ws.sorted_ids,
         ws.block_expert,
-        n,
+        ws.n_assign,
+        ws.n_slots,
         H,
         I,
+        S,
+        e1 - e0,
         k_chunk,
         BLOCK_M=cfg.block_m,
         BN=cfg.bn2,
         BK=cfg.bk2,
         IEEE=ieee,
+        SHARED=shared,
+        FP8=fp8,
+        STRADDLE=fp8 and shared and I % FP8_BLOCK.value != 0,
         num_warps=cfg.warps2,
         num_stages=cfg.stages2,
     )
@@ -737,7 +963,9 @@ def experts(hidden, w13, w2, top_k, e0, e1, out, cfg, ws):
         out.stride(1),
         T,
         H,
-        n,
+        ws.n_assign,
+        ws.n_slots,
+        ws.n_virt,
         e0,
         e1,
         split,
@@ -753,18 +981,7 @@ def align_given(topk_ids, topk_weights, e0, e_loc, cfg, ws):
     n = ws.topk_ids.numel()
     ws.topk_ids.copy_(given_topk(topk_ids, topk_weights, e0, e_loc)[0].view(n))
     ws.topk_w.copy_(topk_weights.reshape(n))
-    _align_kernel[(1,)](
-        ws.topk_ids,
-        ws.sorted_ids,
-        ws.block_expert,
-        ws.meta,
-        n,
-        e0,
-        e_loc,
-        ws.nb_max,
-        **_align_args(e_loc, cfg),
-        num_warps=4,
-    )
+    _align_launch(ws, e0, e_loc, cfg)
 
 
 def moe(
@@ -785,6 +1002,12 @@ def moe(
     expert_offset: int,
     topk_ids=None,
     topk_weights=None,
+    shared_w13=None,
+    shared_w2=None,
+    w13_scale=None,
+    w2_scale=None,
+    shared_w13_scale=None,
+    shared_w2_scale=None,
     config=None,
 ) -> None:
     """Writes out [T, H]; `config` (a MoeConfig or a dict of overrides) is for tests and tuning."""
@@ -797,12 +1020,13 @@ def moe(
     # The router's experts; a given top-k has none (its slice stands for them in the tile heuristics).
     E = e_loc if given else (router_weight.shape[0] if router_weight is not None else router_logits.shape[1])
     e0, e1 = expert_offset, expert_offset + e_loc
-    cfg = choose_config(T, top_k, E, e_loc, H, I, hidden.dtype)
+    n_virt = virtual_experts(I, shared_w13.shape[0] // 2 if shared_w13 is not None else 0)
+    cfg = choose_config(T, top_k, E, e_loc, H, I, hidden.dtype, n_virt=n_virt, weight_dtype=w13.dtype)
     if isinstance(config, MoeConfig):
         cfg = config
     elif config:
         cfg = replace(cfg, **config)
-    ws = Workspace(T, top_k, e_loc, I, H, hidden.dtype, hidden.device, cfg, distinct=not given)
+    ws = Workspace(T, top_k, e_loc, I, H, hidden.dtype, hidden.device, cfg, distinct=not given, n_virt=n_virt)
     if given:
         align_given(topk_ids, topk_weights, e0, e_loc, cfg, ws)
     else:
@@ -823,4 +1047,20 @@ def moe(
             cfg,
             ws,
         )
-    experts(hidden, w13, w2, top_k, e0, e1, out, cfg, ws)
+    experts(
+        hidden,
+        w13,
+        w2,
+        top_k,
+        e0,
+        e1,
+        out,
+        cfg,
+        ws,
+        shared_w13=shared_w13,
+        shared_w2=shared_w2,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
+        shared_w13_scale=shared_w13_scale,
+        shared_w2_scale=shared_w2_scale,
+    )

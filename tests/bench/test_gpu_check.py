@@ -140,7 +140,7 @@ def test_dry_run_of_the_one_call(tmp_path):
     written = [name for name in raw if name.endswith(".json") and name not in ("selftest.json",)]
     assert written and all(name.endswith("_cpu.json") for name in written), written
     if steps["hero"]["rc"] == "0":
-        assert {"moe_lladamoe_cpu.json", "moe_llada2_cpu.json", "attention_hero_cpu.json"} <= raw
+        assert {"moe_llada-moe_cpu.json", "moe_llada2-mini_cpu.json", "attention_hero_cpu.json"} <= raw
         for name in written:
             assert rep["benchmarks"][name]["complete"], name
             assert f"### {name}" in md

@@ -5,7 +5,8 @@ Backends are called directly with a NaN-poisoned, caller-allocated output (an un
 fails), and through the public op. Without a GPU the Triton kernels run in the interpreter
 (conftest sets TRITON_INTERPRET): shapes stay small (H/I = 200/72, not powers of two), fp32 and
 fp16 only (the interpreter's bf16 arithmetic is unreliable); some cases widen the GEMM tiles to keep
-the interpreter's program count down. bf16 runs on the host kernel and on a GPU; the LLaDA-MoE shape
+the interpreter's program count down. A shared expert and FP8 expert weights (issue 40) run through
+the same checks; the FP8 truth is the reference on the weights dequantised in float64. bf16 runs on the host kernel and on a GPU; the LLaDA-MoE shape
 on a GPU only.
 Tolerance: conftest.assert_precision — the error against the float64 truth is at most twice that of
 the reference run in the same dtype, plus a few fp32 ulps of the output's magnitude.
@@ -44,6 +45,30 @@ def make(T, E, dtype=torch.float32, h=H, inter=I, seed=0, scale=0.3):
     return a["hidden"], a["router_weight"], a["w13"], a["w2"]
 
 
+def make_shared(S, dtype=torch.float32, h=H, seed=0, scale=0.9):
+    """A shared expert of width S, scaled like make()'s experts: {shared_w13 [2S, h], shared_w2 [h, S]}."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    return dict(
+        shared_w13=(torch.randn(2 * S, h, generator=g) * scale / h**0.5).to(dtype),
+        shared_w2=(torch.randn(h, S, generator=g) * scale / S**0.5).to(dtype),
+    )
+
+
+def quantized(w13, w2, shared=None):
+    """The experts (and a shared expert) in FP8 with their block scales: (w13, w2, the moe keywords)."""
+    q13, s13 = dk.fp8_block_quantize(w13, halves=2)
+    q2, s2 = dk.fp8_block_quantize(w2)
+    kw = dict(w13_scale=s13, w2_scale=s2)
+    if shared is not None:
+        kw["shared_w13"], kw["shared_w13_scale"] = dk.fp8_block_quantize(shared["shared_w13"], halves=2)
+        kw["shared_w2"], kw["shared_w2_scale"] = dk.fp8_block_quantize(shared["shared_w2"])
+    return q13, q2, kw
+
+
+# moe's keywords of issue 40: a backend receives each only when given (as through the public op).
+WEIGHT_KW = ("shared_w13", "shared_w2", "w13_scale", "w2_scale", "shared_w13_scale", "shared_w2_scale")
+
+
 def call_backend(
     backend,
     device,
@@ -64,9 +89,13 @@ def call_backend(
     topk_ids=None,
     topk_weights=None,
     config=None,
+    **weights,
 ):
-    """The backend's internal entry with a NaN-poisoned output (w13 / w2: the local experts)."""
+    """The backend's internal entry with a NaN-poisoned output (w13 / w2: the local experts; weights:
+    the WEIGHT_KW given)."""
     mv = lambda t: None if t is None else t.to(device)
+    assert set(weights) <= set(WEIGHT_KW), set(weights) - set(WEIGHT_KW)
+    weights = {name: t.to(device) for name, t in weights.items() if t is not None}
     hidden_d = hidden.to(device)
     if topk_ids is not None:  # a given top-k: no router
         router = None
@@ -88,6 +117,7 @@ def call_backend(
             routed_scaling=routed_scaling,
             expert_offset=expert_offset,
             backend="torch",
+            **weights,
         ).cpu()
     out = torch.full(hidden.shape, float("nan"), dtype=hidden.dtype, device=device)
     mod = importlib.import_module(f"dinfer_kernels.{backend}.moe")
@@ -109,24 +139,38 @@ def call_backend(
         expert_offset=expert_offset,
         topk_ids=mv(topk_ids),
         topk_weights=mv(topk_weights),
+        **weights,
         **kw,
     )
     return out.cpu()
 
 
 def local(w13, w2, kw):
-    """(w13, w2, kw) of the local experts kw["experts"] = (e0, e1) (expert_offset e0), or all."""
+    """(w13, w2, kw) of the local experts kw["experts"] = (e0, e1) (expert_offset e0), or all (FP8
+    block scales sliced with them)."""
     kw = dict(kw)
     e0, e1 = kw.pop("experts", (0, w13.shape[0]))
+    for name in ("w13_scale", "w2_scale"):
+        if kw.get(name) is not None:
+            kw[name] = kw[name][e0:e1].contiguous()
     return w13[e0:e1].contiguous(), w2[e0:e1].contiguous(), dict(kw, expert_offset=e0)
 
 
+def _float64(w, scale, halves=1):
+    """A weight in float64; FP8 weights dequantised with their block scales."""
+    return w.double() if scale is None else dk.fp8_block_dequantize(w, scale, torch.float64, halves=halves)
+
+
 def moe_truth(hidden, router, w13, w2, top_k, **kw):
-    """The float64 reference: what every comparison's error is measured against."""
+    """The float64 reference: what every comparison's error is measured against (FP8 weights
+    dequantised in float64)."""
     w13, w2, kw = local(w13, w2, kw)
-    return moe_reference(
-        hidden.double(), router, w13.double(), w2.double(), top_k, compute_dtype=torch.float64, **kw
-    )
+    w13 = _float64(w13, kw.pop("w13_scale", None), 2)
+    w2 = _float64(w2, kw.pop("w2_scale", None))
+    if kw.get("shared_w13") is not None:
+        kw["shared_w13"] = _float64(kw["shared_w13"], kw.pop("shared_w13_scale", None), 2)
+        kw["shared_w2"] = _float64(kw["shared_w2"], kw.pop("shared_w2_scale", None))
+    return moe_reference(hidden.double(), router, w13, w2, top_k, compute_dtype=torch.float64, **kw)
 
 
 def check(backend, device, hidden, router, w13, w2, top_k, name="moe", config=None, **kw):
@@ -518,17 +562,29 @@ def test_triton_configs(device, overrides):
 
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize(
-    "T,k,e0,e1,block_m", [(37, 3, 0, 8, 16), (5, 2, 3, 6, 16), (64, 8, 0, 8, 32), (3, 1, 7, 8, 16)]
+    "T,k,e0,e1,block_m,n_virt",
+    [
+        (37, 3, 0, 8, 16, 0),
+        (5, 2, 3, 6, 16, 0),
+        (64, 8, 0, 8, 32, 0),
+        (3, 1, 7, 8, 16, 0),
+        (37, 3, 2, 5, 16, 3),
+    ]
+    + [(5, 2, 0, 8, 16, 1), (64, 8, 7, 8, 32, 2)],
 )
-def test_triton_alignment(device, T, k, e0, e1, block_m):
-    """The permuted list: each local slot once, token-major inside its expert's padded segment;
-    padding = the sentinel T*k; block_expert names each block's expert, -1 past the end."""
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_triton_alignment(device, T, k, e0, e1, block_m, n_virt, one_launch):
+    """The permuted list: each local slot once, token-major inside its expert's padded segment, then
+    each virtual expert of a shared expert (every token: slots T*k + v*T + t); padding = the sentinel
+    T*(k + n_virt); block_expert names each block's expert, -1 past the end."""
     from dinfer_kernels.triton import moe as tm
 
     E = 8
     hidden, router, w13, w2 = make(T, E, seed=5)
-    cfg = tm.replace(tm.choose_config(T, k, E, e1 - e0, H, I, torch.float32), block_m=block_m)
-    ws = tm.Workspace(T, k, e1 - e0, I, H, torch.float32, device, cfg)
+    cfg = tm.replace(
+        tm.choose_config(T, k, E, e1 - e0, H, I, torch.float32), block_m=block_m, one_launch=one_launch
+    )
+    ws = tm.Workspace(T, k, e1 - e0, I, H, torch.float32, device, cfg, n_virt=n_virt)
     ws.sorted_ids.fill_(-7)
     ws.block_expert.fill_(-7)
     tm.route_and_align(
@@ -540,20 +596,40 @@ def test_triton_alignment(device, T, k, e0, e1, block_m):
     w_truth = naive_route(hidden.double() @ router.double().t(), k, False, None, "softmax", 1, 1, 1.0)[0]
     assert_precision(ws.topk_w.cpu().view(T, k), w_ref, w_truth, "routing weights")
     flat = ids.flatten()
-    counts = [int((flat == e).sum()) for e in range(e0, e1)]
-    padded = [-(-c // block_m) * block_m for c in counts]
+    members = [torch.nonzero(flat == e).flatten().tolist() for e in range(e0, e1)]
+    members += [list(range(T * k + v * T, T * k + (v + 1) * T)) for v in range(n_virt)]
+    padded = [-(-len(m) // block_m) * block_m for m in members]
     total = sum(padded)
     assert int(ws.meta[1]) == total <= ws.p_max
     sorted_ids = ws.sorted_ids.cpu()[:total].tolist()
     pos = 0
-    for e, c, p in zip(range(e0, e1), counts, padded):
-        expect = torch.nonzero(flat == e).flatten().tolist()
+    for expect, p in zip(members, padded):
+        c = len(expect)
         assert sorted_ids[pos : pos + c] == expect
-        assert sorted_ids[pos + c : pos + p] == [T * k] * (p - c)
+        assert sorted_ids[pos + c : pos + p] == [T * (k + n_virt)] * (p - c)
         pos += p
     be = ws.block_expert.cpu().tolist()
-    expect_be = [e - e0 for e, p in zip(range(e0, e1), padded) for _ in range(p // block_m)]  # local
+    expect_be = [e for e, p in enumerate(padded) for _ in range(p // block_m)]  # local
     assert be == expect_be + [-1] * (ws.nb_max - len(expect_be))
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_triton_tiles_for_fp8_weights(device):
+    """Every chosen K tile divides an FP8 scale block (a tile lies in one scale column), FP8 weights
+    count 1 byte a stage (never fewer stages than 16-bit ones), and a config whose K tile does not
+    divide the block is refused, naming it."""
+    from dinfer_kernels.triton import moe as tm
+
+    for T, k, E, h, inter in [(1, 8, 256, 2048, 512), (32, 8, 64, 2048, 1024), (4096, 8, 64, 4096, 1536)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            plain = tm.choose_config(T, k, E, E, h, inter, dtype, n_virt=1)
+            fp8 = tm.choose_config(T, k, E, E, h, inter, dtype, n_virt=1, weight_dtype=torch.float8_e4m3fn)
+            assert dk.FP8_BLOCK % fp8.bk1 == 0 and dk.FP8_BLOCK % fp8.bk2 == 0
+            assert fp8.stages1 >= plain.stages1 and fp8.stages2 >= plain.stages2
+    hidden, router, w13, w2 = make(3, 4)
+    q13, q2, kw = quantized(w13, w2)
+    with pytest.raises(ValueError, match="^config"):
+        call_backend("triton", device, hidden, router, q13, q2, 2, config={"bk1": 256}, **kw)
 
 
 @pytest.mark.parametrize("device", triton_devices())
@@ -571,6 +647,11 @@ def test_triton_garbage_workspace_never_leaks(device, monkeypatch):
     hidden, router, w13, w2 = make(20, 8)
     check("triton", device, hidden, router, w13, w2, 2, config={"split_k": 2, "bk2": 32})
     check("triton", device, hidden, router, w13, w2, 2, experts=(1, 4))
+    # A shared expert of 2 virtual experts (the last 28 wide: act columns past it stay unwritten), FP8.
+    q13, q2, kw = quantized(w13, w2, make_shared(100))
+    check(
+        "triton", device, hidden, router, q13, q2, 2, experts=(1, 4), config={"split_k": 2, "bk2": 32}, **kw
+    )
 
 
 # ---- local experts and a given top-k (expert parallelism) ---------------------------------------------
@@ -715,6 +796,163 @@ def test_bad_given_topk_and_offsets_name_the_argument():
         dk.moe_route(hidden, router, 9)
 
 
+# ---- a shared expert and FP8 weights (issue 40) --------------------------------------------------------
+
+# (T, E, k, S, dtype): S = I (one virtual expert of the Triton kernels), S < I, S > I and no multiple of
+# it (72 + 72 + 6), one token and primes; bf16 where the interpreter is not involved.
+SHARED_CASES = [
+    (1, 8, 2, I, torch.float32),
+    (13, 7, 3, 150, torch.float16),
+    (31, 8, 2, 40, torch.float32),
+    (17, 8, 2, 150, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("backend,device", ALL_PAIRS)
+@pytest.mark.parametrize("T,E,k,S,dtype", SHARED_CASES)
+@pytest.mark.usefixtures("host_isa")
+def test_shared_expert_against_reference(backend, device, T, E, k, S, dtype):
+    """Every token takes the shared expert with weight 1, added to the routed sum: with the router,
+    router logits, a given top-k, and on slices of the local experts (expert_offset)."""
+    if not dtype_ok(backend, device, dtype):
+        pytest.skip("bf16 under the Triton interpreter")
+    hidden, router, w13, w2 = make(T, E, dtype, seed=T)
+    shared = make_shared(S, dtype, seed=T)
+    check(backend, device, hidden, router, w13, w2, k, config=WIDE, **shared)
+    check(backend, device, hidden, router, w13, w2, k, experts=(2, 5), config=WIDE, **shared)
+    logits = torch.randn(T, E)
+    check(backend, device, hidden, router, w13, w2, k, router_logits=logits, experts=(E - 1, E), **shared)
+    ids, w = given_topk(T, E, k, seed=T)
+    check(backend, device, hidden, None, w13, w2, k, topk_ids=ids, topk_weights=w, experts=(1, 4), **shared)
+
+
+@pytest.mark.parametrize("backend,device", ALL_PAIRS)
+@pytest.mark.usefixtures("host_isa")
+def test_shared_expert_with_llada2_routing_and_no_routed_rows(backend, device):
+    """LLaDA2's grouped sigmoid routing (renormalised, scaled by 2.5: the shared expert is not); a
+    slice nobody routes to and a given top-k that never names the slice give the shared expert alone."""
+    hidden, router, w13, w2 = make(11, 8, seed=3)
+    shared = make_shared(96, seed=3)
+    kw = dict(scoring="sigmoid", num_groups=4, topk_groups=2, renormalize=True, routed_scaling=2.5)
+    bias = torch.rand(8) * 0.1
+    check(backend, device, hidden, router, w13, w2, 3, expert_bias=bias, config=WIDE, **kw, **shared)
+    check(backend, device, hidden, router, w13, w2, 3, experts=(2, 5), expert_bias=bias, **kw, **shared)
+    logits = torch.randn(11, 8)
+    logits[:, 2:4] = -40.0  # experts 2 and 3: no token
+    alone = check(backend, device, hidden, router, w13, w2, 2, router_logits=logits, experts=(2, 4), **shared)
+    ids = torch.full((11, 2), 7)
+    also = check(
+        backend,
+        device,
+        hidden,
+        None,
+        w13,
+        w2,
+        2,
+        topk_ids=ids,
+        topk_weights=torch.rand(11, 2),
+        experts=(2, 4),
+        **shared,
+    )
+    assert torch.equal(alone, also)
+    assert alone.abs().amax() > 0
+    # Shared weights stored column-major (their K stride is not 1).
+    strided = {name: t.t().contiguous().t() for name, t in shared.items()}
+    check(backend, device, hidden, router, w13, w2, 2, router_logits=logits, experts=(1, 4), **strided)
+
+
+# (T, E, k, h, inter, S, dtype): I = 72 (one partial scale block, no multiple of 16), I = 200 over two
+# blocks with H = 300 over three; S = 0 (none), S = 150 whose second virtual expert starts mid-block.
+FP8_CASES = [
+    (1, 8, 2, H, I, 0, torch.float32),
+    (13, 8, 3, H, I, 150, torch.float16),
+    (5, 4, 2, 300, 200, 300, torch.float32),
+    (17, 8, 2, H, I, 150, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("backend,device", ALL_PAIRS)
+@pytest.mark.parametrize("T,E,k,h,inter,S,dtype", FP8_CASES)
+@pytest.mark.usefixtures("host_isa")
+def test_fp8_weights_against_reference(backend, device, T, E, k, h, inter, S, dtype):
+    """float8_e4m3fn experts with 128 x 128 block scales (and a shared expert in FP8 when S > 0),
+    against the truth on the float64-dequantised weights; with a slice of local experts."""
+    if not dtype_ok(backend, device, dtype):
+        pytest.skip("bf16 under the Triton interpreter")
+    hidden, router, w13, w2 = make(T, E, dtype, h=h, inter=inter, seed=T)
+    q13, q2, kw = quantized(w13.float(), w2.float(), make_shared(S, h=h, seed=T) if S else None)
+    check(backend, device, hidden, router, q13, q2, k, config=WIDE, **kw)
+    check(backend, device, hidden, router, q13, q2, k, experts=(1, 3), config=WIDE, **kw)
+
+
+@pytest.mark.parametrize("backend,device", ALL_PAIRS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.usefixtures("host_isa")
+def test_fp8_call_equals_the_call_on_dequantised_weights(backend, device, dtype):
+    """The contract's dequantisation (fp32 product rounded to the activations' dtype) is what the
+    backend computes with: the FP8 call equals the call on fp8_block_dequantize's weights, to a few
+    fp32 ulps with fp32 activations, within the same-precision bound in fp16. LLaDA2's routing, a
+    shared expert over three virtual experts, a slice of local experts."""
+    hidden, router, w13, w2 = make(9, 8, dtype, seed=5)
+    q13, q2, kw = quantized(w13.float(), w2.float(), make_shared(150, seed=5))
+    deq = dict(
+        shared_w13=dk.fp8_block_dequantize(kw["shared_w13"], kw["shared_w13_scale"], dtype, halves=2),
+        shared_w2=dk.fp8_block_dequantize(kw["shared_w2"], kw["shared_w2_scale"], dtype),
+    )
+    w13_d = dk.fp8_block_dequantize(q13, kw["w13_scale"], dtype, halves=2)
+    w2_d = dk.fp8_block_dequantize(q2, kw["w2_scale"], dtype)
+    routing = dict(scoring="sigmoid", num_groups=4, topk_groups=2, renormalize=True, routed_scaling=2.5)
+    routing["expert_bias"] = torch.rand(8) * 0.1
+    e0, e1 = 1, 6
+    fp8_kw = dict(kw, w13_scale=kw["w13_scale"][e0:e1], w2_scale=kw["w2_scale"][e0:e1])
+    args = (backend, device, hidden, router)
+    got = call_backend(*args, q13[e0:e1], q2[e0:e1], 3, expert_offset=e0, config=WIDE, **routing, **fp8_kw)
+    want = call_backend(*args, w13_d[e0:e1], w2_d[e0:e1], 3, expert_offset=e0, config=WIDE, **routing, **deq)
+    assert not got.isnan().any()
+    if dtype == torch.float32:
+        assert_precision(got, want, want, "FP8 against its dequantised weights")
+    else:
+        truth = moe_truth(hidden, router, q13, q2, 3, experts=(e0, e1), **routing, **kw)
+        assert_precision(got, want, truth, "FP8 against its dequantised weights")
+
+
+def test_bad_shared_and_fp8_inputs_name_the_argument():
+    hidden, router, w13, w2 = make(4, 8, inter=130)
+    sh = make_shared(20)
+    q13, q2, kw = quantized(w13, w2, make_shared(20))
+    plain = dict(w13=w13, w2=w2)
+    fp8 = dict(w13=q13, w2=q2, w13_scale=kw["w13_scale"], w2_scale=kw["w2_scale"])
+    fp8_shared = dict(fp8, **kw)
+    cases = [
+        (dict(plain, shared_w13=sh["shared_w13"]), "shared_w2"),
+        (dict(plain, shared_w2=sh["shared_w2"]), "shared_w13"),
+        (dict(plain, shared_w13=sh["shared_w13"][:-1], shared_w2=sh["shared_w2"]), "shared_w13"),
+        (dict(plain, shared_w13=sh["shared_w13"][:, :-1], shared_w2=sh["shared_w2"]), "shared_w13"),
+        (dict(plain, shared_w13=sh["shared_w13"], shared_w2=sh["shared_w2"][:, :-1]), "shared_w2"),
+        (dict(plain, shared_w13=sh["shared_w13"].half(), shared_w2=sh["shared_w2"]), "shared_w13"),
+        (dict(plain, shared_w13=sh["shared_w13"][None], shared_w2=sh["shared_w2"]), "shared_w13"),
+        (dict(plain, w13_scale=kw["w13_scale"]), "w13_scale"),
+        (dict(plain, **sh, shared_w13_scale=kw["shared_w13_scale"]), "shared_w13_scale"),
+        (dict(fp8, w13_scale=None), "w13_scale"),
+        (dict(fp8, w2_scale=None), "w2_scale"),
+        (dict(fp8, w2=w2), "w2"),
+        (dict(fp8, w13_scale=kw["w13_scale"].half()), "w13_scale"),
+        (dict(fp8, w13_scale=kw["w13_scale"][:, :-1]), "w13_scale"),  # the plain grid of 2I rows
+        (dict(fp8, w2_scale=kw["w2_scale"][:-1]), "w2_scale"),
+        (dict(fp8, w2_scale=kw["w2_scale"].transpose(1, 2).contiguous().transpose(1, 2)), "w2_scale"),
+        (dict(fp8, shared_w13_scale=kw["shared_w13_scale"]), "shared_w13_scale"),  # no shared expert
+        (dict(fp8, shared_w13=kw["shared_w13"], shared_w2=kw["shared_w2"]), "shared_w13_scale"),
+        (dict(fp8_shared, shared_w2_scale=None), "shared_w2_scale"),
+        (dict(fp8_shared, shared_w2_scale=kw["shared_w2_scale"][:, :0]), "shared_w2_scale"),
+        (dict(fp8_shared, shared_w13=sh["shared_w13"]), "shared_w13"),  # fp32 next to FP8 experts
+        (dict(plain, shared_w13=kw["shared_w13"], shared_w2=kw["shared_w2"]), "shared_w13"),
+    ]
+    for args, name in cases:
+        args = dict(args)
+        with pytest.raises((ValueError, TypeError), match=f"^{name}"):
+            dk.moe(hidden, router, args.pop("w13"), args.pop("w2"), 2, **args)
+
+
 # ---- the public op -----------------------------------------------------------------------------------
 
 
@@ -829,12 +1067,40 @@ def test_opcheck(backend, device):
         *plain,
         backend,
     )
+    # FP8 experts and an FP8 shared expert on a slice, from router logits.
+    q13, q2, kw = quantized(w13, w2, make_shared(80))
+    weights = [d(kw[name]) for name in WEIGHT_KW]
+    weights[2:4] = [d(kw["w13_scale"][2:6]), d(kw["w2_scale"][2:6])]
+    issue40 = (
+        d(hidden.half()),
+        None,
+        d(torch.randn(3, 8)),
+        None,
+        None,
+        d(q13[2:6]),
+        d(q2[2:6]),
+        3,
+        False,
+        0,
+        None,
+        1,
+        1,
+        1.0,
+        2,
+        *weights,
+        backend,
+    )
     for args in (routed, given):
         torch.library.opcheck(
             torch.ops.dinfer.moe.default,
             args,
             test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
         )
+    # test_schema's mutation check compares every input with allclose, which torch lacks for
+    # float8_e4m3fn: the schema is the one checked above; the rest runs with FP8 inputs.
+    torch.library.opcheck(
+        torch.ops.dinfer.moe.default, issue40, test_utils=("test_faketensor", "test_aot_dispatch_dynamic")
+    )
 
 
 @pytest.mark.parametrize("backend,device", ALL_PAIRS)
@@ -865,6 +1131,16 @@ def test_torch_compile_fullgraph(backend, device):
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(d(hidden), d(router), d(w13), d(w2))
     torch.testing.assert_close(got, f(d(hidden), d(router), d(w13), d(w2)), rtol=1e-5, atol=1e-5)
 
+    q13, q2, kw = quantized(w13, w2, make_shared(80))
+    kw = {name: d(t) for name, t in kw.items()}
+
+    def g(x, r, a, b):  # FP8 experts and shared expert
+        return dk.moe(x * 2.0, r, a, b, 2, backend=backend, **kw) + 1.0
+
+    torch._dynamo.reset()
+    got = torch.compile(g, fullgraph=True, backend="aot_eager")(d(hidden), d(router), d(q13), d(q2))
+    assert torch.equal(got, g(d(hidden), d(router), d(q13), d(q2)))
+
 
 # ---- GPU only: the LLaDA-MoE shape, bf16, CUDA graphs ---------------------------------------------
 
@@ -888,9 +1164,44 @@ def test_llada_moe_shape_gpu(backend, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b, d in KERNEL_PAIRS if d == GPU])
-def test_cuda_graph_capture_gpu(backend):
-    hidden, router, w13, w2 = [t.to(GPU) for t in make(64, 64, torch.bfloat16, h=256, inter=128)]
-    kw = dict(
+@pytest.mark.parametrize("T", [1, 32, 512])
+def test_llada2_shape_shared_fp8_gpu(backend, T):
+    """LLaDA2-mini's expert shapes (H 2048, I = S = 512, grouped sigmoid routing, a shared expert)
+    with FP8 experts in bf16, on 64 of its experts (the weights stay small)."""
+    E, h, inter = 64, 2048, 512
+    hidden, router, w13, w2 = make(T, E, torch.bfloat16, h=h, inter=inter)
+    dev = lambda t: t.to(GPU)
+    q13, q2, kw = quantized(dev(w13).float(), dev(w2).float(), make_shared(inter, h=h))
+    kw.update(
+        scoring="sigmoid",
+        expert_bias=torch.rand(E) * 0.1,
+        num_groups=8,
+        topk_groups=4,
+        renormalize=True,
+        routed_scaling=2.5,
+    )
+    kw = {name: dev(t) if isinstance(t, torch.Tensor) else t for name, t in kw.items()}
+    hidden, router = dev(hidden), dev(router)
+    out = call_backend(backend, GPU, hidden, router, q13, q2, 8, **kw)
+    same = moe_reference(hidden, router, q13, q2, 8, **kw).cpu()
+    truth = moe_truth(hidden, router, q13, q2, 8, **kw).cpu()
+    assert not out.isnan().any()
+    assert_precision(out, same, truth, f"LLaDA2 shape T={T}[{backend}]")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [b for b, d in KERNEL_PAIRS if d == GPU])
+@pytest.mark.parametrize("variant", ["bf16", "shared_fp8"])
+def test_cuda_graph_capture_gpu(backend, variant):
+    """Grids and buffers fixed by the shapes: a captured call replays on new hidden states (with a
+    shared expert and FP8 weights too: the virtual experts' rows are fixed by T)."""
+    hidden, router, w13, w2 = make(64, 64, torch.bfloat16, h=256, inter=128)
+    kw = {}
+    if variant == "shared_fp8":
+        w13, w2, kw = quantized(w13.float(), w2.float(), make_shared(200, h=256))
+    hidden, router, w13, w2 = [t.to(GPU) for t in (hidden, router, w13, w2)]
+    kw = {name: t.to(GPU) for name, t in kw.items()}
+    kw.update(
         scoring="sigmoid",
         expert_bias=torch.rand(64, device=GPU) * 0.1,
         num_groups=8,
