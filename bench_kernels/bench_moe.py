@@ -32,6 +32,11 @@ of the same drawn values; activations stay in --dtype). Methods (--methods picks
                     (fp8: its weights dequantised per call)
   ours              dinfer_kernels.moe(backend=b), shared expert and scales passed to the op, for the
                     kernel backends available here (--backends: a subset)
+  ours_grouped_mm   "ours, GEMMs by torch._grouped_mm": the Triton backend with config gemm =
+                    "grouped_mm" (our routing, alignment, silu*mul and combine around torch's grouped
+                    GEMMs, dinfer_kernels/triton/_moe_grouped_mm.py): the delegation the default
+                    takes where this row wins (weights in the activations' dtype, where the triton
+                    backend and torch._grouped_mm both run)
 The torch._grouped_mm rows need a torch that has it (on a GPU: SM80+, bf16) and weights in the
 activations' dtype (it has no 128 x 128 block-scaled FP8); a note says where they did not run.
 Measured in the same run: the bandwidth yardsticks of timing.py (copy, read-only kernel; beside the
@@ -65,7 +70,7 @@ SMALL = {
     "llada2-mini": dict(experts=16, hidden=256, inter=64, shared=64),
 }
 BIAS_SCALE = 0.05  # LLaDA2's expert bias: drawn, as the synthetic model's zeros would not be read
-METHODS = ("torch_loop", "grouped_mm", "grouped_mm_alone", "triton_plain", "ours")
+METHODS = ("torch_loop", "grouped_mm", "grouped_mm_alone", "triton_plain", "ours", "ours_grouped_mm")
 
 
 def layer_shape(args):
@@ -361,6 +366,32 @@ def weight_bytes(call, touched):
     return touched * per_expert + shared
 
 
+def ours_grouped_mm(call):
+    """The Triton backend with its expert GEMMs delegated to torch._grouped_mm (a config override, not
+    reachable through dinfer_kernels.moe until a GPU run picks it)."""
+    from dinfer_kernels.triton.moe import moe as triton_moe
+
+    out = torch.empty_like(call["hidden"])
+    opts = dict(renormalize=False, scoring="softmax", num_groups=1, topk_groups=1, routed_scaling=1.0)
+    opts.update({name: call[name] for name in opts if name in call})
+    shared = {name: call[name] for name in ("shared_w13", "shared_w2") if call.get(name) is not None}
+    triton_moe(
+        call["hidden"],
+        call["router_weight"],
+        None,
+        call["w13"],
+        call["w2"],
+        call.get("expert_bias"),
+        out,
+        top_k=call["top_k"],
+        expert_offset=0,
+        config={"gemm": "grouped_mm"},
+        **opts,
+        **shared,
+    )
+    return out
+
+
 def grouped_mm_available(device, dtype):
     """torch._grouped_mm at this dtype: on a GPU its CUTLASS path (SM80+, bf16), on the host whatever
     this torch's fallback runs (a tiny call tried)."""
@@ -536,6 +567,9 @@ def run(args):
             for be in ours:
                 op = lambda i, be=be, c=call: dinfer_kernels.moe(**c, backend=be)
                 cases.append((f"ours_{be}", "ours moe", be, op, True, same))
+            if use_gmm and kind != "fp8" and "ours_grouped_mm" in methods and "triton" in ours:
+                op = lambda i, c=call: ours_grouped_mm(c)
+                cases.append(("ours_grouped_mm", "ours, GEMMs by _grouped_mm", "triton", op, True, same))
             rows_out = []
             for key, label, be, fn, graph, output in cases:
                 try:

@@ -54,6 +54,7 @@ import triton.language as tl
 
 from .. import fp8
 from .._moe_layout import given_topk
+from ._moe_grouped_mm import GROUPED_BLOCK_M, experts_grouped_mm
 
 # Programs wanted per launch: 2 per SM of an H200 (132 SMs). A constant, so tiles (and the summation
 # order of the split-K combine) do not depend on the device.
@@ -85,6 +86,9 @@ class MoeConfig:
     route_bt: int
     route_dot: bool
     one_launch: bool = ONE_LAUNCH
+    # The expert GEMMs: ours ("triton") or torch._grouped_mm behind our routing and combine
+    # ("grouped_mm", triton/_moe_grouped_mm.py; an override until a GPU run shows where it wins).
+    gemm: str = "triton"
 
 
 def _interpreted():
@@ -950,6 +954,12 @@ def experts(
         num_warps=cfg.warps2,
         num_stages=cfg.stages2,
     )
+    _combine(ws, out, top_k, e0, e1, split)
+
+
+def _combine(ws, out, top_k, e0, e1, split):
+    """Launch 4: out[t] = the sum of its slots' rows of part, routed then virtual, in that order."""
+    T, H = out.shape
     # The combine's tile does not change any sum (each element adds its slots in slot order), so the
     # interpreter, where every program costs, takes big ones.
     bh = min(1024, max(16, _pow2(H)))
@@ -1026,6 +1036,15 @@ def moe(
         cfg = config
     elif config:
         cfg = replace(cfg, **config)
+    grouped = cfg.gemm == "grouped_mm"
+    if grouped:
+        if w13.dtype == FP8_DTYPE:
+            raise ValueError(
+                "config: gemm='grouped_mm' takes no FP8 weights (torch._grouped_mm has no block scales)"
+            )
+        cfg = replace(cfg, block_m=GROUPED_BLOCK_M, split_k=1)
+    elif cfg.gemm != "triton":
+        raise ValueError(f"config: gemm must be 'triton' or 'grouped_mm', got {cfg.gemm!r}")
     ws = Workspace(T, top_k, e_loc, I, H, hidden.dtype, hidden.device, cfg, distinct=not given, n_virt=n_virt)
     if given:
         align_given(topk_ids, topk_weights, e0, e_loc, cfg, ws)
@@ -1047,6 +1066,10 @@ def moe(
             cfg,
             ws,
         )
+    if grouped:
+        experts_grouped_mm(hidden, w13, w2, top_k, ws, shared_w13=shared_w13, shared_w2=shared_w2)
+        _combine(ws, out, top_k, e0, e1, 1)
+        return
     experts(
         hidden,
         w13,

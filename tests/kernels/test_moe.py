@@ -560,6 +560,64 @@ def test_triton_configs(device, overrides):
     )
 
 
+GROUPED = {"gemm": "grouped_mm"}
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "T,E,k,S,experts",
+    [
+        (1, 8, 2, 0, (0, 8)),
+        (37, 8, 3, 0, (0, 8)),
+        (64, 16, 4, 0, (5, 11)),
+        (13, 8, 2, 29, (0, 8)),
+        (29, 8, 3, 40, (2, 6)),
+    ],
+)
+def test_triton_grouped_mm_path(device, dtype, T, E, k, S, experts):
+    """The expert GEMMs through torch._grouped_mm behind our routing and combine (config gemm =
+    "grouped_mm"): the same contract, with a shared expert and on a slice of local experts."""
+    hidden, router, w13, w2 = make(T, E, dtype, seed=T)
+    kw = make_shared(S, dtype) if S else {}
+    check("triton", device, hidden, router, w13, w2, k, config=GROUPED, experts=experts, **kw)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_triton_grouped_mm_path_given_topk_and_llada2_routing(device):
+    hidden, router, w13, w2 = make(23, 16, seed=4)
+    ids, weights = given_topk(23, 16, 3, seed=4)
+    check("triton", device, hidden, None, w13, w2, 3, config=GROUPED, topk_ids=ids, topk_weights=weights)
+    routing = dict(scoring="sigmoid", num_groups=4, topk_groups=2, renormalize=True, routed_scaling=2.5)
+    check(
+        "triton",
+        device,
+        hidden,
+        router,
+        w13,
+        w2,
+        4,
+        config=GROUPED,
+        expert_bias=torch.rand(16) * 0.1,
+        **routing,
+    )
+
+
+def test_triton_grouped_mm_path_refuses_fp8_and_unknown_gemms():
+    from dinfer_kernels.triton import moe as tm
+
+    hidden, router, w13, w2 = make(5, 8)
+    q13, q2, scales = quantized(w13, w2)
+    out = torch.empty_like(hidden)
+    args = dict(
+        top_k=2, renormalize=False, scoring="softmax", num_groups=1, topk_groups=1, routed_scaling=1.0
+    )
+    with pytest.raises(ValueError, match="config: gemm='grouped_mm' takes no FP8"):
+        tm.moe(hidden, router, None, q13, q2, None, out, expert_offset=0, config=GROUPED, **args, **scales)
+    with pytest.raises(ValueError, match="config: gemm must be"):
+        tm.moe(hidden, router, None, w13, w2, None, out, expert_offset=0, config={"gemm": "cublas"}, **args)
+
+
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize(
     "T,k,e0,e1,block_m,n_virt",
