@@ -25,7 +25,8 @@
 #   hero         68 s  the kernel cases that decide a forward, one process (bench_kernels/hero_cases.py);
 #                      the MoE step first: bench_moe at both released layers (--shape llada-moe, then
 #                      llada2-mini with its grouped sigmoid router and shared expert), T = 32 and 2048,
-#                      bf16 and FP8 weights, torch._grouped_mm alone beside ours (moe_<shape>_<gpu>.json)
+#                      bf16 and FP8 weights, torch._grouped_mm alone beside ours[cuda] (moe_<shape>_<gpu>.json;
+#                      Triton rows and ours with the GEMMs by _grouped_mm: --more)
 #   nsys         30 s  one forward under nsys (bench_forward.py --nsys-one); `nsys stats` into the report
 #   report       15 s  report.md, report.json, raw.tar.gz
 # Second, optional, on the warm machine (its build is reused):  bash bench_kernels/gpu_check.sh --more "$OUT"

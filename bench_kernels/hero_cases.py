@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkout  # noqa: F401  (puts the checkout's dinfer and dinfer_kernels on sys.path)
 import environment
 
-# The MoE step's rows: the torch loop, torch._grouped_mm alone and in its pipeline, ours, and ours with
-# the GEMMs delegated to _grouped_mm (the plain Triton GEMM, measured at 802ee3b, is left to --more's
-# bench_moe: its compiles would crowd out FP8's).
-MOE_METHODS = "--methods torch_loop,grouped_mm,grouped_mm_alone,ours,ours_grouped_mm"
+# The MoE step's rows: the torch loop, torch._grouped_mm alone and in its pipeline, ours on the CUDA
+# backend (the default on a GPU). Triton's rows (ours[triton], ours with the GEMMs by _grouped_mm, the
+# plain Triton GEMM) are left to --more's bench_moe: their compiles would not fit the step's share.
+MOE_METHODS = "--methods torch_loop,grouped_mm,grouped_mm_alone,ours"
 # Tiny: ours on the host kernel only (the interpreter's Triton rows, ~0.5 s a call, would not fit the dry
 # run's shares; tests/bench/test_bench_moe.py runs them).
 MOE_TINY = f"--tokens 4 --top-k 2 --hidden 64 --weights fp32,fp8 {MOE_METHODS} --backends cpu --reps 2"
@@ -42,14 +42,14 @@ HERO = (
         "moe_llada-moe",
         "moe",
         25,
-        f"--shape llada-moe --tokens 32,2048 --weights bf16,fp8 {MOE_METHODS}",
+        f"--shape llada-moe --tokens 32,2048 --weights bf16,fp8 {MOE_METHODS} --backends cuda",
         f"--shape llada-moe --experts 8 --inter 32 {MOE_TINY}",
     ),
     (
         "moe_llada2-mini",
         "moe",
         25,
-        f"--shape llada2-mini --tokens 32,2048 --weights bf16,fp8 {MOE_METHODS}",
+        f"--shape llada2-mini --tokens 32,2048 --weights bf16,fp8 {MOE_METHODS} --backends cuda",
         f"--shape llada2-mini --experts 16 --inter 16 --shared 16 {MOE_TINY}",
     ),
     (
