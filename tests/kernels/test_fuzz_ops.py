@@ -880,7 +880,9 @@ def gen_moe(r, backend, floats, valid):
     top_k = r.randint(1, topk_groups * (E // num_groups))
     scoring = r.choice(("softmax", "sigmoid"))
     use_logits = r.random() < 0.3
-    a = op_inputs.moe_inputs(T, E, H, I, top_k, dtype=dt, router_scale=1.0)
+    S = r.choice((1, 2, 5, 9)) if r.random() < 0.3 else 0  # a shared expert (LLaDA2)
+    fp8 = r.random() < 0.3  # FP8 expert weights with 128 x 128 block scales
+    a = op_inputs.moe_inputs(T, E, H, I, top_k, dtype=dt, router_scale=1.0, shared_inter=S, fp8=fp8)
     a.update(
         hidden=perturb(r, a["hidden"], nonfinite=0.1, strided=False),
         router_weight=None if use_logits else a["router_weight"].to(r.choice((torch.float32, dt))),
@@ -897,6 +899,9 @@ def gen_moe(r, backend, floats, valid):
         e0 = r.randint(0, E)
         e1 = r.randint(e0, E)
         a.update(w13=a["w13"][e0:e1], w2=a["w2"][e0:e1], expert_offset=e0)
+        if fp8:
+            a.update(w13_scale=a["w13_scale"][e0:e1], w2_scale=a["w2_scale"][e0:e1])
+    extra = ("shared_w13", "shared_w2", "w13_scale", "w2_scale", "shared_w13_scale", "shared_w2_scale")
     if valid:
 
         def ref():
@@ -906,6 +911,7 @@ def gen_moe(r, backend, floats, valid):
                 num_groups=num_groups,
                 topk_groups=topk_groups,
                 routed_scaling=a["routed_scaling"],
+                **{name: a[name] for name in extra if name in a},
             )
             args = (
                 a["hidden"],
@@ -920,7 +926,7 @@ def gen_moe(r, backend, floats, valid):
             return (moe_reference(*args, **kw),), (moe_reference(*args, torch.float64, **kw),)
 
         return Case(
-            f"moe {dt} T={T} H={H} I={I} E={E} k={top_k} g={num_groups}/{topk_groups}",
+            f"moe {dt} T={T} H={H} I={I} E={E} k={top_k} g={num_groups}/{topk_groups} S={S} fp8={fp8}",
             lambda: (dk.moe(**a, backend=backend),),
             reference=ref,
         )
@@ -944,7 +950,24 @@ def gen_moe(r, backend, floats, valid):
         (("expert_bias",), lambda a: a.update(expert_bias=torch.zeros(E + 1))),
         (("routed_scaling",), lambda a: a.update(routed_scaling=r.choice((float("nan"), float("inf"), "2")))),
         (("expert_offset",), lambda a: a.update(expert_offset=r.choice((E + 1, -1, 1.5)))),
+        (
+            ("shared_w2",),
+            lambda a: a.update(shared_w13=torch.zeros(4, H, dtype=a["w13"].dtype), shared_w2=None),
+        ),
     ]
+    if S:
+        corruptions += [
+            (("shared_w2",), lambda a: a.update(shared_w2=a["shared_w2"][:, :-1])),
+            (("shared_w13",), lambda a: a.update(shared_w13=a["shared_w13"][:-1])),
+        ]
+    if fp8:
+        corruptions += [
+            (("w13_scale",), lambda a: a.update(w13_scale=None)),
+            (("w2_scale",), lambda a: a.update(w2_scale=a["w2_scale"][..., :0])),
+            (("w13_scale",), lambda a: a.update(w13_scale=a["w13_scale"].double())),
+        ]
+    else:
+        corruptions.append((("w13_scale",), lambda a: a.update(w13_scale=torch.ones(E, 2, 1))))
     names = corrupt(r, a, corruptions)
     return Case(f"moe broken {names[0]}", lambda: (dk.moe(**a, backend=backend),), names)
 
