@@ -578,3 +578,51 @@ def test_gpu_workspace_checks():
         EXT.moe(*args, workspace=torch.empty(16, dtype=torch.uint8, device="cuda"))
     with pytest.raises(ValueError, match=r"^out\b"):
         EXT.moe(*args[:-1], out.cpu(), workspace=torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+
+
+def cuda_call(c, k):
+    """dinfer_kernels.cuda.moe on a dict of CUDA tensors (torch_case / quantized, device="cuda")."""
+    from dinfer_kernels.cuda.moe import moe
+
+    out = torch.full_like(c["hidden"], float("nan"))
+    extra = {n: c.get(n) for n in OPTIONAL}
+    moe(
+        c["hidden"], c["router_weight"], None, c["w13"], c["w2"], None, out, top_k=k, renormalize=False,
+        scoring="softmax", num_groups=1, topk_groups=1, routed_scaling=1.0, expert_offset=0, **extra,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "T_,H_,E_,I_,k,S",
+    [
+        (1, 256, 64, 128, 8, 128),  # small tiles, one virtual expert (LLaDA2's S = I)
+        (96, 256, 64, 128, 8, 384),  # three virtual experts
+        (700, 256, 16, 128, 4, 200),  # large tiles, the last virtual expert narrower
+        (9, 200, 8, 72, 2, 40),  # FP8: not multiples of 16, the SIMT GEMMs
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_shared_expert_and_fp8(T_, H_, E_, I_, k, S, dtype):
+    """The shared expert and FP8 weights on the CUDA kernels: against the reference, and the FP8 call
+    bit-identical to the call on the dequantised weights where both take the same GEMMs (same tiles,
+    same rounding points; FP8's tensor-core path needs multiples of 16, b16's of 8)."""
+    c = torch_case(T_, H_, E_, I_, k, S, dtype, device="cuda")
+    out = cuda_call(c, k)
+    same, truth = reference_torch(c, k)
+    assert_precision(out.cpu(), same.cpu(), truth.cpu(), f"moe cuda, shared expert S={S}")
+    q, deq = quantized(c)
+    fp8 = cuda_call(q, k)
+    if dtype == torch.float32 or all(n % 16 == 0 for n in (H_, I_, S)):  # the same GEMMs both ways
+        assert torch.equal(fp8, cuda_call(deq, k))
+    same, truth = reference_torch(q, k)
+    assert_precision(fp8.cpu(), same.cpu(), truth.cpu(), "moe cuda, FP8 weights")
+    assert torch.equal(fp8, cuda_call(q, k))  # no float atomics anywhere
+
+
+@pytest.mark.gpu
+def test_gpu_shared_expert_counts_against_the_expert_limit():
+    c = torch_case(4, 16, 510, 8, 2, 24, torch.bfloat16, device="cuda")  # 510 + 3 virtual experts
+    with pytest.raises(ValueError, match=r"^shared_w13\b.*at most 512"):
+        cuda_call(c, 2)

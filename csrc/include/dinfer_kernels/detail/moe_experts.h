@@ -86,15 +86,23 @@ DINFER_HD ExpertSlice expert_slice(int64_t x, int64_t local_experts, int64_t H, 
   return slice_of(true, first, width, S, H, 0, 0, 0, 0);
 }
 
-// Index into the (shared_)w13 scales of element k of the slice's gate (up = false) or up row n.
-DINFER_HD int64_t w13_scale_index(const ExpertSlice& s, bool up, int64_t n, int64_t k, int64_t H) {
+// Index into the (shared_)w13 scales of element k of the slice's gate (up = false) or up row n: the
+// row's part (w13_scale_row) plus the column block k / 128.
+DINFER_HD int64_t w13_scale_row(const ExpertSlice& s, bool up, int64_t n, int64_t H) {
   const int64_t row_block = (up ? cdiv(s.inter, kMoeFp8Block) : 0) + (s.first + n) / kMoeFp8Block;
-  return s.s13_at + row_block * cdiv(H, kMoeFp8Block) + k / kMoeFp8Block;
+  return s.s13_at + row_block * cdiv(H, kMoeFp8Block);
+}
+DINFER_HD int64_t w13_scale_index(const ExpertSlice& s, bool up, int64_t n, int64_t k, int64_t H) {
+  return w13_scale_row(s, up, n, H) + k / kMoeFp8Block;
 }
 
-// Index into the (shared_)w2 scales of row h, slice column n.
+// Index into the (shared_)w2 scales of row h, slice column n: the row's part (w2_scale_row) plus the
+// column block (first + n) / 128 of the whole expert's columns.
+DINFER_HD int64_t w2_scale_row(const ExpertSlice& s, int64_t h) {
+  return s.s2_at + (h / kMoeFp8Block) * cdiv(s.inter, kMoeFp8Block);
+}
 DINFER_HD int64_t w2_scale_index(const ExpertSlice& s, int64_t h, int64_t n) {
-  return s.s2_at + (h / kMoeFp8Block) * cdiv(s.inter, kMoeFp8Block) + (s.first + n) / kMoeFp8Block;
+  return w2_scale_row(s, h) + (s.first + n) / kMoeFp8Block;
 }
 
 // ---- entries ------------------------------------------------------------------------------------
