@@ -736,8 +736,7 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
   const int32_t nv = moe_experts::num_virtual(S, I);
   if (El + nv > kMoeMaxExperts || p.top_k < 1 || p.top_k > kMoeMaxTopK) return cudaErrorInvalidValue;
   if (S > 0 && (p.shared_w13 == nullptr || p.shared_w2 == nullptr)) return cudaErrorInvalidValue;
-  const bool fp8 = p.weight_dtype == ScalarType::kFloat8E4M3;
-  if (!fp8 && p.weight_dtype != p.dtype) return cudaErrorInvalidValue;
+  const bool fp8 = p.weight_dtype == ScalarType::kFloat8E4M3;  // else the weights are in `dtype`
   if (fp8 && (p.w13_scale == nullptr || p.w2_scale == nullptr ||
               (S > 0 && (p.shared_w13_scale == nullptr || p.shared_w2_scale == nullptr))))
     return cudaErrorInvalidValue;

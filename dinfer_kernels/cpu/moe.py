@@ -7,7 +7,7 @@ contract is dinfer_kernels/reference/moe.py. Runs on torch's intra-op thread cou
 import torch
 
 from .._backend import compiled
-from .._moe_layout import compiled_layout, contiguous_or_none, given_topk
+from .._moe_layout import compiled_layout, given_topk
 from . import capsules
 
 
@@ -42,14 +42,20 @@ def moe(
     hidden, router_weight, router_logits, w13, w2, expert_bias = compiled_layout(
         hidden, router_weight, router_logits, w13, w2, expert_bias
     )
-    extra = contiguous_or_none(shared_w13, shared_w2, w13_scale, w2_scale, shared_w13_scale, shared_w2_scale)
     topk_ids, topk_weights = given_topk(topk_ids, topk_weights, expert_offset, w13.shape[0])
-    hidden, router_weight, router_logits, w13, w2, expert_bias, out, topk_ids, topk_weights, *extra = (
-        capsules(
-            hidden, router_weight, router_logits, w13, w2, expert_bias, out, topk_ids, topk_weights, *extra
-        )
+    hidden, router_weight, router_logits, w13, w2, expert_bias, out, topk_ids, topk_weights = capsules(
+        hidden, router_weight, router_logits, w13, w2, expert_bias, out, topk_ids, topk_weights
     )
-    shared_w13, shared_w2, w13_scale, w2_scale, shared_w13_scale, shared_w2_scale = extra
+    # The shared expert and the FP8 scales only when given: each keyword costs the call a little.
+    optional = dict(
+        shared_w13=shared_w13,
+        shared_w2=shared_w2,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
+        shared_w13_scale=shared_w13_scale,
+        shared_w2_scale=shared_w2_scale,
+    )
+    given = {name: capsules(t.contiguous())[0] for name, t in optional.items() if t is not None}
     compiled().moe(
         hidden,
         router_weight,
@@ -67,11 +73,6 @@ def moe(
         out,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
-        shared_w13=shared_w13,
-        shared_w2=shared_w2,
-        w13_scale=w13_scale,
-        w2_scale=w2_scale,
-        shared_w13_scale=shared_w13_scale,
-        shared_w2_scale=shared_w2_scale,
         num_threads=torch.get_num_threads(),
+        **given,
     )

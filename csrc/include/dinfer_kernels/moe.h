@@ -56,6 +56,8 @@ struct MoeParams {
   int64_t shared_inter_size = 0;  // S
   // The weights' element type: `dtype`, or kFloat8E4M3 (FP8 experts, W8A16) with the fp32 128 x 128
   // block scales below (dinfer_kernels/fp8.py): each weight is used as fp32(q) * scale rounded to `dtype`.
+  // The launchers look only at whether it is kFloat8E4M3 (any other value: the weights are in `dtype`),
+  // so callers that never set it keep working.
   ScalarType weight_dtype = ScalarType::kBFloat16;
   const float* w13_scale = nullptr;  // [local_experts, 2 cdiv(I, 128), cdiv(H, 128)]: gate blocks, up blocks
   const float* w2_scale = nullptr;  // [local_experts, cdiv(H, 128), cdiv(I, 128)]
