@@ -17,6 +17,12 @@ def compiled_layout(hidden, router_weight, router_logits, w13, w2, expert_bias):
     return hidden.contiguous(), router_weight, router_logits, w13.contiguous(), w2.contiguous(), expert_bias
 
 
+def contiguous_or_none(*tensors):
+    """The optional arrays (the shared expert's weights, the FP8 block scales) contiguous; None stays
+    None."""
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
 def given_topk(topk_ids, topk_weights, expert_offset, local_experts):
     """A given top-k as the kernels take it: int32 ids (-1 for every id outside the local slice, so
     that an int64 id never wraps into it), fp32 weights, contiguous; (None, None) when not given."""

@@ -38,7 +38,9 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
          py::handle w2_o, py::handle top_k_o, py::handle renormalize_o, py::handle scoring_o,
          py::handle expert_bias_o, py::handle num_groups_o, py::handle topk_groups_o,
          py::handle routed_scaling_o, py::handle expert_offset_o, py::handle out_o, py::handle topk_ids_o,
-         py::handle topk_weights_o, py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
+         py::handle topk_weights_o, py::handle shared_w13_o, py::handle shared_w2_o, py::handle w13_scale_o,
+         py::handle w2_scale_o, py::handle shared_w13_scale_o, py::handle shared_w2_scale_o,
+         py::handle workspace_o, py::handle stream_o, py::handle num_threads_o) {
   const int64_t top_k = int_arg(top_k_o, "top_k"), num_groups = int_arg(num_groups_o, "num_groups"),
                 topk_groups = int_arg(topk_groups_o, "topk_groups"),
                 expert_offset = int_arg(expert_offset_o, "expert_offset"),
@@ -92,9 +94,54 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
     if (router_logits->ndim() != 2) throw_value_error("router_logits: expected a 2-D array [T, E]");
     E = router_logits->size(1);
   }
+  // The weights: hidden's dtype, or FP8 (float8_e4m3fn) with their fp32 block scales.
+  w13.expect_dtype({dt, DType::kFloat8E4M3});
+  const DType wt = w13.dtype();
+  const bool fp8 = wt == DType::kFloat8E4M3;
+  if ((shared_w13_o.is_none()) != (shared_w2_o.is_none()))
+    throw_value_error(std::string(shared_w13_o.is_none() ? "shared_w13" : "shared_w2") +
+                      ": shared_w13 and shared_w2 come together (the shared expert)");
+  const std::unique_ptr<TensorArg> shared_w13 = optional_arg(shared_w13_o, "shared_w13"),
+                                   shared_w2 = optional_arg(shared_w2_o, "shared_w2"),
+                                   w13_scale = optional_arg(w13_scale_o, "w13_scale"),
+                                   w2_scale = optional_arg(w2_scale_o, "w2_scale"),
+                                   shared_w13_scale = optional_arg(shared_w13_scale_o, "shared_w13_scale"),
+                                   shared_w2_scale = optional_arg(shared_w2_scale_o, "shared_w2_scale");
+  int64_t S = 0;
+  if (shared_w13) {
+    if (shared_w13->ndim() != 2) throw_value_error("shared_w13: expected a 2-D array [2S, H]");
+    if (shared_w13->size(0) < 2 || shared_w13->size(0) % 2)
+      throw_value_error("shared_w13: the first dimension is gate + up rows (2 * S), got " +
+                        std::to_string(shared_w13->size(0)));
+    S = shared_w13->size(0) / 2;
+  }
+  struct Scale {
+    const TensorArg* array;
+    const char* name;
+    bool wanted;  // FP8 weights, and the shared expert's scales only with a shared expert
+  };
+  const Scale scales[] = {{w13_scale.get(), "w13_scale", fp8},
+                          {w2_scale.get(), "w2_scale", fp8},
+                          {shared_w13_scale.get(), "shared_w13_scale", fp8 && S > 0},
+                          {shared_w2_scale.get(), "shared_w2_scale", fp8 && S > 0}};
+  for (const Scale& sc : scales) {
+    if (sc.array != nullptr && !sc.wanted)
+      throw_value_error(std::string(sc.name) + ": block scales go with FP8 weights only (" +
+                        (fp8 ? "there is no shared expert)" : "the weights are not float8_e4m3fn)"));
+    if (sc.array == nullptr && sc.wanted)
+      throw_value_error(std::string(sc.name) + ": FP8 weights need their fp32 block scales");
+  }
+  const int64_t blk = dinfer_kernels::kMoeFp8Block;
+  const int64_t cH = (H + blk - 1) / blk, cI = (I + blk - 1) / blk, cS = (S + blk - 1) / blk;
   expect_arrays(hidden, {
-                            {&w13, {dt}, {El, two_i, H}, kContiguous},
-                            {&w2, {dt}, {El, H, I}, kContiguous},
+                            {&w13, {wt}, {El, two_i, H}, kContiguous},
+                            {&w2, {wt}, {El, H, I}, kContiguous},
+                            {shared_w13.get(), {wt}, {2 * S, H}, kContiguous},
+                            {shared_w2.get(), {wt}, {H, S}, kContiguous},
+                            {w13_scale.get(), {DType::kFloat32}, {El, 2 * cI, cH}, kContiguous},
+                            {w2_scale.get(), {DType::kFloat32}, {El, cH, cI}, kContiguous},
+                            {shared_w13_scale.get(), {DType::kFloat32}, {2 * cS, cH}, kContiguous},
+                            {shared_w2_scale.get(), {DType::kFloat32}, {cH, cS}, kContiguous},
                             {router_weight.get(), {DType::kFloat32, dt}, {E, H}, kContiguous},
                             {router_logits.get(), {DType::kFloat32}, {T, E}, kContiguous},
                             {ids.get(), {DType::kInt32}, {T, top_k}, kContiguous},
@@ -106,7 +153,25 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
     throw_value_error(std::string(router_weight ? "router_weight" : "router_logits") + ": the router's " +
                       std::to_string(E) + " experts must be >= the " + std::to_string(El) + " local ones" +
                       (on_host ? "" : " and <= " + std::to_string(dinfer_kernels::kMoeMaxExperts)));
-  expect_disjoint({&out}, {&hidden, &w13, &w2, router, ids.get(), weights.get(), bias.get()});
+  if (!on_host && El + (S + I - 1) / I > dinfer_kernels::kMoeMaxExperts)
+    throw_value_error("shared_w13: the CUDA kernels take at most " +
+                      std::to_string(dinfer_kernels::kMoeMaxExperts) +
+                      " experts, the local ones plus ceil(S / I) for the shared expert; got " +
+                      std::to_string(El) + " + " + std::to_string((S + I - 1) / I));
+  const std::initializer_list<const TensorArg*> read = {&hidden,
+                                                        &w13,
+                                                        &w2,
+                                                        router,
+                                                        ids.get(),
+                                                        weights.get(),
+                                                        bias.get(),
+                                                        shared_w13.get(),
+                                                        shared_w2.get(),
+                                                        w13_scale.get(),
+                                                        w2_scale.get(),
+                                                        shared_w13_scale.get(),
+                                                        shared_w2_scale.get()};
+  expect_disjoint({&out}, read);
   MoeParams p;
   if (router_weight) {
     p.router_weight = router_weight->data<void>();
@@ -144,6 +209,7 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   }
   if (T * top_k > INT32_MAX) throw_value_error("hidden: T * top_k must be < 2^31");
   if (H > INT32_MAX || I > INT32_MAX) throw_value_error("hidden: H and I must be < 2^31");
+  if (S > INT32_MAX) throw_value_error("shared_w13: S must be < 2^31");
 
   p.hidden = hidden.data<void>();
   p.dtype = scalar_type(dt);
@@ -161,6 +227,20 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   p.num_groups = static_cast<int32_t>(num_groups);
   p.topk_groups = static_cast<int32_t>(topk_groups);
   p.routed_scaling = static_cast<float>(routed_scaling);
+  p.weight_dtype = scalar_type(wt);
+  if (shared_w13) {
+    p.shared_w13 = shared_w13->data<void>();
+    p.shared_w2 = shared_w2->data<void>();
+    p.shared_inter_size = S;
+  }
+  if (fp8) {
+    p.w13_scale = w13_scale->data<float>();
+    p.w2_scale = w2_scale->data<float>();
+    if (shared_w13) {
+      p.shared_w13_scale = shared_w13_scale->data<float>();
+      p.shared_w2_scale = shared_w2_scale->data<float>();
+    }
+  }
   p.out = out.data<void>();
   if (on_host) {
     py::gil_scoped_release release;
@@ -169,8 +249,11 @@ void moe(py::handle hidden_o, py::handle router_weight_o, py::handle router_logi
   }
   run_cuda(
       "moe_cuda", "moe_workspace_bytes", hidden, workspace_o, stream,
-      {&hidden, &w13, &w2, router, ids.get(), weights.get(), bias.get(), &out},
-      [&] { return dinfer_kernels::moe_cuda_workspace_bytes(T, E, El, static_cast<int32_t>(top_k), H, I); },
+      {&hidden, &w13, &w2, router, ids.get(), weights.get(), bias.get(), shared_w13.get(), shared_w2.get(),
+       w13_scale.get(), w2_scale.get(), shared_w13_scale.get(), shared_w2_scale.get(), &out},
+      [&] {
+        return dinfer_kernels::moe_cuda_workspace_bytes(T, E, El, static_cast<int32_t>(top_k), H, I, S);
+      },
       [&](void* ws, size_t bytes, cudaStream_t s) { return dinfer_kernels::moe_cuda(p, ws, bytes, s); });
 }
 
@@ -179,18 +262,24 @@ void register_moe(py::module_& m) {
         py::arg("w2"), py::arg("top_k"), py::arg("renormalize"), py::arg("scoring"), py::arg("expert_bias"),
         py::arg("num_groups"), py::arg("topk_groups"), py::arg("routed_scaling"), py::arg("expert_offset"),
         py::arg("out"), py::kw_only(), py::arg("topk_ids") = py::none(), py::arg("topk_weights") = py::none(),
+        py::arg("shared_w13") = py::none(), py::arg("shared_w2") = py::none(),
+        py::arg("w13_scale") = py::none(), py::arg("w2_scale") = py::none(),
+        py::arg("shared_w13_scale") = py::none(), py::arg("shared_w2_scale") = py::none(),
         py::arg("workspace") = py::none(), py::arg("stream") = py::int_(0),
         py::arg("num_threads") = py::int_(0),
         "Fused MoE layer over DLPack arrays (contract: dinfer_kernels/reference/moe.py): router (or the "
         "given int32 topk_ids / fp32 topk_weights), top-k, grouped GEMMs of the local experts w13 / w2 "
         "(global ids [expert_offset, expert_offset + E_local)) and the weighted combine, written to `out` "
-        "[T, H]. CUDA arrays: needs a uint8 workspace of moe_workspace_bytes(T, E, E_local, top_k, H, I) "
-        "bytes (E: the router's experts, 0 with a given top-k) and runs on `stream`. "
+        "[T, H]. A shared expert shared_w13 [2S, H] / shared_w2 [H, S] adds to every token with weight 1. "
+        "FP8 weights: w13 / w2 (and the shared pair) float8_e4m3fn with their fp32 128 x 128 block scales "
+        "w13_scale / w2_scale (shared_w13_scale / shared_w2_scale). CUDA arrays: needs a uint8 workspace of "
+        "moe_workspace_bytes(T, E, E_local, top_k, H, I, S) bytes (E: the router's experts, 0 with a given "
+        "top-k; S: 0 without a shared expert) and runs on `stream`. "
         "Host arrays: runs on num_threads OpenMP threads (0: OpenMP's default).");
 #ifdef DINFER_WITH_CUDA
   m.def("moe_workspace_bytes", &dinfer_kernels::moe_cuda_workspace_bytes, py::arg("num_tokens"),
         py::arg("num_experts"), py::arg("local_experts"), py::arg("top_k"), py::arg("hidden_size"),
-        py::arg("inter_size"));
+        py::arg("inter_size"), py::arg("shared_inter_size") = 0);
 #endif
 }
 

@@ -53,8 +53,16 @@ void leading_strides(const TensorArg& t, int64_t* out) {
 
 dinfer_kernels::ScalarType scalar_type(DType t) {
   using dinfer_kernels::ScalarType;
-  return t == DType::kFloat16 ? ScalarType::kFloat16
-                              : (t == DType::kBFloat16 ? ScalarType::kBFloat16 : ScalarType::kFloat32);
+  switch (t) {
+    case DType::kFloat16:
+      return ScalarType::kFloat16;
+    case DType::kBFloat16:
+      return ScalarType::kBFloat16;
+    case DType::kFloat8E4M3:
+      return ScalarType::kFloat8E4M3;
+    default:
+      return ScalarType::kFloat32;
+  }
 }
 
 std::unique_ptr<TensorArg> cuda_workspace(py::handle workspace_o, size_t need, const char* query,
@@ -101,6 +109,8 @@ const char* dtype_name(DType t) {
       return "float16";
     case DType::kBFloat16:
       return "bfloat16";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3fn";
     case DType::kInt32:
       return "int32";
     case DType::kInt64:
@@ -121,6 +131,7 @@ DType classify(const dlpack::DataType& d) {
   if (d.code == dlpack::kFloat && d.bits == 32) return DType::kFloat32;
   if (d.code == dlpack::kFloat && d.bits == 16) return DType::kFloat16;
   if (d.code == dlpack::kBfloat && d.bits == 16) return DType::kBFloat16;
+  if (d.code == dlpack::kFloat8E4M3FN && d.bits == 8) return DType::kFloat8E4M3;
   if (d.code == dlpack::kInt && d.bits == 32) return DType::kInt32;
   if (d.code == dlpack::kInt && d.bits == 64) return DType::kInt64;
   if (d.code == dlpack::kUInt && d.bits == 8) return DType::kUInt8;

@@ -19,7 +19,7 @@ namespace dinfer_bindings {
 
 namespace py = pybind11;
 
-enum class DType { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8, kBool, kOther };
+enum class DType { kFloat32, kFloat16, kBFloat16, kFloat8E4M3, kInt32, kInt64, kUInt8, kBool, kOther };
 const char* dtype_name(DType t);
 
 class TensorArg {
@@ -116,7 +116,8 @@ int threads_arg(py::handle o, const char* name);
 // stride is never used), and an empty array all 0.
 void leading_strides(const TensorArg& t, int64_t* out);
 
-// The kernels' element type of a float array whose dtype was checked to be fp32, fp16 or bf16.
+// The kernels' element type of a float array whose dtype was checked to be fp32, fp16, bf16 or
+// float8_e4m3fn.
 dinfer_kernels::ScalarType scalar_type(DType t);
 
 // The workspace of a CUDA launch that needs `need` bytes: `workspace_o` checked to be a uint8,

@@ -23,10 +23,20 @@
 //      reference's order), in fp32, rounded once to the output dtype. No float atomics anywhere,
 //      so two runs are bit-identical.
 //
+// The shared expert (S > 0) runs as ceil(S / I) virtual experts after the local ones
+// (moe_experts.h): every token is one more entry of each (T top_k + j T + t, weight 1), their weights
+// read in place (gate rows j I.., up rows S + j I.., w2 columns j I.. with row stride S; the last one
+// narrower, its act columns past the slice zero), summed after the routed slots in the combine.
+//
+// FP8 weights (e4m3 with 128 x 128 block scales): the GEMMs cp.async the weight bytes (half the bytes
+// in flight of bf16), and after a stage lands each thread dequantises the chunks it copied (fp32(q) *
+// scale, rounded to the dtype: the contract's rounding) into one b16 weight tile; the ldmatrix / mma
+// code is the same (mma_layout::Fp8Tiles). An FP8 call equals the call on the dequantised weights.
+//
 // Two tensor-core configurations: a small-token one (BLOCK_M 16, 4 warps side by side along N,
 // deep K pipeline: the weights stream at full rate when experts get ~8-16 rows) and a large one
-// (128 x 128 tiles, 8 warps) for prefill-sized batches. fp32 weights, or H / I not multiples of 8,
-// take a plain SIMT GEMM with the same tiling of rows (correct, not fast).
+// (128 x 128 tiles, 8 warps) for prefill-sized batches. fp32 activations, or H / I / S not multiples of
+// 8 (16 with FP8 weights), take a plain SIMT GEMM with the same tiling of rows (correct, not fast).
 //
 // The mma.m16n8k16 fragment layouts, the ldmatrix addressing, the shared-memory swizzle and the
 // tile geometry are in dinfer_kernels/detail/mma_layout.h; the PTX wrappers in common/ptx.cuh.
@@ -40,6 +50,7 @@
 #include "common/workspace.h"
 #include "dinfer_kernels/detail/dtype_tags.h"
 #include "dinfer_kernels/detail/mma_layout.h"
+#include "dinfer_kernels/detail/moe_experts.h"
 #include "dinfer_kernels/detail/moe_math.h"
 #include "dinfer_kernels/detail/moe_route.h"
 #include "dinfer_kernels/moe.h"
@@ -171,41 +182,103 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const __grid_const
 struct GemmArgs {
   const void* a_src;  // GEMM 1: hidden [T, K]; GEMM 2: act [rows, K]
   const void* w;  // GEMM 1: w13 [E, 2N, K]; GEMM 2: w2 [E, N, K]
+  const void* w_shared;  // GEMM 1: shared_w13 [2S, K]; GEMM 2: shared_w2 [N, S] (null: no shared expert)
+  const float* scale;  // FP8 weights: the block scales of w and w_shared (null: not FP8)
+  const float* scale_shared;
   void* act;  // GEMM 1 output [rows, N] in the dtype
-  float* ypart;  // GEMM 2 output [T * top_k, N] fp32
+  float* ypart;  // GEMM 2 output [entries, N] fp32
   const int32_t* sorted_ids;  // [rows]
   const int32_t* tile_expert;  // [max_tiles]
   const int32_t* num_tiles;  // [1]
   const float* topk_w;  // [T * top_k]
   int32_t K, N, top_k, bm;
+  int32_t T, local_experts, H, I, S;  // the experts' list and their slices (moe_experts.h)
 };
 
+// The slice of expert `expert` a GEMM reads and its bounds: GEMM 1 computes the slice's `width`
+// intermediate columns (N = I, the rest of an act row stays zero) over K = H; GEMM 2 the N = H outputs
+// over the slice's width columns of W2 (row stride down_ld), K = I (act's zero columns past it).
+struct GemmSlice {
+  moe_experts::ExpertSlice x;
+  int32_t n_limit, k_limit;  // valid weight rows (output columns) and columns
+  int64_t ld;  // weight row stride, in elements
+  int64_t at0, at1;  // element offset of weight row 0: gate / down, and up (GEMM 1)
+};
+
+template <bool GLU>
+__device__ __forceinline__ GemmSlice gemm_slice(const GemmArgs& a, int expert) {
+  GemmSlice g;
+  g.x = moe_experts::expert_slice(expert, a.local_experts, a.H, a.I, a.S);
+  g.n_limit = GLU ? static_cast<int32_t>(g.x.width) : a.N;
+  g.k_limit = GLU ? a.K : static_cast<int32_t>(g.x.width);
+  g.ld = GLU ? a.K : g.x.down_ld;
+  g.at0 = GLU ? g.x.gate_at : g.x.down_at;
+  g.at1 = GLU ? g.x.up_at : 0;
+  return g;
+}
+
+// The block scale of weight row n (a GEMM 1 output column of the gate or up half, or a GEMM 2 output
+// row), column k.
+template <bool GLU>
+__device__ __forceinline__ float block_scale(const GemmArgs& a, const GemmSlice& g, bool up, int n, int k) {
+  const float* s = g.x.shared ? a.scale_shared : a.scale;
+  return s[GLU ? moe_experts::w13_scale_index(g.x, up, n, k, a.K) : moe_experts::w2_scale_index(g.x, n, k)];
+}
+
+// The token whose hidden row entry `entry` multiplies (-1: a padding row), and the entry's weight.
+__device__ __forceinline__ int32_t entry_token(const GemmArgs& a, int32_t entry) {
+  return entry >= 0 ? static_cast<int32_t>(moe_experts::entry_token(entry, a.T, a.top_k)) : -1;
+}
+__device__ __forceinline__ float entry_weight(const GemmArgs& a, int32_t entry) {
+  return entry < static_cast<int64_t>(a.T) * a.top_k ? a.topk_w[entry] : 1.f;  // the shared expert: 1
+}
+
 // The tile configurations and every shared-memory offset and fragment coordinate of the
-// tensor-core GEMM: mma_layout::TcConfig / GemmTiles (tested lane by lane on the host).
+// tensor-core GEMM: mma_layout::TcConfig / GemmTiles / Fp8Tiles (tested lane by lane on the host).
 using mma_layout::LargeGemm1;
 using mma_layout::LargeGemm2;
 using mma_layout::SmallGemm1;
 using mma_layout::SmallGemm2;
 
-template <class Cfg, bool GLU>
+template <class Cfg, bool GLU, bool FP8>
 constexpr int tc_smem_bytes() {
-  return mma_layout::GemmTiles<Cfg, GLU>::kSmemElems * 2;
+  return (FP8 ? mma_layout::Fp8Tiles<Cfg, GLU>::kSmemElems : mma_layout::GemmTiles<Cfg, GLU>::kSmemElems) * 2;
 }
 
-template <class Tag, class Cfg, bool GLU>
+// FP8: the 16 e4m3 weights of one staged chunk, times their block scale, rounded to the dtype, as
+// two 8-element b16 chunks of the converted tile.
+template <class Tag>
+__device__ __forceinline__ void convert_chunk(const uint8_t* src, float scale, uint16_t* dst0,
+                                              uint16_t* dst1) {
+  DINFER_UNROLL
+  for (int h = 0; h < 2; ++h) {  // 8 weights at a time: fewer live registers beside the accumulators
+    const uint2 raw = *reinterpret_cast<const uint2*>(src + 8 * h);
+    uint32_t out[4];
+    DINFER_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t w = (j < 2 ? raw.x : raw.y) >> (16 * (j % 2));
+      out[j] = ptx::pack2(moe_experts::fp8_dequant(static_cast<uint8_t>(w & 0xFFu), scale),
+                          moe_experts::fp8_dequant(static_cast<uint8_t>((w >> 8) & 0xFFu), scale), Tag{});
+    }
+    *reinterpret_cast<uint4*>(h == 0 ? dst0 : dst1) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+template <class Tag, class Cfg, bool GLU, bool FP8>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     gemm_tc_kernel(const __grid_constant__ GemmArgs a) {
   using T = mma_layout::GemmTiles<Cfg, GLU>;
+  using T8 = mma_layout::Fp8Tiles<Cfg, GLU>;
   constexpr int BM = Cfg::kBM, BN = Cfg::kBN, BK = Cfg::kBK, STAGES = Cfg::kStages;
   constexpr int NI = T::NI, NT = T::NT, MI = T::MI;
-  constexpr int A_ELEMS = T::A_ELEMS, STAGE_ELEMS = T::STAGE_ELEMS;
+  constexpr int A_ELEMS = T::A_ELEMS, STAGE_ELEMS = FP8 ? T8::STAGE_ELEMS : T::STAGE_ELEMS;
   constexpr int RSTEP = T::RSTEP, A_ITERS = T::A_ITERS, B_ITERS = T::B_ITERS, B_HALF = T::B_HALF;
 
   const int tile = blockIdx.x;
   if (tile >= *a.num_tiles) return;  // uniform per CTA: grid sized for the worst case
-  const int expert = a.tile_expert[tile];
+  const GemmSlice g = gemm_slice<GLU>(a, a.tile_expert[tile]);
   const int n0 = blockIdx.y * BN;
-  const int K = a.K, N = a.N;
+  const int K = a.K;
 
   extern __shared__ uint4 smem_u4[];
   uint16_t* smem = reinterpret_cast<uint16_t*>(smem_u4);
@@ -213,26 +286,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm = T::warp_m(warp), wn = T::warp_n(warp);
 
-  // Loader: this thread copies chunk column lc of rows lr0 + i * RSTEP (T::load_offset).
-  // Weight rows i of a tile are consecutive from one base (GEMM 2), or from two (the gate half and
-  // the up half of GEMM 1): base + (i % half) * RSTEP rows, valid while n < N.
+  // Loader: this thread copies chunk column lc of rows lr0 + i * RSTEP (T::load_offset; FP8 weights:
+  // T8's rows and chunks). Weight rows i of a tile are consecutive from one base (GEMM 2), or from two
+  // (the gate half and the up half of GEMM 1): base + (i % half) * RSTEP rows, valid while the row
+  // is below n_limit and the column below k_limit.
   const int lc = T::load_chunk(tid), lr0 = T::load_row(tid, 0);
   const uint16_t* src_a = static_cast<const uint16_t*>(a.a_src);
-  const uint16_t* src_w = static_cast<const uint16_t*>(a.w);
-  const int n_first = n0 + lr0;  // output column of the thread's first weight row (per base)
-  const uint16_t* b_base0 =
-      src_w + (static_cast<int64_t>(expert) * (GLU ? 2 * N : N) + n_first) * K;  // gate / down
-  const uint16_t* b_base1 = b_base0 + static_cast<int64_t>(N) * K;  // up (GEMM 1)
+  const char* src_w = static_cast<const char*>(g.x.shared ? a.w_shared : a.w);
+  constexpr int WBYTES = FP8 ? 1 : 2;
+  const int n_first = n0 + (FP8 ? T8::out_col(tid, 0) : lr0);  // output column of the first weight row
+  const char* b_base0 = src_w + (g.at0 + n_first * g.ld) * WBYTES;  // gate / down
+  const char* b_base1 = src_w + (g.at1 + n_first * g.ld) * WBYTES;  // up (GEMM 1)
   // GEMM 1 gathers hidden rows by token (-1: padding row, zero-filled); GEMM 2 reads act rows,
   // consecutive from the tile's first (their padding rows hold zeros written by GEMM 1).
   int32_t a_tok[GLU ? A_ITERS : 1];
   const uint16_t* a_base = src_a + (static_cast<int64_t>(tile) * BM + lr0) * K;
   if (GLU) {
     DINFER_UNROLL
-    for (int i = 0; i < A_ITERS; ++i) {
-      const int32_t entry = a.sorted_ids[static_cast<int64_t>(tile) * BM + lr0 + i * RSTEP];
-      a_tok[i] = entry >= 0 ? entry / a.top_k : -1;
-    }
+    for (int i = 0; i < A_ITERS; ++i)
+      a_tok[i] = entry_token(a, a.sorted_ids[static_cast<int64_t>(tile) * BM + lr0 + i * RSTEP]);
   }
 
   const int ktiles = (K + BK - 1) / BK;
@@ -245,14 +317,56 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       const bool ok = kin && (!GLU || a_tok[GLU ? i : 0] >= 0);
       const uint16_t* src = GLU ? src_a + static_cast<int64_t>(a_tok[GLU ? i : 0]) * K + k
                                 : a_base + static_cast<int64_t>(i * RSTEP) * K + k;
-      cp_async16(s + T::load_offset(tid, i), ok ? src : src_w, ok);
+      cp_async16(s + T::load_offset(tid, i), ok ? src : src_a, ok);
     }
+    if constexpr (FP8) {
+      const int k8 = kt * BK + T8::load_chunk(tid) * T8::kChunk;
+      char* s8 = reinterpret_cast<char*>(s + A_ELEMS);
+      DINFER_UNROLL
+      for (int i = 0; i < T8::B_ITERS; ++i) {
+        const int ii = i % T8::B_HALF;
+        const bool ok = k8 < g.k_limit && n_first + ii * T8::RSTEP < g.n_limit;  // whole 16-weight chunks
+        const char* src = (i < T8::B_HALF ? b_base0 : b_base1) + ii * T8::RSTEP * g.ld + k8;
+        cp_async16(s8 + T8::staged_offset(tid, i), ok ? src : src_w, ok);
+      }
+    } else {
+      DINFER_UNROLL
+      for (int i = 0; i < B_ITERS; ++i) {
+        const int ii = i % B_HALF;
+        const bool ok = k < g.k_limit && n_first + ii * RSTEP < g.n_limit;
+        const char* src = (i < B_HALF ? b_base0 : b_base1) + (ii * RSTEP * g.ld + k) * 2;
+        cp_async16(s + A_ELEMS + T::load_offset(tid, i), ok ? src : src_w, ok);
+      }
+    }
+  };
+  // FP8: the chunks this thread copied into stage `stage` (k tile kt), dequantised into the b16 tile.
+  // Its own copies only: visible to it after cp.async.wait_group, no barrier needed before. The scale
+  // of a chunk: its row's part (s_row, -1 for a row past the slice, zero-filled) plus the column block
+  // of the expert's column s_col + k (GEMM 2 slices start at column `first` of the shared expert).
+  const float* scales = g.x.shared ? a.scale_shared : a.scale;
+  int32_t s_row[FP8 ? T8::B_ITERS : 1];
+  const int s_col = GLU ? 0 : static_cast<int>(g.x.first);
+  if constexpr (FP8) {
     DINFER_UNROLL
-    for (int i = 0; i < B_ITERS; ++i) {
-      const int ii = i % B_HALF;
-      const bool ok = kin && n_first + ii * RSTEP < N;
-      const uint16_t* src = (i < B_HALF ? b_base0 : b_base1) + static_cast<int64_t>(ii * RSTEP) * K + k;
-      cp_async16(s + A_ELEMS + T::load_offset(tid, i), ok ? src : src_w, ok);
+    for (int i = 0; i < T8::B_ITERS; ++i) {
+      const int n = n0 + T8::out_col(tid, i);
+      s_row[i] = n >= g.n_limit ? -1
+                 : GLU          ? static_cast<int32_t>(moe_experts::w13_scale_row(g.x, i >= T8::B_HALF, n, K))
+                                : static_cast<int32_t>(moe_experts::w2_scale_row(g.x, n));
+    }
+  }
+  auto convert_stage = [&](int stage, int kt) {
+    const uint8_t* s8 = reinterpret_cast<const uint8_t*>(smem + stage * STAGE_ELEMS + A_ELEMS);
+    uint16_t* conv = smem + T8::CONV_AT;
+    const int k8 = kt * BK + T8::load_chunk(tid) * T8::kChunk;
+    const int col_block = (s_col + k8) / static_cast<int>(kMoeFp8Block);
+    DINFER_UNROLL
+    for (int i = 0; i < T8::B_ITERS; ++i) {
+      // Rows and columns past the slice were zero-filled: a zero scale keeps them zero.
+      const float scale =
+          k8 < g.k_limit && s_row[FP8 ? i : 0] >= 0 ? scales[s_row[FP8 ? i : 0] + col_block] : 0.f;
+      convert_chunk<Tag>(s8 + T8::staged_offset(tid, i), scale, conv + T8::conv_offset(tid, i, 0),
+                         conv + T8::conv_offset(tid, i, 1));
     }
   };
 
@@ -274,12 +388,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   for (int kt = 0; kt < ktiles; ++kt) {
     cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile kt landed for every thread; stage (kt - 1) % STAGES is free again
+    __syncthreads();  // tile kt landed for every thread; stage (kt - 1) % STAGES (and FP8's converted
+    // tile) is free again
+    if constexpr (FP8) convert_stage(kt % STAGES, kt);
     if (kt + STAGES - 1 < ktiles) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
     cp_async_commit();
+    if constexpr (FP8) __syncthreads();  // the converted weight tile is complete
 
     const uint16_t* sa = smem + (kt % STAGES) * STAGE_ELEMS;
-    const uint16_t* sb = sa + A_ELEMS;
+    const uint16_t* sb = FP8 ? smem + T8::CONV_AT : sa + A_ELEMS;
 #if defined(__CUDA_ARCH__)
     constexpr int KUNROLL = Cfg::kKUnroll;
 #pragma unroll KUNROLL
@@ -308,6 +425,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   // Epilogue. Registers 2 half and 2 half + 1 of fragment (mi, j) are two adjacent columns of
   // one row (T::acc_row / acc_col).
+  const int N = a.N;
   DINFER_UNROLL
   for (int mi = 0; mi < MI; ++mi) {
     DINFER_UNROLL
@@ -331,7 +449,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       } else {
         const int32_t entry = a.sorted_ids[row];
         if (entry < 0) continue;
-        const float w = a.topk_w[entry];
+        const float w = entry_weight(a, entry);
         DINFER_UNROLL
         for (int j = 0; j < NI; ++j) {
           const int col = n0 + T::acc_col(wn, lane, j, 2 * half);
@@ -345,8 +463,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   }
 }
 
-// Fallback for fp32 weights or H / I not multiples of 8: one CTA per 16 rows x 64 columns, fp32
-// FMAs from shared memory. Same row tiling, same rounding points as the tensor-core kernel.
+// Fallback for fp32 activations or sizes the tensor-core tiles cannot take: one CTA per 16 rows x 64
+// columns, fp32 FMAs from shared memory. Same row tiling, same rounding points as the tensor-core
+// kernel (FP8 weights dequantised on load, a.scale set).
 constexpr int kSimtThreads = 256, kSimtRows = 16, kSimtCols = 64, kSimtK = 32;
 
 template <class Tag, bool GLU>
@@ -358,12 +477,13 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const __grid_co
   const int sub_per_tile = a.bm / kSimtRows;
   const int tile = blockIdx.x / sub_per_tile;
   if (tile >= *a.num_tiles) return;
-  const int expert = a.tile_expert[tile];
+  const GemmSlice g = gemm_slice<GLU>(a, a.tile_expert[tile]);
   const int64_t row0 = static_cast<int64_t>(tile) * a.bm + (blockIdx.x % sub_per_tile) * kSimtRows;
   const int n0 = blockIdx.y * kSimtCols;
   const int K = a.K, N = a.N, tid = threadIdx.x;
   const Raw* src_a = static_cast<const Raw*>(a.a_src);
-  const Raw* src_w = static_cast<const Raw*>(a.w);
+  const void* src_w = g.x.shared ? a.w_shared : a.w;
+  const bool fp8 = a.scale != nullptr;
 
   const int r = tid / 16, c0 = tid % 16;  // rows r, columns c0 + 16 j
   float accg[4] = {0.f, 0.f, 0.f, 0.f}, accu[4] = {0.f, 0.f, 0.f, 0.f};
@@ -373,8 +493,8 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const __grid_co
       float v = 0.f;
       if (k < K) {
         if (GLU) {
-          const int32_t entry = a.sorted_ids[row0 + rr];
-          if (entry >= 0) v = to_float(src_a[static_cast<int64_t>(entry / a.top_k) * K + k], Tag{});
+          const int32_t token = entry_token(a, a.sorted_ids[row0 + rr]);
+          if (token >= 0) v = to_float(src_a[static_cast<int64_t>(token) * K + k], Tag{});
         } else {
           v = to_float(src_a[(row0 + rr) * K + k], Tag{});
         }
@@ -383,12 +503,14 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const __grid_co
     }
     for (int i = tid; i < BROWS * kSimtK; i += kSimtThreads) {
       const int j = i / kSimtK, kk = i % kSimtK, k = k0 + kk;
+      const bool up = GLU && j >= kSimtCols;
       const int n = n0 + (GLU ? j % kSimtCols : j);
       float v = 0.f;
-      if (k < K && n < N) {
-        const int64_t wrow = GLU ? static_cast<int64_t>(expert) * 2 * N + (j < kSimtCols ? n : N + n)
-                                 : static_cast<int64_t>(expert) * N + n;
-        v = to_float(src_w[wrow * K + k], Tag{});
+      if (k < g.k_limit && n < g.n_limit) {
+        const int64_t at = (up ? g.at1 : g.at0) + n * g.ld + k;
+        v = fp8 ? round_to<Tag>(moe_experts::fp8_dequant(static_cast<const uint8_t*>(src_w)[at],
+                                                         block_scale<GLU>(a, g, up, n, k)))
+                : to_float(static_cast<const Raw*>(src_w)[at], Tag{});
       }
       sb[j][kk] = v;
     }
@@ -416,7 +538,7 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const __grid_co
   } else {
     const int32_t entry = a.sorted_ids[row];
     if (entry < 0) return;
-    const float w = a.topk_w[entry];
+    const float w = entry_weight(a, entry);
     DINFER_UNROLL
     for (int j = 0; j < 4; ++j) {
       const int col = n0 + c0 + 16 * j;
@@ -433,12 +555,28 @@ constexpr int kCombineThreads = 256;
 constexpr int kCombineCols = kCombineThreads * 4;
 
 struct CombineArgs {
-  const float* ypart;  // [T * top_k, H]
+  const float* ypart;  // [entries, H]
   const int32_t* topk_ids;  // [T, top_k], increasing per token
   void* out;  // [T, H]
-  int32_t H, top_k, e0, e1;
+  int32_t T, H, top_k, e0, e1;
+  int32_t shared_experts;  // the shared expert's virtual experts: their entries follow the routed ones
   bool vec4;  // H % 4 == 0
 };
+
+// acc += the 4 (or fewer, at the end of a row) fp32 values of y.
+__device__ __forceinline__ void add4(const float* y, bool vec4, int h, int H, float (&acc)[4]) {
+  if (vec4) {
+    const float4 q = *reinterpret_cast<const float4*>(y);
+    acc[0] += q.x;
+    acc[1] += q.y;
+    acc[2] += q.z;
+    acc[3] += q.w;
+  } else {
+    DINFER_UNROLL
+    for (int c = 0; c < 4; ++c)
+      if (h + c < H) acc[c] += y[c];
+  }
+}
 
 template <class Tag>
 __device__ __forceinline__ void store_out(void* out, int64_t i, float v) {
@@ -455,19 +593,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
     const int64_t entry = t * a.top_k + j;
     const int32_t id = a.topk_ids[entry];
     if (id < a.e0 || id >= a.e1) continue;
-    const float* y = a.ypart + entry * a.H + h;
-    if (a.vec4) {
-      const float4 q = *reinterpret_cast<const float4*>(y);
-      acc[0] += q.x;
-      acc[1] += q.y;
-      acc[2] += q.z;
-      acc[3] += q.w;
-    } else {
-      DINFER_UNROLL
-      for (int c = 0; c < 4; ++c)
-        if (h + c < a.H) acc[c] += y[c];
-    }
+    add4(a.ypart + entry * a.H + h, a.vec4, h, a.H, acc);
   }
+  // The shared expert after the routed sum (as the reference adds it), its virtual experts in order.
+  for (int j = 0; j < a.shared_experts; ++j)
+    add4(a.ypart + moe_experts::virtual_entry(t, j, a.T, a.top_k) * a.H + h, a.vec4, h, a.H, acc);
   DINFER_UNROLL
   for (int c = 0; c < 4; ++c)
     if (h + c < a.H) store_out<Tag>(a.out, t * a.H + h + c, acc[c]);
@@ -489,18 +619,20 @@ struct Plan {
   size_t counters_bytes;
 };
 
-// E: the router's experts (0 with a given top-k: no logits); El: the local ones.
-Plan make_plan(int64_t T, int64_t E, int64_t El, int64_t top_k, int64_t H, int64_t I) {
+// E: the router's experts (0 with a given top-k: no logits); El: the local ones; S: the shared
+// expert's intermediate size (0: none), run as num_virtual(S, I) more experts of every token.
+Plan make_plan(int64_t T, int64_t E, int64_t El, int64_t top_k, int64_t H, int64_t I, int64_t S) {
   Plan p;
-  const int64_t entries = T * top_k;
+  const int64_t nv = moe_experts::num_virtual(S, I);
+  const int64_t routed = T * top_k, entries = moe_experts::num_entries(T, top_k, nv);
   // ~48 rows per expert and up: the 128-row tiles waste less than the 16-row ones re-read weights.
   const int64_t experts = E > 0 ? E : El;  // a given top-k: its rows are those of the local experts
-  p.large = experts > 0 && entries >= 48 * experts;
+  p.large = experts > 0 && routed >= 48 * experts;
   p.bm = p.large ? LargeGemm1::kBM : SmallGemm1::kBM;
   p.route_tt = moe_route::tokens_per_cta(T);
   p.token_tiles = (T + p.route_tt - 1) / p.route_tt;
   // sum over experts of ceil(c_e / bm) <= (entries + nonempty * (bm - 1)) / bm.
-  const int64_t nonempty = El < entries ? El : entries;
+  const int64_t nonempty = El + nv < entries ? El + nv : entries;
   p.max_tiles = (entries + nonempty * (p.bm - 1)) / p.bm;
   const int64_t rows = p.max_tiles * p.bm;
   size_t off = 0;
@@ -512,8 +644,8 @@ Plan make_plan(int64_t T, int64_t E, int64_t El, int64_t top_k, int64_t H, int64
   p.counters_bytes = static_cast<size_t>(p.token_tiles + 1) * sizeof(int32_t);
   p.counters = take(p.counters_bytes);
   p.logits = take(static_cast<size_t>(T * E) * sizeof(float));
-  p.topk_ids = take(static_cast<size_t>(entries) * sizeof(int32_t));
-  p.topk_w = take(static_cast<size_t>(entries) * sizeof(float));
+  p.topk_ids = take(static_cast<size_t>(routed) * sizeof(int32_t));
+  p.topk_w = take(static_cast<size_t>(routed) * sizeof(float));
   p.sorted_ids = take(static_cast<size_t>(rows) * sizeof(int32_t));
   p.tile_expert = take(static_cast<size_t>(p.max_tiles) * sizeof(int32_t));
   p.num_tiles = take(sizeof(int32_t));
@@ -523,10 +655,10 @@ Plan make_plan(int64_t T, int64_t E, int64_t El, int64_t top_k, int64_t H, int64
   return p;
 }
 
-template <class Tag, class Cfg, bool GLU>
+template <class Tag, class Cfg, bool GLU, bool FP8>
 cudaError_t launch_tc(const GemmArgs& g, int64_t max_tiles, cudaStream_t stream) {
-  constexpr int smem = tc_smem_bytes<Cfg, GLU>();
-  auto kernel = gemm_tc_kernel<Tag, Cfg, GLU>;
+  constexpr int smem = tc_smem_bytes<Cfg, GLU, FP8>();
+  auto kernel = gemm_tc_kernel<Tag, Cfg, GLU, FP8>;
   // Every launch (cheap): the attribute is per device, and this call is legal during graph capture.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -543,6 +675,19 @@ cudaError_t launch_simt(const GemmArgs& g, int64_t max_tiles, cudaStream_t strea
   return cudaGetLastError();
 }
 
+template <class Tag, bool FP8>
+cudaError_t launch_tc_gemms(const GemmArgs& g1, const GemmArgs& g2, const Plan& plan, cudaStream_t stream) {
+  cudaError_t err;
+  if (plan.large) {
+    err = launch_tc<Tag, LargeGemm1, true, FP8>(g1, plan.max_tiles, stream);
+    if (err != cudaSuccess) return err;
+    return launch_tc<Tag, LargeGemm2, false, FP8>(g2, plan.max_tiles, stream);
+  }
+  err = launch_tc<Tag, SmallGemm1, true, FP8>(g1, plan.max_tiles, stream);
+  if (err != cudaSuccess) return err;
+  return launch_tc<Tag, SmallGemm2, false, FP8>(g2, plan.max_tiles, stream);
+}
+
 template <class Tag>
 cudaError_t launch_gemms(const GemmArgs& g1, const GemmArgs& g2, const Plan& plan, bool tensor_cores,
                          cudaStream_t stream) {
@@ -552,16 +697,9 @@ cudaError_t launch_gemms(const GemmArgs& g1, const GemmArgs& g2, const Plan& pla
     if (err != cudaSuccess) return err;
     return launch_simt<Tag, false>(g2, plan.max_tiles, stream);
   }
-  if constexpr (!std::is_same<Tag, F32Tag>::value) {
-    if (plan.large) {
-      err = launch_tc<Tag, LargeGemm1, true>(g1, plan.max_tiles, stream);
-      if (err != cudaSuccess) return err;
-      return launch_tc<Tag, LargeGemm2, false>(g2, plan.max_tiles, stream);
-    }
-    err = launch_tc<Tag, SmallGemm1, true>(g1, plan.max_tiles, stream);
-    if (err != cudaSuccess) return err;
-    return launch_tc<Tag, SmallGemm2, false>(g2, plan.max_tiles, stream);
-  }
+  if constexpr (!std::is_same<Tag, F32Tag>::value)
+    return g1.scale != nullptr ? launch_tc_gemms<Tag, true>(g1, g2, plan, stream)
+                               : launch_tc_gemms<Tag, false>(g1, g2, plan, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -581,20 +719,28 @@ bool valid_dtype(ScalarType t) {
 }  // namespace
 
 size_t moe_cuda_workspace_bytes(int64_t num_tokens, int64_t num_experts, int64_t local_experts, int32_t top_k,
-                                int64_t hidden_size, int64_t inter_size) {
+                                int64_t hidden_size, int64_t inter_size, int64_t shared_inter_size) {
   if (num_tokens <= 0 || num_experts < 0 || local_experts <= 0 || top_k <= 0 || hidden_size <= 0 ||
-      inter_size <= 0)
+      inter_size <= 0 || shared_inter_size < 0)
     return 0;
-  return make_plan(num_tokens, num_experts, local_experts, top_k, hidden_size, inter_size).total;
+  return make_plan(num_tokens, num_experts, local_experts, top_k, hidden_size, inter_size, shared_inter_size)
+      .total;
 }
 
 int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const bool given = p.topk_ids != nullptr;
   const int64_t T = p.num_tokens, H = p.hidden_size, E = given ? 0 : p.num_experts, El = p.local_experts,
-                I = p.inter_size;
-  if (T < 0 || H < 0 || El <= 0 || I <= 0) return cudaErrorInvalidValue;
+                I = p.inter_size, S = p.shared_inter_size;
+  if (T < 0 || H < 0 || El <= 0 || I <= 0 || S < 0 || S > INT32_MAX) return cudaErrorInvalidValue;
   if (T == 0 || H == 0) return cudaSuccess;  // empty output
-  if (El > kMoeMaxExperts || p.top_k < 1 || p.top_k > kMoeMaxTopK) return cudaErrorInvalidValue;
+  const int32_t nv = moe_experts::num_virtual(S, I);
+  if (El + nv > kMoeMaxExperts || p.top_k < 1 || p.top_k > kMoeMaxTopK) return cudaErrorInvalidValue;
+  if (S > 0 && (p.shared_w13 == nullptr || p.shared_w2 == nullptr)) return cudaErrorInvalidValue;
+  const bool fp8 = p.weight_dtype == ScalarType::kFloat8E4M3;  // else the weights are in `dtype`
+  if (fp8 && (p.w13_scale == nullptr || p.w2_scale == nullptr ||
+              (S > 0 && (p.shared_w13_scale == nullptr || p.shared_w2_scale == nullptr))))
+    return cudaErrorInvalidValue;
+  if (T * (p.top_k + nv) > INT32_MAX) return cudaErrorInvalidValue;
   if (H > INT32_MAX || I > INT32_MAX || T > INT32_MAX / p.top_k) return cudaErrorInvalidValue;
   if (p.expert_offset < 0 || p.expert_offset > INT32_MAX - El) return cudaErrorInvalidValue;
   if (!valid_dtype(p.dtype) || !valid_dtype(p.router_dtype)) return cudaErrorInvalidValue;
@@ -609,14 +755,16 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
       return cudaErrorInvalidValue;
     if (p.num_groups > 1 && p.top_k > p.topk_groups * (E / p.num_groups)) return cudaErrorInvalidValue;
   }
-  const size_t es = dtype_size(p.dtype);
-  for (const void* ptr : {p.hidden, p.w13, p.w2, static_cast<const void*>(p.out)})
+  const size_t es = dtype_size(p.dtype), wes = fp8 ? 1 : es;
+  for (const void* ptr : {p.hidden, static_cast<const void*>(p.out)})
     if (reinterpret_cast<uintptr_t>(ptr) % es != 0) return cudaErrorInvalidValue;
+  for (const void* ptr : {p.w13, p.w2, p.shared_w13, p.shared_w2})
+    if (reinterpret_cast<uintptr_t>(ptr) % wes != 0) return cudaErrorInvalidValue;
   if (p.router_weight != nullptr &&
       reinterpret_cast<uintptr_t>(p.router_weight) % dtype_size(p.router_dtype) != 0)
     return cudaErrorInvalidValue;
 
-  const Plan plan = make_plan(T, E, El, p.top_k, H, I);
+  const Plan plan = make_plan(T, E, El, p.top_k, H, I, S);
   if (workspace == nullptr || workspace_bytes < plan.total || !aligned16(workspace))
     return cudaErrorInvalidValue;
   if (plan.max_tiles * (plan.bm / kSimtRows) > INT32_MAX || plan.token_tiles > INT32_MAX)
@@ -650,6 +798,7 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
   ra.scaling = p.routed_scaling;
   ra.e0 = p.expert_offset;
   ra.e1 = static_cast<int32_t>(p.expert_offset + El);
+  ra.shared_experts = nv;
   ra.bm = plan.bm;
   ra.logits = reinterpret_cast<float*>(ws + plan.logits);
   ra.tile_counter = reinterpret_cast<int32_t*>(ws + plan.counters);
@@ -675,6 +824,9 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
   GemmArgs g1;
   g1.a_src = p.hidden;
   g1.w = p.w13;
+  g1.w_shared = p.shared_w13;
+  g1.scale = fp8 ? p.w13_scale : nullptr;
+  g1.scale_shared = fp8 ? p.shared_w13_scale : nullptr;
   g1.act = ws + plan.act;
   g1.ypart = nullptr;
   g1.sorted_ids = ra.sorted_ids;
@@ -685,16 +837,28 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
   g1.N = static_cast<int32_t>(I);
   g1.top_k = p.top_k;
   g1.bm = plan.bm;
+  g1.T = static_cast<int32_t>(T);
+  g1.local_experts = static_cast<int32_t>(El);
+  g1.H = static_cast<int32_t>(H);
+  g1.I = static_cast<int32_t>(I);
+  g1.S = static_cast<int32_t>(S);
   GemmArgs g2 = g1;
   g2.a_src = ws + plan.act;
   g2.w = p.w2;
+  g2.w_shared = p.shared_w2;
+  g2.scale = fp8 ? p.w2_scale : nullptr;
+  g2.scale_shared = fp8 ? p.shared_w2_scale : nullptr;
   g2.act = nullptr;
   g2.ypart = reinterpret_cast<float*>(ws + plan.ypart);
   g2.K = static_cast<int32_t>(I);
   g2.N = static_cast<int32_t>(H);
 
-  const bool tensor_cores = p.dtype != ScalarType::kFloat32 && H % 8 == 0 && I % 8 == 0 &&
-                            aligned16(p.hidden) && aligned16(p.w13) && aligned16(p.w2);
+  // 16-byte chunks of weights wholly inside or outside every row and slice: 8 b16 weights, or 16 FP8
+  // ones (then also inside one 128-column scale block).
+  const int64_t chunk = fp8 ? 16 : 8;
+  const bool tensor_cores = p.dtype != ScalarType::kFloat32 && H % chunk == 0 && I % chunk == 0 &&
+                            S % chunk == 0 && aligned16(p.hidden) && aligned16(p.w13) && aligned16(p.w2) &&
+                            (S == 0 || (aligned16(p.shared_w13) && aligned16(p.shared_w2)));
   switch (p.dtype) {
     case ScalarType::kFloat32:
       err = launch_gemms<F32Tag>(g1, g2, plan, false, stream);
@@ -712,7 +876,9 @@ int moe_cuda(const MoeParams& p, void* workspace, size_t workspace_bytes, cudaSt
   c.ypart = g2.ypart;
   c.topk_ids = ra.topk_ids;
   c.out = p.out;
+  c.T = static_cast<int32_t>(T);
   c.H = static_cast<int32_t>(H);
+  c.shared_experts = nv;
   c.top_k = p.top_k;
   c.e0 = ra.e0;
   c.e1 = ra.e1;

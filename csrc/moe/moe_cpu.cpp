@@ -13,7 +13,12 @@
 //    kCols intermediate outputs, finishing a = round(silu(g) u) to the dtype; (b) kCols rows of W2,
 //    finishing each entry's w * y into its slot row. Experts with fewer than kMinGemmRows rows take
 //    dot products along K instead (the layout change would cost more than their products).
-// 4. Combine, one token at a time: the token's slots summed in fp32, in expert order, rounded once.
+//    A shared expert is one more segment, of every token with weight 1 (its own intermediate size S).
+//    FP8 weights: each task first dequantises its kCols weight rows (1-byte loads, the contract's
+//    fp32(q) * scale rounded to the activation dtype) into scratch, then runs the same path on them, so
+//    an FP8 call is bit-identical to the call on the dequantised weights.
+// 4. Combine, one token at a time: the token's slots summed in fp32, in expert order, then the shared
+//    expert's, rounded once.
 // Every output element is computed by one thread in a fixed order: the result does not depend on the
 // thread count.
 #include <algorithm>
@@ -33,6 +38,7 @@
 #include "dinfer_kernels/detail/host_math.h"
 #include "dinfer_kernels/detail/host_rows.h"
 #include "dinfer_kernels/detail/isa_namespace.h"
+#include "dinfer_kernels/detail/moe_experts.h"
 #include "dinfer_kernels/detail/moe_math.h"
 #include "dinfer_kernels/moe.h"
 
@@ -469,24 +475,99 @@ void given_token(const MoeParams& p, int64_t t, int32_t* id, float* wt) {
 
 // The entries of one expert: list[first, first + n), rows [row0, row0 + n) of the row buffers
 // (padded to a multiple of kRows when the chunk GEMMs run, so a block never reads another expert's).
+// A local expert's entries are its (token, slot) pairs; the shared expert's, every token of the chunk.
 struct Segment {
-  int32_t e;  // local expert: the index into w13 / w2
+  moe_experts::ExpertSlice w;  // its weights (all of its intermediate columns: w.width of them)
   int64_t first, n, row0;
+  int64_t a_at;  // its rows of a: from R.a[a_at] (w.width fp32 each), or R.ah[a_at] (even(w.width) bf16)
   bool gemm;  // n >= kMinGemmRows: chunk GEMMs; else dot products
   bool pairs;  // bf16 through the AVX512-BF16 dot instruction (x and a kept in bf16)
 };
 
 // The chunk's rows grouped by expert: x (the gathered hidden rows) and a = silu(g) u.
 struct Rows {
-  int64_t H, I, Hp, Ip;
-  std::vector<float> x, a;  // [rows, H], [rows, I] fp32 (segments off the pair path)
-  std::vector<uint16_t> xh, ah;  // [rows, even(H)], [rows, even(I)] bf16 (pair-path segments)
+  int64_t H, Hp;
+  std::vector<float> x, a;  // [rows, H] fp32, the a rows of each segment (segments off the pair path)
+  std::vector<uint16_t> xh, ah;  // [rows, even(H)] bf16, the a rows of each segment (pair-path segments)
 };
 
 struct Scratch {
   std::vector<float> wg, wu, row;  // transposed chunks, a converted weight row
   std::vector<uint32_t> pg, pu;  // bf16 pair chunks
+  std::vector<float> deq;  // FP8 rows dequantised into the activation dtype (2 kCols rows)
 };
+
+inline bool fp8_weights(const MoeParams& p) { return p.weight_dtype == ScalarType::kFloat8E4M3; }
+
+// kCols FP8 weights as fp32 (exact): bits 0-6 into an fp32's exponent (bias moved by 120) and mantissa
+// for normal values, m * 2^-9 for subnormal ones (no fp32 subnormal on the way), S.1111.111 NaN.
+inline vcols fp8_to_vcols(const uint8_t* q) {
+  typedef uint8_t vcols_u8 __attribute__((vector_size(kCols)));
+  vcols_u8 b;
+  std::memcpy(&b, q, sizeof b);
+  const host::vreg_u32 u = __builtin_convertvector(b, host::vreg_u32), mag = u & 0x7Fu;
+  const vcols normal = (vcols)((mag << 20) + (120u << 23));
+  const vcols sub = __builtin_convertvector(mag, vcols) * 0x1p-9f;
+  vcols v = mag < 8u ? sub : normal;
+  v = mag == 0x7Fu ? vcols{} + NAN : v;
+  return (vcols)((host::vreg_u32)v | ((u & 0x80u) << 24));
+}
+
+// Rows [0, nc) of an FP8 weight (row c: K bytes from q + c * ld; the fp32 scales of its 128-column
+// blocks from scale_row(c)) dequantised as the contract says, fp32(q) * scale rounded once to dt, into
+// dst (rows of K in dt). tmp: K floats.
+template <class ScaleRow>
+void dequant_rows(const uint8_t* q, int64_t ld, int nc, int64_t K, ScaleRow scale_row, ScalarType dt,
+                  void* dst, float* tmp) {
+  static_assert(kMoeFp8Block % kCols == 0, "a vector of weights lies in one scale block");
+  for (int c = 0; c < nc; ++c) {
+    const uint8_t* qr = q + c * ld;
+    const float* sr = scale_row(c);
+    int64_t k = 0;
+    for (; k + kCols <= K; k += kCols) host::storev(tmp + k, fp8_to_vcols(qr + k) * sr[k / kMoeFp8Block]);
+    for (; k < K; ++k) tmp[k] = moe_experts::fp8_dequant(qr[k], sr[k / kMoeFp8Block]);
+    host::store_row(tmp, K, dt, dst, c * K);
+  }
+}
+
+// The kCols outputs [n0, n0 + nc) of segment s: its gate rows and its up rows.
+void gate_up_rows(const MoeParams& p, const Segment& s, int64_t n0, int nc, Scratch& sc, const void*& wg,
+                  const void*& wu) {
+  const int64_t H = p.hidden_size;
+  const size_t elem = host::elem_bytes(p.dtype);
+  if (!fp8_weights(p)) {
+    const char* w13 = static_cast<const char*>(s.w.shared ? p.shared_w13 : p.w13);
+    wg = w13 + (s.w.gate_at + n0 * H) * elem;
+    wu = w13 + (s.w.up_at + n0 * H) * elem;
+    return;
+  }
+  const uint8_t* q = static_cast<const uint8_t*>(s.w.shared ? p.shared_w13 : p.w13);
+  const float* scale = s.w.shared ? p.shared_w13_scale : p.w13_scale;
+  char* d = reinterpret_cast<char*>(sc.deq.data());
+  for (const bool up : {false, true}) {
+    dequant_rows(
+        q + (up ? s.w.up_at : s.w.gate_at) + n0 * H, H, nc, H,
+        [&](int c) { return scale + moe_experts::w13_scale_index(s.w, up, n0 + c, 0, H); }, p.dtype,
+        d + (up ? kCols * H * elem : 0), sc.row.data());
+  }
+  wg = d;
+  wu = d + kCols * H * elem;
+}
+
+// Rows [n0, n0 + nc) of segment s's W2 (rows of w.width).
+const void* down_rows(const MoeParams& p, const Segment& s, int64_t n0, int nc, Scratch& sc) {
+  const int64_t I = s.w.width;
+  if (!fp8_weights(p))
+    return static_cast<const char*>(s.w.shared ? p.shared_w2 : p.w2) +
+           (s.w.down_at + n0 * s.w.down_ld) * host::elem_bytes(p.dtype);
+  const uint8_t* q = static_cast<const uint8_t*>(s.w.shared ? p.shared_w2 : p.w2);
+  const float* scale = s.w.shared ? p.shared_w2_scale : p.w2_scale;
+  dequant_rows(
+      q + s.w.down_at + n0 * s.w.down_ld, s.w.down_ld, nc, I,
+      [&](int c) { return scale + moe_experts::w2_scale_index(s.w, n0 + c, 0); }, p.dtype, sc.deq.data(),
+      sc.row.data());
+  return sc.deq.data();
+}
 
 // The kRows x kCols block of products as plain floats (__m512 is this same vector type).
 inline void spill(const vcols (&acc)[kRows], float (&out)[kRows][kCols]) {
@@ -495,28 +576,31 @@ inline void spill(const vcols (&acc)[kRows], float (&out)[kRows][kCols]) {
 
 // a[:, n0 + c] = round(silu(g) u) of segment s for the outputs [n0, n0 + nc) of the intermediate dim.
 void gate_up_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, Rows& R, Scratch& sc) {
-  const int64_t H = R.H, I = R.I;
-  const size_t elem = host::elem_bytes(p.dtype);
-  const void* w13 = static_cast<const char*>(p.w13) + s.e * 2 * I * H * elem;
+  const int64_t H = R.H, I = s.w.width, Ip = even(I);
+  const void *wg, *wu;  // rows n0.. of the gate and the up half, in the activation dtype
+  gate_up_rows(p, s, n0, nc, sc, wg, wu);
   // a of one row's nc outputs, rounded to the dtype as the reference does before W2 (bf16 rows of the
   // pair path are rounded by their conversion).
   auto finish = [&](int64_t row, const float* g, const float* u) {
     float a[kCols];
     host::storev(a, silu_mul(host::loadv<vcols>(g), host::loadv<vcols>(u)));
     if (s.pairs) {
-      host::store_row(a, nc, ScalarType::kBFloat16, R.ah.data(), row * R.Ip + n0);
+      host::store_row(a, nc, ScalarType::kBFloat16, R.ah.data(), s.a_at + (row - s.row0) * Ip + n0);
       return;
     }
     if (p.dtype != ScalarType::kFloat32)
       for (int c = 0; c < nc; ++c) a[c] = round_to(a[c], p.dtype);
-    std::memcpy(R.a.data() + row * I + n0, a, static_cast<size_t>(nc) * sizeof(float));
+    std::memcpy(R.a.data() + s.a_at + (row - s.row0) * I + n0, a, static_cast<size_t>(nc) * sizeof(float));
   };
   if (!s.gemm) {
+    const int64_t up =
+        (static_cast<const char*>(wu) - static_cast<const char*>(wg)) /
+        static_cast<int64_t>(host::elem_bytes(p.dtype));  // elements from a gate row to its up row
     float G[kMinGemmRows][kCols] = {}, U[kMinGemmRows][kCols] = {};
     const float* X = R.x.data() + s.row0 * H;
     for (int c = 0; c < nc; ++c) {  // the gate and up rows of output c in one pass over X
       float g[kMinGemmRows] = {}, u[kMinGemmRows] = {};
-      dots2(X, s.n, w13, p.dtype, (n0 + c) * H, (I + n0 + c) * H, H, g, u);
+      dots2(X, s.n, wg, p.dtype, c * H, up + c * H, H, g, u);
       for (int64_t i = 0; i < s.n; ++i) {
         G[i][c] = g[i];
         U[i][c] = u[i];
@@ -528,13 +612,13 @@ void gate_up_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, Rows
   float G[kRows][kCols], U[kRows][kCols];
 #if defined(__AVX512BF16__)
   if (s.pairs) {
-    pack_pairs(static_cast<const uint16_t*>(w13), n0, nc, H, sc.pg.data());
-    pack_pairs(static_cast<const uint16_t*>(w13), I + n0, nc, H, sc.pu.data());
+    pack_pairs(static_cast<const uint16_t*>(wg), 0, nc, H, sc.pg.data());
+    pack_pairs(static_cast<const uint16_t*>(wu), 0, nc, H, sc.pu.data());
   }
 #endif
   if (!s.pairs) {
-    transpose_chunk(w13, p.dtype, n0, nc, H, sc.row.data(), sc.wg.data());
-    transpose_chunk(w13, p.dtype, I + n0, nc, H, sc.row.data(), sc.wu.data());
+    transpose_chunk(wg, p.dtype, 0, nc, H, sc.row.data(), sc.wg.data());
+    transpose_chunk(wu, p.dtype, 0, nc, H, sc.row.data(), sc.wu.data());
   }
   for (int64_t r0 = 0; r0 < s.n; r0 += kRows) {
     const int64_t row = s.row0 + r0;
@@ -560,9 +644,9 @@ void gate_up_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, Rows
 // slots[entry][n0 + c] = w_entry * (W2 a)[n0 + c] for the entries of segment s.
 void down_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, const int32_t* list,
                const float* weights, Rows& R, Scratch& sc, float* slots) {
-  const int64_t H = R.H, I = R.I;
-  const size_t elem = host::elem_bytes(p.dtype);
-  const void* w2 = static_cast<const char*>(p.w2) + s.e * H * I * elem;
+  const int64_t H = R.H, I = s.w.width;
+  [[maybe_unused]] const int64_t Ip = even(I);  // the pair path's row length of a
+  const void* w2 = down_rows(p, s, n0, nc, sc);  // rows n0.. of I, in the activation dtype
   auto finish = [&](int64_t i, const float* y) {  // entry i of the segment: w * y into its slot
     const int32_t entry = list[s.first + i];
     const float w = weights[entry];
@@ -574,7 +658,7 @@ void down_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, const i
     for (int c = 0; c < nc; c += 2) {  // outputs c and c + 1 in one pass (c alone, twice, at an odd end)
       const int c1 = std::min(c + 1, nc - 1);
       float y0[kMinGemmRows] = {}, y1[kMinGemmRows] = {};
-      dots2(R.a.data() + s.row0 * I, s.n, w2, p.dtype, (n0 + c) * I, (n0 + c1) * I, I, y0, y1);
+      dots2(R.a.data() + s.a_at, s.n, w2, p.dtype, c * I, c1 * I, I, y0, y1);
       for (int64_t i = 0; i < s.n; ++i) {
         Y[i][c] = y0[i];
         Y[i][c1] = y1[i];
@@ -585,21 +669,20 @@ void down_task(const MoeParams& p, const Segment& s, int64_t n0, int nc, const i
   }
   float Y[kRows][kCols];
 #if defined(__AVX512BF16__)
-  if (s.pairs) pack_pairs(static_cast<const uint16_t*>(w2), n0, nc, I, sc.pg.data());
+  if (s.pairs) pack_pairs(static_cast<const uint16_t*>(w2), 0, nc, I, sc.pg.data());
 #endif
-  if (!s.pairs) transpose_chunk(w2, p.dtype, n0, nc, I, sc.row.data(), sc.wg.data());
+  if (!s.pairs) transpose_chunk(w2, p.dtype, 0, nc, I, sc.row.data(), sc.wg.data());
   for (int64_t r0 = 0; r0 < s.n; r0 += kRows) {
-    const int64_t row = s.row0 + r0;
 #if defined(__AVX512BF16__)
     if (s.pairs) {
       __m512 y[kRows];
-      block_pairs(R.ah.data() + row * R.Ip, I, sc.pg.data(), y);
+      block_pairs(R.ah.data() + s.a_at + r0 * Ip, I, sc.pg.data(), y);
       spill(y, Y);
     }
 #endif
     if (!s.pairs) {
       vcols y[kRows];
-      block_fp32(R.a.data() + row * I, I, sc.wg.data(), y);
+      block_fp32(R.a.data() + s.a_at + r0 * I, I, sc.wg.data(), y);
       spill(y, Y);
     }
     const int rows = static_cast<int>(std::min<int64_t>(kRows, s.n - r0));
@@ -614,8 +697,10 @@ int threads_for(int64_t macs, int64_t tasks, int max_threads) {
 
 void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
   const int64_t E = p.num_experts, El = p.local_experts, H = p.hidden_size, I = p.inter_size, k = p.top_k;
-  std::vector<int32_t> ids(T * k);
-  std::vector<float> w(T * k);
+  const int64_t S = p.shared_inter_size;  // the shared expert: one more segment of every token
+  const int64_t routed = T * k, entries = routed + (S > 0 ? T : 0);
+  std::vector<int32_t> ids(routed);
+  std::vector<float> w(entries, 1.f);  // the shared expert's entries keep weight 1
   if (p.topk_ids != nullptr) {
     for (int64_t t = 0; t < T; ++t) given_token(p, t0 + t, ids.data() + t * k, w.data() + t * k);
   } else {
@@ -642,34 +727,41 @@ void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
     return l >= 0 && l < El ? l : -1;
   };
   std::vector<int64_t> start(El + 1, 0);
-  for (int64_t i = 0; i < T * k; ++i)
+  for (int64_t i = 0; i < routed; ++i)
     if (local(i) >= 0) ++start[local(i) + 1];
   std::partial_sum(start.begin(), start.end(), start.begin());
-  std::vector<int32_t> list(start[El]);
+  std::vector<int32_t> list(start[El] + entries - routed);
   {
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < T * k; ++i)
+    for (int64_t i = 0; i < routed; ++i)
       if (local(i) >= 0) list[fill[local(i)]++] = static_cast<int32_t>(i);
+    for (int64_t i = routed; i < entries; ++i) list[start[El] + i - routed] = static_cast<int32_t>(i);
   }
   std::vector<Segment> segs;
-  int64_t rows = 0;
+  int64_t rows = 0, a_rows = 0, ah_rows = 0;
+  auto add_segment = [&](const moe_experts::ExpertSlice& x, int64_t first, int64_t n) {
+    const bool gemm = n >= kMinGemmRows, pairs = kBf16Pairs && gemm && p.dtype == ScalarType::kBFloat16;
+    const int64_t padded = gemm ? (n + kRows - 1) / kRows * kRows : n;
+    int64_t& at = pairs ? ah_rows : a_rows;
+    segs.push_back({x, first, n, rows, at, gemm, pairs});
+    at += padded * (pairs ? even(x.width) : x.width);
+    rows += padded;
+  };
   for (int32_t e = 0; e < El; ++e) {
     const int64_t n = start[e + 1] - start[e];
-    if (n == 0) continue;
-    const bool gemm = n >= kMinGemmRows;
-    segs.push_back({e, start[e], n, rows, gemm, kBf16Pairs && gemm && p.dtype == ScalarType::kBFloat16});
-    rows += gemm ? (n + kRows - 1) / kRows * kRows : n;
+    if (n > 0) add_segment(moe_experts::expert_slice(e, El, H, I, S), start[e], n);
   }
-  Rows R{H, I, even(H), even(I), {}, {}, {}, {}};
+  if (S > 0) add_segment(moe_experts::slice_of(true, 0, S, S, H, 0, 0, 0, 0), start[El], T);
+  Rows R{H, even(H), {}, {}, {}, {}};
   bool any_pairs = false, any_fp32 = false;
   for (const Segment& s : segs) (s.pairs ? any_pairs : any_fp32) = true;
   if (any_fp32) {  // zeros: the padding rows of a block
     R.x.assign(rows * H, 0.f);
-    R.a.assign(rows * I, 0.f);
+    R.a.assign(a_rows, 0.f);
   }
   if (any_pairs) {
     R.xh.assign(rows * R.Hp, 0);
-    R.ah.assign(rows * R.Ip, 0);
+    R.ah.assign(ah_rows, 0);
   }
   struct Task {
     int32_t seg;
@@ -677,28 +769,30 @@ void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
   };
   std::vector<Task> up_tasks, down_tasks;
   for (int32_t i = 0; i < static_cast<int32_t>(segs.size()); ++i) {
-    for (int64_t n0 = 0; n0 < I; n0 += kCols) up_tasks.push_back({i, n0});
+    for (int64_t n0 = 0; n0 < segs[i].w.width; n0 += kCols) up_tasks.push_back({i, n0});
     for (int64_t n0 = 0; n0 < H; n0 += kCols) down_tasks.push_back({i, n0});
   }
-  // Only the slots of local experts are written, and only those are read.
-  std::unique_ptr<float[]> slots(new float[T * k * H]);
+  // Only the slots of local experts (and the shared expert's) are written, and only those are read.
+  std::unique_ptr<float[]> slots(new float[entries * H]);
   const int64_t nseg = static_cast<int64_t>(segs.size());
   const int64_t nup = static_cast<int64_t>(up_tasks.size()), ndown = static_cast<int64_t>(down_tasks.size());
-  const int et = threads_for(start[El] * 3 * I * H, std::min(nup, ndown), max_threads);
+  const int64_t macs = (start[El] * I + (S > 0 ? T * S : 0)) * 3 * H;
+  const int et = threads_for(macs, std::min(nup, ndown), max_threads);
 #pragma omp parallel num_threads(et)
   {
     Scratch sc;
-    const int64_t K = std::max(H, I);
+    const int64_t K = std::max({H, I, S});
     sc.row.resize(K);
     sc.wg.resize(K * kCols);
     sc.wu.resize(K * kCols);
     sc.pg.resize(even(K) / 2 * kCols);
     sc.pu.resize(even(K) / 2 * kCols);
+    if (fp8_weights(p)) sc.deq.resize(2 * kCols * K);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < nseg; ++i) {  // gather each expert's rows
       const Segment& s = segs[i];
       for (int64_t r = 0; r < s.n; ++r) {
-        const int64_t token = t0 + list[s.first + r] / k;
+        const int64_t token = t0 + moe_experts::entry_token(list[s.first + r], T, k);
         if (s.pairs) {
           std::memcpy(R.xh.data() + (s.row0 + r) * R.Hp, static_cast<const uint16_t*>(p.hidden) + token * H,
                       static_cast<size_t>(H) * sizeof(uint16_t));
@@ -709,8 +803,9 @@ void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < nup; ++i) {
+      const Segment& s = segs[up_tasks[i].seg];
       const int64_t n0 = up_tasks[i].n0;
-      gate_up_task(p, segs[up_tasks[i].seg], n0, static_cast<int>(std::min<int64_t>(kCols, I - n0)), R, sc);
+      gate_up_task(p, s, n0, static_cast<int>(std::min<int64_t>(kCols, s.w.width - n0)), R, sc);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ndown; ++i) {
@@ -720,7 +815,7 @@ void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
     }
   }
 
-  const int ct = threads_for(T * k * H / 8, T, max_threads);
+  const int ct = threads_for(entries * H / 8, T, max_threads);
 #pragma omp parallel num_threads(ct)
   {
     std::vector<float> acc(H);
@@ -732,11 +827,14 @@ void moe_chunk(const MoeParams& p, int64_t t0, int64_t T, int max_threads) {
         const float* src = slots.get() + (t * k + j) * H;
         for (int64_t h = 0; h < H; ++h) acc[h] += src[h];
       }
+      if (S > 0) {  // the shared expert after the routed sum, as the reference adds it
+        const float* src = slots.get() + (routed + t) * H;
+        for (int64_t h = 0; h < H; ++h) acc[h] += src[h];
+      }
       host::store_row(acc.data(), H, p.dtype, p.out, (t0 + t) * H);
     }
   }
 }
-
 }  // namespace
 
 void moe_cpu(const MoeParams& p, int num_threads) {

@@ -29,6 +29,12 @@ def moe(
     expert_offset: int,
     topk_ids=None,
     topk_weights=None,
+    shared_w13=None,
+    shared_w2=None,
+    w13_scale=None,
+    w2_scale=None,
+    shared_w13_scale=None,
+    shared_w2_scale=None,
 ) -> None:
     """Writes out [T, H] (contiguous, hidden's dtype)."""
     if hidden.shape[0] == 0 or hidden.shape[1] == 0:
@@ -40,6 +46,16 @@ def moe(
     hidden, router_weight, router_logits, w13, w2, expert_bias, out, topk_ids, topk_weights = capsules(
         hidden, router_weight, router_logits, w13, w2, expert_bias, out, topk_ids, topk_weights
     )
+    # The shared expert and the FP8 scales only when given: each keyword costs the call a little.
+    optional = dict(
+        shared_w13=shared_w13,
+        shared_w2=shared_w2,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
+        shared_w13_scale=shared_w13_scale,
+        shared_w2_scale=shared_w2_scale,
+    )
+    given = {name: capsules(t.contiguous())[0] for name, t in optional.items() if t is not None}
     compiled().moe(
         hidden,
         router_weight,
@@ -58,4 +74,5 @@ def moe(
         topk_ids=topk_ids,
         topk_weights=topk_weights,
         num_threads=torch.get_num_threads(),
+        **given,
     )

@@ -2,13 +2,14 @@
 
 The workspace comes from torch's caching allocator (capture-safe) and the kernels run on the current
 stream, so the call can sit inside a CUDA graph. Inputs are laid out as the compiled kernels take them
-(_moe_layout: no-ops in the usual case); the kernels take E <= 512 and top_k <= 32.
+(_moe_layout: no-ops in the usual case); the kernels take E <= 512 (E_local + ceil(S / I) with a
+shared expert) and top_k <= 32.
 """
 
 import torch
 
 from .._backend import compiled
-from .._moe_layout import compiled_layout, given_topk
+from .._moe_layout import compiled_layout, contiguous_or_none, given_topk
 
 
 def moe(
@@ -29,6 +30,12 @@ def moe(
     expert_offset: int,
     topk_ids=None,
     topk_weights=None,
+    shared_w13=None,
+    shared_w2=None,
+    w13_scale=None,
+    w2_scale=None,
+    shared_w13_scale=None,
+    shared_w2_scale=None,
 ) -> None:
     """Writes out [T, H] (contiguous, hidden's dtype); the contract is reference/moe.py."""
     ext = compiled()
@@ -39,6 +46,10 @@ def moe(
     hidden, router_weight, router_logits, w13, w2, expert_bias = compiled_layout(
         hidden, router_weight, router_logits, w13, w2, expert_bias
     )
+    shared_w13, shared_w2, w13_scale, w2_scale, shared_w13_scale, shared_w2_scale = contiguous_or_none(
+        shared_w13, shared_w2, w13_scale, w2_scale, shared_w13_scale, shared_w2_scale
+    )
+    S = 0 if shared_w13 is None else shared_w13.shape[0] // 2
     topk_ids, topk_weights = given_topk(topk_ids, topk_weights, expert_offset, E_local)
     # The router's experts (the logits' width); a given top-k has no router.
     E = (
@@ -48,7 +59,9 @@ def moe(
     )
     target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     workspace = torch.empty(
-        ext.moe_workspace_bytes(T, E, E_local, top_k, H, two_i // 2), dtype=torch.uint8, device=hidden.device
+        ext.moe_workspace_bytes(T, E, E_local, top_k, H, two_i // 2, S),
+        dtype=torch.uint8,
+        device=hidden.device,
     )
     stream = torch.cuda.current_stream(hidden.device).cuda_stream
     with torch.cuda.device(hidden.device):  # launches go to the current device
@@ -69,6 +82,12 @@ def moe(
             target,
             topk_ids=topk_ids,
             topk_weights=topk_weights,
+            shared_w13=shared_w13,
+            shared_w2=shared_w2,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
+            shared_w13_scale=shared_w13_scale,
+            shared_w2_scale=shared_w2_scale,
             workspace=workspace,
             stream=stream,
         )

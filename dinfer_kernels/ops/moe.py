@@ -318,6 +318,7 @@ def moe(
             dtype=hidden.dtype,
             rows_per_expert=rows_per_expert,
             weight_bytes=(w13.numel() + w2.numel()) * w13.element_size(),
+            weight_dtype=w13.dtype,
         ),
     )
 

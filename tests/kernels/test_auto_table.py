@@ -56,6 +56,30 @@ def test_moe_choice_per_dtype_and_shape(host_isa):
     assert _backend.resolve("auto", CPU, "moe") == "cpu"
 
 
+def test_moe_choice_with_fp8_weights(host_isa):
+    """FP8 weights take the table's float8_e4m3fn row whatever the hidden dtype: the host kernel wins
+    up to the rows per expert measured (the reference dequantises every chosen expert per call)."""
+    isa = _backend.cpu_isa()
+    if isa not in _backend.MOE_HOST_WINS:
+        pytest.skip(f"no MoE measurements for {isa}")
+
+    def auto(dtype, rows, elems):
+        return _backend.resolve(
+            "auto",
+            CPU,
+            "moe",
+            dtype=dtype,
+            rows_per_expert=rows,
+            weight_bytes=elems,
+            weight_dtype=torch.float8_e4m3fn,
+        )
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert auto(dtype, 4, LLADA_MOE_BYTES) == "cpu"  # 16-bit weights: torch there (above)
+        assert auto(dtype, 32, 8 * 3 * 256 * 128) == "cpu"
+        assert auto(dtype, 1000, 8 * 3 * 256 * 128) == "torch"  # past what was measured
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_call_takes_its_shape_into_account(host_isa, dtype, monkeypatch):
     """dk.moe(backend="auto") runs the backend the table names for its own T, E, top-k and weights."""

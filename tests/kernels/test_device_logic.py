@@ -347,6 +347,7 @@ def emulated_route(
     scaling=1.0,
     e0=0,
     e1=None,
+    shared_experts=0,
     bm=16,
     order_seed=0,
 ):
@@ -354,14 +355,14 @@ def emulated_route(
     tile_expert, num_tiles) as the GEMMs read them."""
     f = lib.dinfer_moe_route_cuda_on_host
     i32, flt, vp = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-    f.argtypes = [vp, i32, i32, i32, i32, i32, vp, i32, i32, flt, i32, i32, i32, vp, vp, vp, vp, vp, vp]
+    f.argtypes = [vp, i32, i32, i32, i32, i32, vp, i32, i32, flt, i32, i32, i32, i32, vp, vp, vp, vp, vp, vp]
     T, E = logits.shape
     e1 = E if e1 is None else e1
     tt = 16 if T > 256 else 4
     order = torch.randperm((T + tt - 1) // tt, generator=torch.Generator().manual_seed(order_seed))
     order = order.to(torch.int32)
-    entries = T * top_k
-    max_tiles = (entries + min(E, entries) * (bm - 1)) // bm
+    entries = T * (top_k + shared_experts)
+    max_tiles = (entries + min(E + shared_experts, entries) * (bm - 1)) // bm
     ids = torch.full((T, top_k), -7, dtype=torch.int32)
     w = torch.full((T, top_k), float("nan"))
     sorted_ids = torch.full((max_tiles * bm,), -7, dtype=torch.int32)
@@ -380,6 +381,7 @@ def emulated_route(
         scaling,
         e0,
         e1,
+        shared_experts,
         bm,
         _ptr(order),
         _ptr(ids),
@@ -403,13 +405,18 @@ def route_truth(logits, bias, scoring, renormalize, scaling, experts):
     return w * scaling
 
 
-def check_alignment(ids, sorted_ids, tile_expert, num_tiles, e0, e1, bm):
-    """Each local expert's entries (token * k + slot) in increasing order, padded with -1 to whole
-    tiles of bm rows, tiles in expert order; nothing else written."""
+def check_alignment(ids, sorted_ids, tile_expert, num_tiles, e0, e1, bm, shared_experts=0):
+    """Each local expert's entries (token * k + slot) in increasing order, then each virtual expert's
+    of the shared expert (T k + j T + t, every token), padded with -1 to whole tiles of bm rows, tiles
+    in expert order; nothing else written."""
     flat = ids.flatten().long()
+    T, k = ids.shape
     tiles, rows = [], []
-    for e in range(e0, e1):
-        entries = torch.nonzero(flat == e).flatten().tolist()
+    for e in range(e0, e1 + shared_experts):
+        if e < e1:
+            entries = torch.nonzero(flat == e).flatten().tolist()
+        else:
+            entries = [T * k + (e - e1) * T + t for t in range(T)]
         n = -(-len(entries) // bm)
         tiles += [e - e0] * n  # the local expert: w13 / w2 hold the local experts only
         rows += entries + [-1] * (n * bm - len(entries))
@@ -434,6 +441,17 @@ ROUTE_CASES = {
     "prefill_tiles_of_16": (300, 8, 2, dict(scoring="softmax", bm=128)),
     "expert_range": (50, 64, 8, dict(scoring="sigmoid", e0=13, e1=40)),
     "empty_expert_range": (6, 8, 2, dict(scoring="softmax", e0=3, e1=3)),
+    # the shared expert's virtual experts after the local ones (LLaDA2: one; S > I: three)
+    "llada2_shared_expert": (
+        41,
+        256,
+        8,
+        dict(scoring="sigmoid", renormalize=True, bias=True, num_groups=8, topk_groups=4, shared_experts=1),
+    ),
+    "shared_experts_with_range": (50, 64, 8, dict(scoring="softmax", e0=13, e1=40, shared_experts=3)),
+    "shared_experts_prefill": (300, 8, 2, dict(scoring="softmax", bm=128, shared_experts=2)),
+    "shared_experts_only": (6, 8, 2, dict(scoring="softmax", e0=3, e1=3, shared_experts=1)),
+    "shared_experts_fill_the_list": (3, 508, 4, dict(scoring="softmax", shared_experts=4)),
 }
 
 
@@ -445,10 +463,11 @@ def test_moe_route_matches_reference(lib, case):
     kw = dict(kw)
     bias = torch.randn(E) * 0.1 if kw.pop("bias", False) else None
     bm, e0, e1 = kw.pop("bm", 16), kw.pop("e0", 0), kw.pop("e1", E)
+    nv = kw.pop("shared_experts", 0)
     logits = torch.randn(T, E) * 2
     for seed in range(2):  # two CTA orders: a different CTA aligns
         ids, w, sorted_ids, tile_expert, num_tiles = emulated_route(
-            lib, logits, k, bias=bias, e0=e0, e1=e1, bm=bm, order_seed=seed, **kw
+            lib, logits, k, bias=bias, e0=e0, e1=e1, shared_experts=nv, bm=bm, order_seed=seed, **kw
         )
         ref_w, ref_order = route(
             None,
@@ -474,7 +493,7 @@ def test_moe_route_matches_reference(lib, case):
             by_expert.values,
         )
         assert_precision(w, ref_w, truth, "routing weights")
-        check_alignment(ids, sorted_ids, tile_expert, num_tiles, e0, e1, bm)
+        check_alignment(ids, sorted_ids, tile_expert, num_tiles, e0, e1, bm, nv)
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
@@ -499,6 +518,88 @@ def test_moe_route_ties_nan_and_inf(lib, scoring):
         assert torch.equal(ids.long(), ref)
         assert ids[0].tolist() == [0, 1, 2, 3] and ids[2].tolist() == [0, 1, 2, 3]
     assert ids[5].tolist() == [20, 21, 22, 23] and ids[4].tolist() == [8, 9, 10, 11]
+
+
+# ---- the experts of the kernels' list and FP8 weights ----------------------------------------------
+
+
+def test_fp8_decoding_of_every_byte(lib):
+    """moe_experts::fp8_e4m3_to_float (the CUDA GEMMs' and the host kernel's decoder) on all 256
+    codes: torch's float8_e4m3fn values (subnormals, both zeros, +-448), NaN for the two NaN codes."""
+    q = torch.arange(256, dtype=torch.uint8)
+    out = torch.full((256,), 7.0)
+    f = lib.dinfer_fp8_e4m3_to_float
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    f(_ptr(q), _ptr(out), 256)
+    want = q.view(torch.float8_e4m3fn).float()
+    assert torch.equal(out.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    ok = ~want.isnan()
+    assert torch.equal(out[ok], want[ok]) and torch.equal(out[ok].signbit(), want[ok].signbit())
+
+
+EXPERT_SHAPES = [  # El, H, I, S: S below, equal to, past I, not a multiple of it; partial scale blocks
+    (3, 136, 40, 24),
+    (2, 64, 32, 32),
+    (2, 130, 48, 300),
+    (1, 256, 160, 129),
+    (4, 8, 8, 1),
+]
+
+
+@pytest.mark.parametrize("El,H,I,S", EXPERT_SHAPES)
+def test_moe_expert_slices_read_the_contracts_weights(lib, El, H, I, S):
+    """Every expert of the kernels' list, gathered through moe_experts.h's offsets and scale indices,
+    is the contract's: local expert e the dequantised w13[e] / w2[e]; virtual expert j of the shared
+    expert its intermediate columns [j I, j I + width) (gate rows, up rows S + j I.., w2 columns), the
+    virtual experts covering S exactly once."""
+    from dinfer_kernels import fp8_block_dequantize, fp8_block_quantize
+
+    q13, s13 = fp8_block_quantize(torch.randn(El, 2 * I, H), halves=2)
+    q2, s2 = fp8_block_quantize(torch.randn(El, H, I))
+    qs13, ss13 = fp8_block_quantize(torch.randn(2 * S, H), halves=2)
+    qs2, ss2 = fp8_block_quantize(torch.randn(H, S))
+    w13 = fp8_block_dequantize(q13, s13, torch.float32, halves=2)
+    w2 = fp8_block_dequantize(q2, s2, torch.float32)
+    sw13 = fp8_block_dequantize(qs13, ss13, torch.float32, halves=2)
+    sw2 = fp8_block_dequantize(qs2, ss2, torch.float32)
+    f = lib.dinfer_moe_expert_on_host
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [i64] * 5 + [vp] * 11
+    f.restype = i64
+    nv = -(-S // I)
+    covered = []
+    for x in range(El + nv):
+        width = I if x < El else min(I, S - (x - El) * I)
+        gate = torch.full((width, H), float("nan"))
+        up, down = torch.full_like(gate, float("nan")), torch.full((H, width), float("nan"))
+        bytes_ = [t.view(torch.uint8) for t in (q13, q2)] + [s13, s2]
+        shared = [t.view(torch.uint8) for t in (qs13, qs2)] + [ss13, ss2]
+        got = f(x, El, H, I, S, *map(_ptr, bytes_ + shared + [gate, up, down]))
+        assert got == width
+        if x < El:
+            want = w13[x, :I], w13[x, I:], w2[x]
+        else:
+            c0 = (x - El) * I
+            covered += list(range(c0, c0 + width))
+            want = sw13[c0 : c0 + width], sw13[S + c0 : S + c0 + width], sw2[:, c0 : c0 + width]
+        for name, out, ref in zip(("gate", "up", "down"), (gate, up, down), want):
+            assert torch.equal(out, ref), f"expert {x}: {name}"
+    assert covered == list(range(S))
+
+
+@pytest.mark.parametrize("T,k,S,I", [(5, 2, 0, 8), (7, 3, 24, 8), (1, 1, 9, 8), (13, 8, 512, 512)])
+def test_moe_entries_of_the_virtual_experts(lib, T, k, S, I):
+    """Entries t k + slot (routed) then T k + j T + t (token t of virtual expert j): the token of
+    each, and virtual_entry inverts it."""
+    f = lib.dinfer_moe_entries_on_host
+    i64 = ctypes.c_int64
+    f.argtypes = [i64, i64, i64, i64, ctypes.c_void_p]
+    f.restype = ctypes.c_int32
+    nv = -(-S // I) if S else 0
+    token = torch.full((T * (k + nv),), -7, dtype=torch.int64)
+    assert f(T, k, S, I, _ptr(token)) == nv
+    want = torch.cat([torch.arange(T).repeat_interleave(k), torch.arange(T).repeat(nv)])
+    assert torch.equal(token, want)
 
 
 # ---- the shared scalar math ------------------------------------------------------------------------

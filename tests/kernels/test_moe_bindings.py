@@ -271,6 +271,187 @@ def test_host_kernel_has_no_cuda_limits():
         assert_precision(torch.from_numpy(a["out"]), reference_of(a), truth, f"host moe E={E_} k={k}")
 
 
+# ---- the shared expert and FP8 weights ---------------------------------------------------------------
+
+
+def torch_case(T_, H_, E_, I_, k, S, dtype, seed=0, device="cpu"):
+    """hidden, router and the experts (w13, w2, shared_w13, shared_w2; the shared pair None when S is 0)
+    in `dtype`, random with ~unit outputs."""
+    g = torch.Generator().manual_seed(seed)
+    w = dict(
+        hidden=torch.randn(T_, H_, generator=g),
+        router_weight=torch.randn(E_, H_, generator=g) * 0.2,
+        w13=torch.randn(E_, 2 * I_, H_, generator=g) / H_**0.5,
+        w2=torch.randn(E_, H_, I_, generator=g) / I_**0.5,
+        shared_w13=torch.randn(2 * S, H_, generator=g) / H_**0.5 if S else None,
+        shared_w2=torch.randn(H_, S, generator=g) / max(S, 1) ** 0.5 if S else None,
+    )
+    return {
+        n: None if t is None else t.to(dtype if n != "router_weight" else torch.float32).to(device)
+        for n, t in w.items()
+    }
+
+
+def quantized(case):
+    """The case's expert weights as FP8 with block scales (dk.fp8_block_quantize), and the weights
+    those stand for in hidden's dtype (what the FP8 call must equal)."""
+    from dinfer_kernels import fp8_block_dequantize, fp8_block_quantize
+
+    dt = case["hidden"].dtype
+    q, deq = dict(case), dict(case)
+    for name, halves in (("w13", 2), ("w2", 1), ("shared_w13", 2), ("shared_w2", 1)):
+        if case[name] is None:
+            continue
+        w, scale = fp8_block_quantize(case[name].float(), halves=halves)
+        q[name], q[name + "_scale"] = w, scale
+        deq[name] = fp8_block_dequantize(w, scale, dt, halves=halves)
+    return q, deq
+
+
+OPTIONAL = ("shared_w13", "shared_w2", "w13_scale", "w2_scale", "shared_w13_scale", "shared_w2_scale")
+
+
+def call_torch(c, k, threads=0, **kw):
+    """The binding on a dict of torch host tensors (torch_case / quantized); returns the output."""
+    out = torch.full_like(c["hidden"], float("nan"))
+    EXT.moe(
+        c["hidden"],
+        c.get("router_weight"),
+        None,
+        c["w13"],
+        c["w2"],
+        k,
+        False,
+        "softmax",
+        None,
+        1,
+        1,
+        1.0,
+        kw.pop("expert_offset", 0),
+        out,
+        **{n: c.get(n) for n in OPTIONAL},
+        num_threads=threads,
+        **kw,
+    )
+    return out
+
+
+def reference_torch(c, k, **kw):
+    """(the reference in the case's precision, the fp64 truth) of a dict of torch tensors."""
+    args = {n: c.get(n) for n in OPTIONAL if c.get(n) is not None}
+    same = moe_reference(c["hidden"], c.get("router_weight"), c["w13"], c["w2"], k, **args, **kw)
+    exact = {n: t.double() for n, t in args.items()}
+    w = [None if c.get(n) is None else c[n].double() for n in ("hidden", "router_weight", "w13", "w2")]
+    truth = moe_reference(*w, k, compute_dtype=torch.float64, **exact, **kw)
+    return same, truth
+
+
+SHARED_SHAPES = [  # T, H, E, I, k, S: S below, equal to and past I; primes; one token
+    (5, 24, 8, 16, 2, 16),
+    (13, 37, 6, 11, 3, 1),
+    (1, 8, 4, 8, 1, 29),
+    (70, 64, 4, 32, 2, 48),
+]
+
+
+@pytest.mark.parametrize("shape", SHARED_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.usefixtures("host_isa")
+def test_host_shared_expert(shape, dtype):
+    T_, H_, E_, I_, k, S = shape
+    c = torch_case(T_, H_, E_, I_, k, S, dtype)
+    out = call_torch(c, k, threads=2)
+    same, truth = reference_torch(c, k)
+    assert_precision(out, same, truth, f"host moe, shared expert S={S}")
+    assert torch.equal(out, call_torch(c, k, threads=1)), "the result must not depend on the thread count"
+    # The shared expert is in the sum: without it the output moves.
+    assert not torch.equal(out, call_torch({**c, "shared_w13": None, "shared_w2": None}, k))
+
+
+@pytest.mark.usefixtures("host_isa")
+def test_host_shared_expert_with_given_topk_outside_the_local_experts():
+    """Every token takes the shared expert, even one whose routed experts are all another rank's."""
+    c = torch_case(6, 40, 8, 16, 2, 24, torch.bfloat16)
+    c.update(router_weight=None, w13=c["w13"][2:5].contiguous(), w2=c["w2"][2:5].contiguous())
+    ids = torch.tensor([[0, 1], [2, 7], [3, 4], [6, 7], [4, 2], [0, 0]], dtype=torch.int32)
+    weights = torch.rand(6, 2)
+    out = call_torch(c, 2, expert_offset=2, topk_ids=ids, topk_weights=weights)
+    same, truth = reference_torch(c, 2, expert_offset=2, topk_ids=ids, topk_weights=weights)
+    assert_precision(out, same, truth, "host moe, shared expert and a given top-k")
+
+
+FP8_SHAPES = [  # T, H, E, I, k, S: block grids with partial blocks (130, 129, 300) and one block
+    (5, 24, 8, 16, 2, 0),
+    (9, 130, 3, 129, 3, 300),
+    (37, 257, 6, 131, 3, 131),
+    (300, 64, 4, 32, 2, 48),  # chunk GEMMs (many rows per expert)
+]
+
+
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.usefixtures("host_isa")
+def test_host_fp8_weights_equal_their_dequantised_weights(shape, dtype):
+    """The contract: an FP8 call is the call on fp8_block_dequantize's weights (the same rounding
+    points), so the host kernel's two results are bit-identical; and both meet the reference."""
+    T_, H_, E_, I_, k, S = shape
+    q, deq = quantized(torch_case(T_, H_, E_, I_, k, S, dtype))
+    out = call_torch(q, k, threads=2)
+    assert torch.equal(out, call_torch(deq, k, threads=1))
+    same, truth = reference_torch(q, k)
+    assert_precision(out, same, truth, "host moe, FP8 weights")
+
+
+@pytest.mark.usefixtures("host_isa")
+def test_host_fp8_decodes_every_finite_byte():
+    """Weights holding every finite e4m3fn byte (subnormals, both zeros, +-448) with non-trivial scales:
+    decoded and scaled as torch does."""
+    c = torch_case(3, 256, 2, 8, 1, 8, torch.float32)
+    q, _ = quantized(c)
+    every = torch.arange(256, dtype=torch.uint8)
+    every = every[(every & 0x7F) != 0x7F]  # the two NaN codes
+    for name in ("w13", "w2", "shared_w13", "shared_w2"):
+        flat = every.repeat(q[name].numel() // every.numel() + 1)[: q[name].numel()]
+        q[name] = flat[torch.randperm(flat.numel())].view(torch.float8_e4m3fn).reshape(q[name].shape)
+        q[name + "_scale"] = torch.rand(q[name + "_scale"].shape) * 2.0**-8
+    from dinfer_kernels import fp8_block_dequantize
+
+    deq = dict(q)
+    for name, halves in (("w13", 2), ("w2", 1), ("shared_w13", 2), ("shared_w2", 1)):
+        deq[name] = fp8_block_dequantize(q[name], q[name + "_scale"], torch.float32, halves=halves)
+    for n in OPTIONAL[2:]:
+        deq[n] = None
+    assert torch.equal(call_torch(q, 1), call_torch(deq, 1))
+
+
+def fp8_errors():
+    q, _ = quantized(torch_case(T, H, E, I, K, 16, torch.float32))
+    plain = torch_case(T, H, E, I, K, 16, torch.float32)
+    return [
+        ("w13_scale", dict(q, w13_scale=None), ValueError),  # FP8 without scales
+        ("shared_w2_scale", dict(q, shared_w2_scale=None), ValueError),
+        ("w2_scale", dict(plain, w2_scale=q["w2_scale"]), ValueError),  # scales without FP8
+        ("shared_w13_scale", dict(q, shared_w13=None, shared_w2=None), ValueError),  # no shared expert
+        ("w2", dict(q, w2=plain["w2"]), TypeError),  # one FP8, the other not
+        ("shared_w13", dict(q, shared_w13=plain["shared_w13"]), TypeError),
+        ("w13_scale", dict(q, w13_scale=q["w13_scale"][:, :-1].contiguous()), ValueError),
+        ("w2_scale", dict(q, w2_scale=q["w2_scale"].double()), TypeError),
+        ("shared_w2_scale", dict(q, shared_w2_scale=q["shared_w2_scale"].repeat(1, 2)), ValueError),
+        ("shared_w13", dict(plain, shared_w13=plain["shared_w13"][1:]), ValueError),  # odd rows
+        ("shared_w2", dict(plain, shared_w2=plain["shared_w2"][:, 1:]), ValueError),
+        ("shared_w2", dict(plain, shared_w2=None), ValueError),  # the pair comes together
+        ("shared_w13", dict(plain, shared_w13=None), ValueError),
+        ("shared_w13", dict(plain, shared_w13=plain["shared_w13"].half()), TypeError),
+    ]
+
+
+@pytest.mark.parametrize("i", range(14))
+def test_shared_and_fp8_errors_name_the_argument(i):
+    name, c, exc = fp8_errors()[i]
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        call_torch(c, K)
+
+
 @needs_cuda_build
 def test_workspace_bytes():
     small = EXT.moe_workspace_bytes(96, 64, 64, 8, 2048, 1024)
@@ -278,6 +459,9 @@ def test_workspace_bytes():
     assert EXT.moe_workspace_bytes(2048, 64, 64, 8, 2048, 1024) > small
     assert EXT.moe_workspace_bytes(96, 0, 8, 8, 2048, 1024) > 96 * 8 * 2048 * 4  # a given top-k
     assert EXT.moe_workspace_bytes(0, 64, 64, 8, 2048, 1024) == 0
+    # A shared expert: one more row per token for each of its ceil(S / I) virtual experts.
+    shared = EXT.moe_workspace_bytes(96, 64, 64, 8, 2048, 1024, 1536)
+    assert shared >= small + 96 * 2 * 2048 * 4
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------------
@@ -394,3 +578,51 @@ def test_gpu_workspace_checks():
         EXT.moe(*args, workspace=torch.empty(16, dtype=torch.uint8, device="cuda"))
     with pytest.raises(ValueError, match=r"^out\b"):
         EXT.moe(*args[:-1], out.cpu(), workspace=torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+
+
+def cuda_call(c, k):
+    """dinfer_kernels.cuda.moe on a dict of CUDA tensors (torch_case / quantized, device="cuda")."""
+    from dinfer_kernels.cuda.moe import moe
+
+    out = torch.full_like(c["hidden"], float("nan"))
+    extra = {n: c.get(n) for n in OPTIONAL}
+    moe(
+        c["hidden"], c["router_weight"], None, c["w13"], c["w2"], None, out, top_k=k, renormalize=False,
+        scoring="softmax", num_groups=1, topk_groups=1, routed_scaling=1.0, expert_offset=0, **extra,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "T_,H_,E_,I_,k,S",
+    [
+        (1, 256, 64, 128, 8, 128),  # small tiles, one virtual expert (LLaDA2's S = I)
+        (96, 256, 64, 128, 8, 384),  # three virtual experts
+        (700, 256, 16, 128, 4, 200),  # large tiles, the last virtual expert narrower
+        (9, 200, 8, 72, 2, 40),  # FP8: not multiples of 16, the SIMT GEMMs
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_shared_expert_and_fp8(T_, H_, E_, I_, k, S, dtype):
+    """The shared expert and FP8 weights on the CUDA kernels: against the reference, and the FP8 call
+    bit-identical to the call on the dequantised weights where both take the same GEMMs (same tiles,
+    same rounding points; FP8's tensor-core path needs multiples of 16, b16's of 8)."""
+    c = torch_case(T_, H_, E_, I_, k, S, dtype, device="cuda")
+    out = cuda_call(c, k)
+    same, truth = reference_torch(c, k)
+    assert_precision(out.cpu(), same.cpu(), truth.cpu(), f"moe cuda, shared expert S={S}")
+    q, deq = quantized(c)
+    fp8 = cuda_call(q, k)
+    if dtype == torch.float32 or all(n % 16 == 0 for n in (H_, I_, S)):  # the same GEMMs both ways
+        assert torch.equal(fp8, cuda_call(deq, k))
+    same, truth = reference_torch(q, k)
+    assert_precision(fp8.cpu(), same.cpu(), truth.cpu(), "moe cuda, FP8 weights")
+    assert torch.equal(fp8, cuda_call(q, k))  # no float atomics anywhere
+
+
+@pytest.mark.gpu
+def test_gpu_shared_expert_counts_against_the_expert_limit():
+    c = torch_case(4, 16, 510, 8, 2, 24, torch.bfloat16, device="cuda")  # 510 + 3 virtual experts
+    with pytest.raises(ValueError, match=r"^shared_w13\b.*at most 512"):
+        cuda_call(c, 2)

@@ -5,7 +5,9 @@ mma.sync.m16n8k16 bf16/fp16 -> fp32, cp.async groups and barriers, shared-memory
 from the PTX ISA's fragment tables. It is driven by the kernels' own offset and fragment formulas
 (csrc/include/dinfer_kernels/detail/mma_layout.h, which attention.cu and moe.cu call) through the
 kernels' loop nests, for every tile configuration they use: the attention forward tile (D = 64 and
-128: Q K^T, then P V with .trans loads of V) and the four MoE GEMM configurations. Each tile
+128: Q K^T, then P V with .trans loads of V) and the four MoE GEMM configurations, with b16 and with
+FP8 weights (staged e4m3 bytes, each thread converting its own chunks into the b16 tile between two
+barriers). Each tile
 product must equal the fp64 matmul exactly (inputs are small integers), with no hazard and no bank
 conflict; each deliberate mutation of the formulas or of the pipeline must be caught.
 """
@@ -27,6 +29,11 @@ TILES = [
     ("moe", "SmallGemm2"),
     ("moe", "LargeGemm1"),
     ("moe", "LargeGemm2"),
+    # FP8 weights: e4m3 bytes staged by cp.async, dequantised by their copier into the b16 tile
+    ("moe", "SmallGemm1Fp8"),
+    ("moe", "SmallGemm2Fp8"),
+    ("moe", "LargeGemm1Fp8"),
+    ("moe", "LargeGemm2Fp8"),
 ]
 DTYPES = ["bf16", "fp16"]
 HAZARDS = ["inflight_read", "unsynced_read", "war", "double_copy", "bad_address", "exit_inflight"]
@@ -49,7 +56,9 @@ def _unsynced(r):
 
 
 def _overran(r):
-    return r["bad_address"] > 0
+    # Past the allocation; or, with FP8 weights, into the converted tile that follows the stages,
+    # where copies of the shifted stage race the conversion's stores.
+    return r["bad_address"] > 0 or (r["mismatches"] > 0 and r["double_copy"] > 0)
 
 
 def _conflicted(r):

@@ -25,6 +25,8 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace dinfer_kernels {
 
-enum class ScalarType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// kFloat8E4M3: float8_e4m3fn weights with fp32 block scales (the MoE layer's FP8 experts; activations are
+// never fp8).
+enum class ScalarType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3 };
 
 }  // namespace dinfer_kernels

@@ -33,10 +33,11 @@ int run(const RouteArgs& a, const int32_t* cta_order, int num_ctas) {
 extern "C" int dinfer_moe_route_cuda_on_host(const float* logits, int32_t T, int32_t E, int32_t top_k,
                                              int32_t scoring, int32_t renormalize, const float* bias,
                                              int32_t num_groups, int32_t topk_groups, float scaling,
-                                             int32_t e0, int32_t e1, int32_t bm, const int32_t* cta_order,
-                                             int32_t* topk_ids, float* topk_w, int32_t* sorted_ids,
-                                             int32_t* tile_expert, int32_t* num_tiles) {
-  if (E > kMoeMaxExperts || top_k > kMoeMaxTopK || top_k > E) return 1;
+                                             int32_t e0, int32_t e1, int32_t shared_experts, int32_t bm,
+                                             const int32_t* cta_order, int32_t* topk_ids, float* topk_w,
+                                             int32_t* sorted_ids, int32_t* tile_expert, int32_t* num_tiles) {
+  if (E > kMoeMaxExperts || top_k > kMoeMaxTopK || top_k > E || e1 - e0 + shared_experts > kMoeMaxExperts)
+    return 1;
   RouteArgs a{};
   a.given_logits = logits;
   a.T = T;
@@ -50,6 +51,7 @@ extern "C" int dinfer_moe_route_cuda_on_host(const float* logits, int32_t T, int
   a.scaling = scaling;
   a.e0 = e0;
   a.e1 = e1;
+  a.shared_experts = shared_experts;
   a.bm = bm;
   int32_t done_counter = 0;  // zeroed before the launch, as the launcher's memset does
   a.done_counter = &done_counter;

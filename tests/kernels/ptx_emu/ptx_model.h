@@ -159,6 +159,16 @@ class Cta {
       g.erase(g.begin());
     }
   }
+  // st.shared of 16 bytes by thread `tid` (a conversion pass writing a tile other threads read).
+  void store_row(int tid, long elem, const uint16_t* data) {
+    if (!chunk_ok(elem)) return;
+    Chunk& c = chunks_[elem / 8];
+    if (c.pending) ++hz.double_copy;  // a store racing a copy in flight
+    if (c.read_epoch == epoch_) ++hz.war;  // over data read since the last barrier
+    std::memcpy(&smem_[elem], data, 16);
+    c.landed_epoch = epoch_;
+    c.landed_by = tid;
+  }
   void barrier() { ++epoch_; }
   // End of the CTA: nothing may still be in flight.
   void finish() {

@@ -10,11 +10,14 @@
 // A mutation (argv) perturbs what the formulas return, or drops a wait or a barrier; the test
 // asserts each one is detected. Output: one JSON object per case.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "dinfer_kernels/detail/mma_layout.h"
+#include "dinfer_kernels/detail/moe_experts.h"
 #include "ptx_model.h"
 
 namespace ml = dinfer_kernels::mma_layout;
@@ -376,6 +379,153 @@ Report gemm(B16 t, Hooks h, uint64_t seed) {
   return rep;
 }
 
+// ---- gemm_tc_kernel with FP8 weights: e4m3 bytes staged, converted by their copier into the b16 tile --
+// e4m3fn bits of a small integer |v| <= 15 (exact: 3 mantissa bits), independent of the kernels' decoder.
+uint8_t e4m3_of(int v) {
+  const int a = v < 0 ? -v : v;
+  int bits = 0;
+  if (a > 0) {
+    int e = 0;
+    while ((2 << e) <= a) ++e;
+    bits = ((e + 7) << 3) | ((a - (1 << e)) * 8 >> e);
+  }
+  return static_cast<uint8_t>(bits | (v < 0 ? 0x80 : 0));
+}
+
+template <class Cfg, bool GLU>
+Report gemm_fp8(B16 t, Hooks h, uint64_t seed) {
+  using T = ml::GemmTiles<Cfg, GLU>;
+  using T8 = ml::Fp8Tiles<Cfg, GLU>;
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = Cfg::kStages, BROWS = T::BROWS;
+  constexpr int ktiles = STAGES + 2, K = ktiles * BK - 32;  // a partial last stage of whole 16-byte chunks
+  constexpr int kBlocks = (K + 127) / 128;
+  Rng rng{seed};
+  const Operand a(BM, K, -8, 8, t, rng);
+  // Weights: small integers as e4m3 bytes, a power-of-two scale per 128 x 128 block of the tile: every
+  // dequantised weight and every sum stays exact (|sum| <= 8 * 32 * K < 2^24).
+  std::vector<uint8_t> q(static_cast<size_t>(BROWS) * K);
+  std::vector<float> scale(static_cast<size_t>((BROWS + 127) / 128) * kBlocks), wval(q.size());
+  for (float& s : scale) s = std::ldexp(1.f, rng.uniform(-2, 2));
+  for (size_t i = 0; i < q.size(); ++i) {
+    const int v = rng.uniform(-8, 8), r = static_cast<int>(i / K), k = static_cast<int>(i % K);
+    q[i] = e4m3_of(v);
+    wval[i] = static_cast<float>(v) * scale[(r / 128) * kBlocks + k / 128];
+  }
+  auto scale_of = [&](int r, int k) { return scale[(r / 128) * kBlocks + k / 128]; };
+
+  Report rep;
+  Cta cta(T::kThreads, T8::kSmemElems);  // the kernel's allocation: any access past it is flagged
+  auto load_stage = [&](int stage, int kt) {
+    const long s = static_cast<long>(h.buffer(stage)) * T8::STAGE_ELEMS;
+    for (int tid = 0; tid < T::kThreads; ++tid) {
+      const int k = kt * BK + T::load_chunk(tid) * 8;
+      for (int i = 0; i < T::A_ITERS; ++i)
+        cta.cp_async(tid, s + h.write(T::load_offset(tid, i), BK),
+                     k < K ? a.at(T::load_row(tid, i), k) : nullptr, k < K);
+      const int k8 = kt * BK + T8::load_chunk(tid) * T8::kChunk;
+      for (int i = 0; i < T8::B_ITERS; ++i) {  // the staged bytes, 8 b16 elements per chunk
+        const uint8_t* src = k8 < K ? &q[static_cast<size_t>(T8::load_row(tid, i)) * K + k8] : nullptr;
+        cta.cp_async(tid, s + T::A_ELEMS + T8::staged_offset(tid, i) / 2,
+                     reinterpret_cast<const uint16_t*>(src), k8 < K);
+      }
+    }
+  };
+  auto convert_stage = [&](int stage, int kt) {
+    const long s = static_cast<long>(h.buffer(stage)) * T8::STAGE_ELEMS;
+    for (int tid = 0; tid < T::kThreads; ++tid) {
+      const int k8 = kt * BK + T8::load_chunk(tid) * T8::kChunk;
+      for (int i = 0; i < T8::B_ITERS; ++i) {
+        const uint16_t* staged = cta.read_row(tid, s + T::A_ELEMS + T8::staged_offset(tid, i) / 2);
+        if (staged == nullptr) continue;
+        uint8_t bytes[16];
+        std::memcpy(bytes, staged, 16);
+        const float sc = k8 < K ? scale_of(T8::load_row(tid, i), k8) : 0.f;
+        for (int half = 0; half < 2; ++half) {
+          uint16_t out[8];
+          for (int j = 0; j < 8; ++j)
+            out[j] = float_to_b16(dinfer_kernels::moe_experts::fp8_dequant(bytes[8 * half + j], sc), t);
+          cta.store_row(tid, T8::CONV_AT + h.write(T8::conv_offset(tid, i, half), BK), out);
+        }
+      }
+    }
+  };
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ktiles) load_stage(s, s);
+    for (int tid = 0; tid < T::kThreads; ++tid) cta.commit(tid);
+  }
+  cta.count_copy_banks(rep.cp);
+
+  constexpr int kWarps = T::kThreads / 32;
+  std::vector<Frag> acc(static_cast<size_t>(kWarps * T::MI * T::NT));  // [warp][mi][nt]
+  for (auto& f : acc)
+    for (auto& l : f)
+      for (float& x : l) x = 0.f;
+  for (int kt = 0; kt < ktiles; ++kt) {
+    for (int tid = 0; tid < T::kThreads; ++tid)
+      if (h.wait()) cta.wait_group(tid, STAGES - 2 + h.wait_extra());
+    if (h.barrier()) cta.barrier();
+    convert_stage(kt % STAGES, kt);
+    if (kt + STAGES - 1 < ktiles) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
+    for (int tid = 0; tid < T::kThreads; ++tid) cta.commit(tid);
+    cta.count_copy_banks(rep.cp);
+    if (h.barrier()) cta.barrier();  // the converted tile is complete
+    const long sa = static_cast<long>(h.buffer(kt % STAGES)) * T8::STAGE_ELEMS, sb = T8::CONV_AT;
+    for (int wp = 0; wp < kWarps; ++wp) {
+      const int wm = T::warp_m(wp), wn = T::warp_n(wp);
+      long addr[32];
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        uint32_t bf[T::NT][32][2];
+        for (int p = 0; p < T::NT / 2; ++p) {
+          uint32_t r[32][4];
+          for (int l = 0; l < 32; ++l) addr[l] = sb + h.read(T::b_frag(wn, l, ks, p), BK);
+          ldmatrix(cta, 32 * wp, 4, false, addr, r, &rep.ld);
+          for (int l = 0; l < 32; ++l) {
+            bf[2 * p][l][0] = r[l][0], bf[2 * p][l][1] = r[l][1];
+            bf[2 * p + 1][l][0] = r[l][2], bf[2 * p + 1][l][1] = r[l][3];
+          }
+        }
+        for (int mi = 0; mi < T::MI; ++mi) {
+          uint32_t af[32][4];
+          for (int l = 0; l < 32; ++l) addr[l] = sa + h.read(T::a_frag(wm, l, ks, mi), BK);
+          h.a_operand(addr);
+          ldmatrix(cta, 32 * wp, 4, false, addr, af, &rep.ld);
+          for (int nt = 0; nt < T::NT; ++nt) mma_m16n8k16(t, acc[(wp * T::MI + mi) * T::NT + nt], af, bf[nt]);
+        }
+      }
+    }
+  }
+  for (int tid = 0; tid < T::kThreads; ++tid) cta.wait_group(tid, 0);
+  cta.finish();
+
+  Out out(BM, BROWS);  // columns [0, BN): gate (or down), [BN, 2 BN): up
+  for (int wp = 0; wp < kWarps; ++wp)
+    for (int l = 0; l < 32; ++l)
+      for (int mi = 0; mi < T::MI; ++mi)
+        for (int half = 0; half < 2; ++half)
+          for (int j = 0; j < T::NI; ++j) {
+            const int wm = T::warp_m(wp), wn = T::warp_n(wp);
+            const int r = T::acc_row(wm, l, mi, 2 * half) + h.row_shift(),
+                      col = T::acc_col(wn, l, j, 2 * half);
+            for (int part = 0; part < (GLU ? 2 : 1); ++part) {
+              const float* cv = acc[(wp * T::MI + mi) * T::NT + part * T::NI + j][l] + half * 2;
+              out.put(r, part * BN + col, cv[0]);
+              out.put(r, part * BN + col + 1, cv[1]);
+            }
+          }
+  std::vector<double> ref(static_cast<size_t>(BM) * BROWS, 0.0);
+  for (int i = 0; i < BM; ++i)
+    for (int n = 0; n < BROWS; ++n) {
+      double sum = 0;
+      for (int kk = 0; kk < K; ++kk)
+        sum += static_cast<double>(a.val[static_cast<size_t>(i) * K + kk]) *
+               wval[static_cast<size_t>(n) * K + kk];
+      ref[static_cast<size_t>(i) * BROWS + n] = sum;
+    }
+  out.compare(ref, rep);
+  rep.hz = cta.hz;
+  return rep;
+}
+
 // ---- checks of the PTX model itself ----------------------------------------------------------------
 // The fragment tables cover each matrix element exactly once; .x1 / .x2 give the first registers
 // of .x4; .trans of a stored transpose gives the plain load.
@@ -458,6 +608,10 @@ int main() {
       print("moe", "SmallGemm2", t, m, gemm<ml::SmallGemm2, false>(t, Hooks{m}, ++seed));
       print("moe", "LargeGemm1", t, m, gemm<ml::LargeGemm1, true>(t, Hooks{m}, ++seed));
       print("moe", "LargeGemm2", t, m, gemm<ml::LargeGemm2, false>(t, Hooks{m}, ++seed));
+      print("moe", "SmallGemm1Fp8", t, m, gemm_fp8<ml::SmallGemm1, true>(t, Hooks{m}, ++seed));
+      print("moe", "SmallGemm2Fp8", t, m, gemm_fp8<ml::SmallGemm2, false>(t, Hooks{m}, ++seed));
+      print("moe", "LargeGemm1Fp8", t, m, gemm_fp8<ml::LargeGemm1, true>(t, Hooks{m}, ++seed));
+      print("moe", "LargeGemm2Fp8", t, m, gemm_fp8<ml::LargeGemm2, false>(t, Hooks{m}, ++seed));
     }
     print("attention", "D64", t, Mutation::kNoTrans, attention<64>(t, Hooks{Mutation::kNoTrans}, ++seed));
     print("attention", "D128", t, Mutation::kNoTrans, attention<128>(t, Hooks{Mutation::kNoTrans}, ++seed));

@@ -197,5 +197,41 @@ struct GemmTiles {
   }
 };
 
+// FP8 weights (the MoE GEMMs' W8A16 path): a stage holds the A tile (b16, as GemmTiles) then the
+// weight tile's e4m3 bytes, row-major [BROWS][BK] (half the bytes in flight of b16 weights); after a
+// stage lands, each thread converts the 16-byte chunks it copied (16 weights, one block scale) into
+// the one b16 weight tile, swizzled as GemmTiles' (so the ldmatrix / mma code is the same).
+template <class Cfg, bool GLU>
+struct Fp8Tiles {
+  using Tiles = GemmTiles<Cfg, GLU>;
+  static constexpr int BK = Cfg::kBK, BN = Cfg::kBN, kThreads = Cfg::kThreads;
+  static constexpr int kChunk = 16;  // e4m3 weights per 16-byte chunk
+  static constexpr int CPR = BK / kChunk;  // chunks per staged row
+  static constexpr int RSTEP = kThreads / CPR;  // rows between one thread's chunks
+  static constexpr int B_ITERS = Tiles::BROWS / RSTEP;
+  static constexpr int B_HALF = GLU ? B_ITERS / 2 : B_ITERS;  // rows per weight base
+  static constexpr int B8_ELEMS = Tiles::BROWS * BK / 2;  // the staged bytes, counted in b16 elements
+  static constexpr int STAGE_ELEMS = Tiles::A_ELEMS + B8_ELEMS;  // stage s at s * STAGE_ELEMS
+  static constexpr int CONV_AT = Cfg::kStages * STAGE_ELEMS;  // the converted b16 weight tile
+  static constexpr int kSmemElems = CONV_AT + Tiles::BROWS * BK;
+  static_assert(kThreads % CPR == 0 && Tiles::BROWS % RSTEP == 0, "loader must cover the tile exactly");
+  static_assert(!GLU || BN % RSTEP == 0, "a thread's rows must split evenly into gate and up");
+  static_assert(128 % BK == 0, "a k tile lies in one 128-column scale block");
+
+  // Round i of thread tid: staged row (gate rows, then up rows) and chunk ...
+  DINFER_HD static constexpr int load_row(int tid, int i) { return tid / CPR + i * RSTEP; }
+  DINFER_HD static constexpr int load_chunk(int tid) { return tid % CPR; }
+  // ... the byte offset of the chunk in the stage's weight bytes, the output column (of the CTA's BN:
+  // the weight row within its half) it belongs to ...
+  DINFER_HD static constexpr int staged_offset(int tid, int i) {
+    return load_row(tid, i) * BK + load_chunk(tid) * kChunk;
+  }
+  DINFER_HD static constexpr int out_col(int tid, int i) { return load_row(tid, i % B_HALF); }
+  // ... and where its weights 8h .. 8h + 7 (h = 0, 1) go in the b16 tile: logical chunks 2c, 2c + 1.
+  DINFER_HD static constexpr int conv_offset(int tid, int i, int h) {
+    return tile_offset(load_row(tid, i), 2 * load_chunk(tid) + h, BK);
+  }
+};
+
 }  // namespace mma_layout
 }  // namespace dinfer_kernels

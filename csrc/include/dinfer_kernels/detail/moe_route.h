@@ -71,6 +71,7 @@ struct RouteArgs {
   int32_t num_groups, topk_groups;
   float scaling;
   int32_t e0, e1;  // the local experts [e0, e1): w13 / w2 hold these only
+  int32_t shared_experts;  // the shared expert's virtual experts (moe_experts.h), after the local ones
   int32_t bm;  // rows per M tile of the GEMMs
   // workspace
   float* logits;  // [T, E] (computed logits)
@@ -79,7 +80,7 @@ struct RouteArgs {
   int32_t* topk_ids;  // [T, top_k], increasing expert id per token
   float* topk_w;  // [T, top_k]
   int32_t* sorted_ids;  // [max_tiles * bm]: entry id or -1 (padding)
-  int32_t* tile_expert;  // [max_tiles]: the local expert (index into w13 / w2) of each M tile
+  int32_t* tile_expert;  // [max_tiles]: the expert of each M tile (moe_experts::expert_slice)
   int32_t* num_tiles;  // [1]
 };
 
@@ -237,17 +238,22 @@ DINFER_HD void take_token(const RouteArgs& a, int t, int lane) {
   write_sorted(a, t, lane, my_id, my_w);
 }
 
-// The entries [begin, end) of warp `warp`, walked 32 at a time: key = local expert or -1.
+// The entries [begin, end) of warp `warp`, walked 32 at a time: key = the expert of the kernels' list
+// (a local expert, or a virtual expert of the shared expert) or -1. The routed entries t * top_k + slot
+// come first, then the T entries of each virtual expert (moe_experts::virtual_entry).
 DINFER_HD int32_t entry_key(const RouteArgs& a, int64_t i, int64_t end) {
   if (i >= end) return -1;
+  const int64_t routed = static_cast<int64_t>(a.T) * a.top_k;
+  if (i >= routed) return a.e1 - a.e0 + static_cast<int32_t>((i - routed) / a.T);
   const int32_t id = simt::load_cg(a.topk_ids + i);
   return id >= a.e0 && id < a.e1 ? id - a.e0 : -1;
 }
 
-// Counts, tile offsets and the token-ordered, padded entry list (one CTA).
+// Counts, tile offsets and the token-ordered, padded entry list (one CTA), of the local experts and
+// then of the shared expert's virtual ones.
 DINFER_HD void align_entries(const RouteArgs& a, RouteShared& sh, int warp, int lane) {
-  const int El = a.e1 - a.e0;
-  const int64_t n = static_cast<int64_t>(a.T) * a.top_k;
+  const int El = a.e1 - a.e0 + a.shared_experts;  // the experts of the list (<= kMoeMaxExperts)
+  const int64_t n = static_cast<int64_t>(a.T) * (a.top_k + a.shared_experts);
   const int64_t per = (n + kRouteWarps * 32 - 1) / (kRouteWarps * 32) * 32;
   const int64_t begin = warp * per < n ? warp * per : n;
   const int64_t end = begin + per < n ? begin + per : n;
