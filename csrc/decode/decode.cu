@@ -1,15 +1,18 @@
 // CUDA backend of the fused decode step. Contract: dinfer_kernels/reference/decode.py.
 //
-// Two launches, no host synchronisation and no allocation (CUDA-graph capturable):
-//   1. split_pass_kernel: one CTA per (row, vocabulary split). Streams its chunk of the logits once
-//      with 16-byte loads and writes one decode_math::Partial (raw max/argmax/sum-exp, best score,
-//      best non-mask score) to the workspace.
-//   2. finalize_kernel: one CTA per sequence. Merges each row's partials in split order, then runs
-//      the shared decode_math code (credit, fused logits, commit rules, progress guarantee), so
-//      everything after the vocabulary pass is the code the CPU tests exercise.
+// A memset and two launches, no host synchronisation and no allocation (CUDA-graph capturable):
+//   0. the per-row tickets of the workspace are zeroed (a memset node inside a captured graph).
+//   1. split_pass_kernel: a persistent grid of exactly the resident CTA slots walks (row, vocabulary
+//      split) units of <= 32 KB of 16-bit logits: no wave tail beyond one unit. Each unit streams its
+//      chunk once with 16-byte loads and publishes one decode_math::Partial (raw max/argmax/sum-exp,
+//      best score, best non-mask score); the CTA that completes a row (an atomic ticket per row)
+//      merges the row's partials in split order and finalizes the row (credit, fused logits) with
+//      the shared decode_math code. The grid size never changes a result: the merge order is fixed.
+//   2. finalize_kernel: one CTA per sequence: the per-sequence statistics as a block reduction, the
+//      commit rules and the progress guarantee, rows in parallel.
 // Both kernels' per-thread code lives in decode_split.h (__host__ __device__), so
-// tests/kernels/test_device_logic.py runs it thread by thread on the host with this file's grid and
-// reduction trees.
+// tests/kernels/test_device_logic.py runs it on the host with this file's unit walk, reduction trees
+// and barriers, in several CTA orders.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -70,56 +73,77 @@ __device__ __forceinline__ Partial block_reduce(Partial p) {
 // ---- kernels -------------------------------------------------------------------------------------
 
 template <class Tag, bool kSample>
-__global__ void __launch_bounds__(kSplitThreads) split_pass_kernel(const SplitArgs a) {
-  // Flattened grid: N can exceed gridDim.y's 65535.
-  Partial p = split_thread_partial<Tag, kSample>(a, blockIdx.x, threadIdx.x);
-  p = block_reduce<kSplitThreads>(p);
-  if (threadIdx.x == 0) a.partials[blockIdx.x] = p;
+__global__ void __launch_bounds__(kSplitThreads)
+    split_pass_kernel(const SplitArgs a, const __grid_constant__ FinalizeArgs f) {
+  __shared__ Partial staged[kMaxSplits];
+  __shared__ bool last;
+  for (uint32_t u = blockIdx.x; u < a.num_units; u += gridDim.x) {
+    Partial p = split_thread_partial<Tag, kSample>(a, u, threadIdx.x);
+    p = block_reduce<kSplitThreads>(p);
+    if (threadIdx.x == 0) {
+      const bool is_last = publish_unit(f, u, p);
+      if (is_last) __threadfence();  // acquire: the other CTAs' partials, before the barrier below
+      last = is_last;
+    }
+    __syncthreads();
+    if (last) {  // uniform per CTA
+      const int64_t n = u / static_cast<uint32_t>(a.num_splits);
+      stage_row_partials(f, n, threadIdx.x, staged);
+      __syncthreads();
+      if (threadIdx.x == 0) finalize_row_of(f, n, staged);
+    }
+    __syncthreads();  // `last`, `staged` and block_reduce's shared words are reused by the next unit
+  }
 }
 
-// One CTA per sequence. Rows are strided over the threads; the same thread owns a row in every
-// phase, so the only cross-thread traffic is phases b and c reading other rows (behind barriers).
 __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const __grid_constant__ FinalizeArgs a) {
-  // Phases b and c walk other rows serially (sequence_stats in one thread, the fixed rule's rank,
-  // the hierarchical run scan): from shared memory that is L1 latency instead of L2 per step.
+  // Phases b and c read other rows: from shared memory that is L1 latency instead of L2 per step.
   __shared__ FinalizeShared sh;
-  const int64_t b = blockIdx.x;
-  const FinalizeSeq q = finalize_seq(a, b);
-  if (q.L == 0) return;  // uniform per CTA: no thread reaches a barrier
-  finalize_rows(a, q, sh, threadIdx.x);
-  __syncthreads();
-  const SeqView v = seq_view(a, q, sh);
-  if (threadIdx.x == 0) finalize_stats(a, q, v, sh);
-  __syncthreads();
-  const decode_math::SeqStats st = sh.stats;
-  finalize_decide(a, q, v, st, b, threadIdx.x);
-  // Every decision has read tokens/candidates of other rows; only now may they change.
-  __syncthreads();
-  finalize_write(a, q, st, threadIdx.x);
+  finalize_cta(a, sh, blockIdx.x, threadIdx.x);
 }
 
 // ---- host side -----------------------------------------------------------------------------------
 
 struct Layout {
-  size_t partials, fb_token, fb_conf, total;
+  size_t partials, tickets, fb_token, fb_conf, total;
 };
 
 Layout workspace_layout(int64_t num_rows, int num_splits) {
   const size_t n = static_cast<size_t>(num_rows);
   Layout l;
   l.partials = 0;
-  l.fb_token = align_up(n * static_cast<size_t>(num_splits) * sizeof(Partial));
+  l.tickets = align_up(n * static_cast<size_t>(num_splits) * sizeof(Partial));
+  l.fb_token = align_up(l.tickets + n * sizeof(int32_t));
   l.fb_conf = align_up(l.fb_token + n * sizeof(int64_t));
   l.total = align_up(l.fb_conf + n * sizeof(float));
   return l;
 }
 
+// Resident CTA slots of a kernel on the current device: host-side queries only, so a captured graph
+// records nothing for them. A grid of exactly the slots never waits for a second wave.
+int resident_slots(const void* kernel, int& slots) {
+  int dev = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kSplitThreads, 0);
+  slots = sms * (per_sm > 0 ? per_sm : 1);
+  return e;
+}
+
+template <class Tag, bool kSample>
+int launch_split(const SplitArgs& a, const FinalizeArgs& f, cudaStream_t stream) {
+  int slots = 0;
+  const int e = resident_slots(reinterpret_cast<const void*>(&split_pass_kernel<Tag, kSample>), slots);
+  if (e != cudaSuccess) return e;
+  const unsigned grid =
+      a.num_units < static_cast<uint32_t>(slots) ? a.num_units : static_cast<unsigned>(slots);
+  split_pass_kernel<Tag, kSample><<<grid, kSplitThreads, 0, stream>>>(a, f);
+  return cudaSuccess;
+}
+
 template <class Tag>
-void launch_split(const SplitArgs& a, bool sample, unsigned grid, cudaStream_t stream) {
-  if (sample)
-    split_pass_kernel<Tag, true><<<grid, kSplitThreads, 0, stream>>>(a);
-  else
-    split_pass_kernel<Tag, false><<<grid, kSplitThreads, 0, stream>>>(a);
+int launch_split(const SplitArgs& a, const FinalizeArgs& f, bool sample, cudaStream_t stream) {
+  return sample ? launch_split<Tag, true>(a, f, stream) : launch_split<Tag, false>(a, f, stream);
 }
 
 }  // namespace
@@ -165,30 +189,31 @@ int decode_step_cuda(const DecodeStepParams& p, void* workspace, size_t workspac
 
   char* ws = static_cast<char*>(workspace);
   const SplitArgs sa = split_args(p, S, reinterpret_cast<Partial*>(ws + l.partials));
+  FinalizeArgs fa;
+  fa.p = p;
+  fa.partials = sa.partials;
+  fa.tickets = reinterpret_cast<int32_t*>(ws + l.tickets);
+  fa.fb_token = reinterpret_cast<int64_t*>(ws + l.fb_token);
+  fa.fb_conf = reinterpret_cast<float*>(ws + l.fb_conf);
+  fa.num_splits = S;
 
+  cudaError_t e = cudaMemsetAsync(fa.tickets, 0, static_cast<size_t>(N) * sizeof(int32_t), stream);
+  if (e != cudaSuccess) return e;
   const bool sample = p.temperature > 0.f;  // NaN temperature: argmax, like the reference
-  const unsigned grid = static_cast<unsigned>(N * S);
+  int le;
   switch (p.logits_dtype) {
     case ScalarType::kFloat32:
-      launch_split<F32Tag>(sa, sample, grid, stream);
+      le = launch_split<F32Tag>(sa, fa, sample, stream);
       break;
     case ScalarType::kFloat16:
-      launch_split<F16Tag>(sa, sample, grid, stream);
+      le = launch_split<F16Tag>(sa, fa, sample, stream);
       break;
     default:
-      launch_split<BF16Tag>(sa, sample, grid, stream);
+      le = launch_split<BF16Tag>(sa, fa, sample, stream);
       break;
   }
-
-  if (B > 0) {
-    FinalizeArgs fa;
-    fa.p = p;
-    fa.partials = sa.partials;
-    fa.fb_token = reinterpret_cast<int64_t*>(ws + l.fb_token);
-    fa.fb_conf = reinterpret_cast<float*>(ws + l.fb_conf);
-    fa.num_splits = S;
-    finalize_kernel<<<static_cast<unsigned>(B), kFinalizeThreads, 0, stream>>>(fa);
-  }
+  if (le != cudaSuccess) return le;
+  if (B > 0) finalize_kernel<<<static_cast<unsigned>(B), kFinalizeThreads, 0, stream>>>(fa);
   return cudaGetLastError();
 }
 

@@ -283,6 +283,32 @@ def test_cuda_graph_capture(backend, rule):
         assert torch.equal(out.candidate, ref.candidate) and torch.equal(static_tokens, ref_tokens)
 
 
+@pytest.mark.gpu
+def test_cuda_graph_replays_on_fresh_logits():
+    """The CUDA step's per-row tickets are zeroed inside the graph: every replay on new logits merges
+    and finalizes every row again, bit for bit as an eager call (a stale ticket would leave the last
+    replay's candidates in place)."""
+    if "cuda" not in dk.available_backends("cuda"):
+        pytest.skip("cuda not available")
+    logits, tokens, offsets = case(N=48, V=157184, device="cuda", dtype=torch.bfloat16)
+    static_logits, static_tokens = logits.clone(), tokens.clone()
+    dk.decode_step(static_logits, tokens.clone(), offsets, 3, backend="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dk.decode_step(static_logits, static_tokens, offsets, 3, backend="cuda")
+    for i in range(3):
+        static_logits.copy_(case(N=48, V=157184, device="cuda", dtype=torch.bfloat16)[0])
+        static_tokens.copy_(tokens)
+        graph.replay()
+        ref_tokens = tokens.clone()
+        ref = dk.decode_step(static_logits, ref_tokens, offsets, 3, backend="cuda")
+        torch.cuda.synchronize()
+        assert torch.equal(out.candidate, ref.candidate), f"replay {i}"
+        assert torch.equal(out.confidence.view(torch.int32), ref.confidence.view(torch.int32)), f"replay {i}"
+        assert torch.equal(out.commit, ref.commit) and torch.equal(static_tokens, ref_tokens), f"replay {i}"
+
+
 def test_credit_state_reset():
     c = dk.CreditState.empty(4, 3)
     c.ids.fill_(5)

@@ -63,8 +63,10 @@ def _ptr(t):
     return ctypes.c_void_p(t.data_ptr() if t is not None and t.numel() else 0)
 
 
-def emulated_decode_step(lib):
-    """The internal decode_step signature of dinfer_kernels/{cpu,cuda}/decode.py, on host tensors."""
+def emulated_decode_step(lib, grid=0, order=0):
+    """The internal decode_step signature of dinfer_kernels/{cpu,cuda}/decode.py, on host tensors:
+    the split pass as a persistent grid of `grid` CTAs (0: an H200's 660 slots) whose units run
+    interleaved in the seeded `order` (0: increasing)."""
     f = lib.dinfer_decode_step_cuda_on_host
     i64, i32, u32, flt, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
     f.argtypes = [
@@ -97,6 +99,8 @@ def emulated_decode_step(lib):
         vp,
         vp,
         flt,
+        u32,
+        u32,
     ]
     f.restype = ctypes.c_int
 
@@ -136,6 +140,8 @@ def emulated_decode_step(lib):
             _ptr(sampling.row_keys),
             _ptr(edit.editable),
             edit.kernel_threshold,
+            grid,
+            order,
         )
         assert rc == 0
 
@@ -260,6 +266,52 @@ def test_decode_all_equal_rows_across_splits(emulated):
             tokens = torch.full((N,), mask_id, dtype=torch.int64)
             outs = decode_checks.check_backend(EMULATED, "cpu", logits, tokens, offsets, mask_id, "threshold")
             assert outs[0].tolist() == expected
+
+
+# (grid, order): one CTA walking every unit; a grid smaller than a row's splits; an interleaving
+# of CTAs whose rows' last units land on varying CTAs; a grid larger than the unit count.
+GRIDS_AND_ORDERS = [(1, 0), (3, 7), (7, 11), (19, 12345), (5000, 99)]
+
+
+@pytest.mark.parametrize("rule", list(decode_checks.RULES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_decode_any_grid_and_cta_order_gives_the_same_bits(lib, monkeypatch, rule, dtype):
+    """The persistent grid's results do not depend on how many CTAs walk the units nor on which CTA
+    completes a row (its merge runs in split order): every grid and interleaving gives the bits of
+    the in-order walk, and passes the reference checks. V = 157184 with ties across the chunks of
+    different splits (the maximum repeated in every split), NaN / +-inf rows and credit slots."""
+    N, V = 12, 157184
+    logits, tokens, offsets, mask_id = decode_checks.make_case(N, V, [0, 5, 5, 12], dtype)
+    logits[1, :] = 0.0  # every split ties at the maximum: the lowest index must win the merges
+    logits[2, 7] = logits[2, V - 5] = logits[2].max().item() + 1.0  # a tie between the first and last splits
+    logits[3, 100] = float("nan")
+    logits[4, V // 2 + 1] = float("inf")
+    logits[6, :] = float("-inf")
+    credit = (torch.randint(-1, V, (N, 3), dtype=torch.int32), torch.rand(N, 3))
+    temperature = 0.7 if rule == "hierarchical" else 0.0
+    real = decode_checks.backend_impl
+    results = []
+    for grid, order in [(0, 0), *GRIDS_AND_ORDERS]:
+        impl = emulated_decode_step(lib, grid, order)
+        monkeypatch.setattr(
+            decode_checks, "backend_impl", lambda b, impl=impl: impl if b == EMULATED else real(b)
+        )
+        kw = dict(temperature=temperature, seed=5)
+        if (grid, order) == (0, 0):
+            decode_checks.check_backend(
+                EMULATED, "cpu", logits, tokens, offsets, mask_id, rule, credit=credit, **kw
+            )
+        thr, k = torch.full((3,), 0.3), torch.tensor([2, 0, 3], dtype=torch.int32)
+        results.append(
+            decode_checks.run_backend(
+                EMULATED, "cpu", logits, tokens, offsets, mask_id, rule, thr, k, credit, **kw
+            )
+        )
+    bits = lambda t: t.view(torch.int32) if t.dtype == torch.float32 else t  # NaN-safe, -0.0 != 0.0
+    (outs0, tok0, cred0), *rest = results
+    for outs, tok, cred in rest:
+        for a, b in zip([*outs, tok, *cred], [*outs0, tok0, *cred0], strict=True):
+            assert torch.equal(bits(a), bits(b))
 
 
 def test_decode_bad_credit_ids_are_empty_slots(emulated):

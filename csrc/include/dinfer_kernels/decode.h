@@ -53,21 +53,28 @@ struct DecodeStepParams {
 };
 
 // Vocabulary splits per row used by the CUDA kernels: a pure function of (N, V), so results never
-// depend on the GPU model. Enough CTAs for ~4 waves of 132 SMs at small N, chunks of >= 2048 tokens.
+// depend on the GPU model. A (row, split) unit is the persistent grid's work item: 16384 elements
+// (32 KB of 16-bit logits) or fewer below V = 2^20, so the grid's last round is a small share of the
+// time at large N; at small N enough units for ~4 waves of 132 SMs, chunks of >= 2048 tokens.
+constexpr int kDecodeStepMaxSplits = 64;
 inline int decode_step_cuda_num_splits(int64_t num_rows, int64_t vocab) {
   const int64_t target_ctas = 528;
+  const int64_t unit_elems = 16384;
   int64_t by_rows = num_rows > 0 ? (target_ctas + num_rows - 1) / num_rows : 1;
   int64_t by_vocab = (vocab + 2047) / 2048;
+  int64_t by_unit = (vocab + unit_elems - 1) / unit_elems;
   int64_t s = by_rows < by_vocab ? by_rows : by_vocab;
+  if (s < by_unit) s = by_unit;
   if (s < 1) s = 1;
-  if (s > 64) s = 64;
+  if (s > kDecodeStepMaxSplits) s = kDecodeStepMaxSplits;
   return static_cast<int>(s);
 }
 
 // Bytes of device workspace decode_step_cuda needs (partials of every split plus per-row scratch).
 size_t decode_step_cuda_workspace_bytes(int64_t num_rows, int64_t vocab);
 
-// Launches the two kernels (split-V pass, per-sequence finalize) on `stream`. Never synchronises.
+// On `stream`: zeroes the per-row tickets, then launches the persistent vocabulary pass (its rows'
+// last CTAs merge and finalize them) and the per-sequence finalize. Never synchronises; capturable.
 // Returns 0 (cudaSuccess) or the cudaError_t of the launch.
 int decode_step_cuda(const DecodeStepParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 

@@ -1,7 +1,8 @@
-// The vocabulary pass of the CUDA decode step (decode.cu), per thread and per CTA, and the
-// per-sequence phases of its finalize kernel, as __host__ __device__ code: the kernels call these
-// functions, and tests/kernels/device_logic/ runs them thread by thread on the host, with the kernels' own
-// grid, thread striding and reduction trees (only the hardware exp2/log2 differ there, scalar.h).
+// The vocabulary pass of the CUDA decode step (decode.cu), per thread and per CTA, its rows' merge by
+// their last CTA, and the per-sequence phases of its finalize kernel, as __host__ __device__ code: the
+// kernels call these functions, and tests/kernels/device_logic/ runs them on the host, with the
+// kernels' own unit walk, thread striding, reduction trees and barriers (the finalize CTA through the
+// SIMT emulator), in several CTA orders (only the hardware exp2/log2 differ there, scalar.h).
 #pragma once
 
 #include <cfloat>
@@ -14,6 +15,7 @@
 #include "dinfer_kernels/detail/dtype_tags.h"
 #include "dinfer_kernels/detail/isa_namespace.h"
 #include "dinfer_kernels/detail/scalar.h"
+#include "dinfer_kernels/detail/simt.h"
 
 namespace dinfer_kernels {
 DINFER_ISA_BEGIN
@@ -23,10 +25,14 @@ using decode_math::kNoIndex;
 using decode_math::Partial;
 
 constexpr int kSplitThreads = 256;
-// 16-byte loads in flight per thread. At 48 registers 5 CTAs fit per SM, so ~80 KB are in flight per
-// SM, well above what HBM latency x bandwidth needs (~30 KB).
+// 16-byte loads in flight per thread. The persistent split kernel takes 48-64 registers (sm_90a): 4-5
+// CTAs per SM, so 64-80 KB are in flight per SM, well above what HBM latency x bandwidth needs
+// (~30 KB). Asking the launch bounds for 5 CTAs spills.
 constexpr int kUnroll = 4;
 constexpr int kFinalizeThreads = 256;
+// A row's last CTA stages one split's partial per thread.
+constexpr int kMaxSplits = kDecodeStepMaxSplits;
+static_assert(kMaxSplits <= kSplitThreads, "one thread per split");
 constexpr int kStageRows = 1024;  // rows per sequence staged in shared memory (24 KB)
 // Element indices are int32 (Partial stores them so); the margin keeps `v += blockDim` from wrapping.
 constexpr int64_t kMaxVocab = int64_t{1} << 30;
@@ -298,7 +304,7 @@ DINFER_HD Partial scan_chunk(const typename Tag::Raw* row, int32_t c0, int32_t c
   return st.partial();
 }
 
-// ---- split pass: one CTA per (row, vocabulary split) ---------------------------------------------
+// ---- split pass: a persistent grid walking (row, vocabulary split) units --------------------------
 
 struct SplitArgs {
   const void* logits;
@@ -306,6 +312,7 @@ struct SplitArgs {
   int32_t vocab;
   int32_t num_splits;
   int32_t chunk;  // elements per split, a multiple of 8
+  uint32_t num_units;  // N * num_splits: unit u is row u / num_splits, split u % num_splits
   int32_t mask_id;  // -1 when outside [0, V)
   float temperature;
   uint32_t seed, offset;
@@ -322,6 +329,7 @@ inline SplitArgs split_args(const DecodeStepParams& p, int num_splits, Partial* 
   sa.vocab = static_cast<int32_t>(p.vocab);
   sa.num_splits = num_splits;
   sa.chunk = static_cast<int32_t>(((p.vocab + num_splits - 1) / num_splits + 7) / 8 * 8);
+  sa.num_units = static_cast<uint32_t>(p.num_rows * num_splits);
   sa.mask_id = p.mask_id >= 0 && p.mask_id < p.vocab ? static_cast<int32_t>(p.mask_id) : -1;
   sa.temperature = p.temperature;
   sa.seed = p.seed;
@@ -331,13 +339,13 @@ inline SplitArgs split_args(const DecodeStepParams& p, int num_splits, Partial* 
   return sa;
 }
 
-// Partial of thread `tid` of CTA `cta` (row cta / num_splits, split cta % num_splits), before the
-// CTA's reduction.
+// Partial of thread `tid` for unit `u` (row u / num_splits, split u % num_splits), before the CTA's
+// reduction. Which CTA runs a unit never changes its partial.
 template <class Tag, bool kSample>
-DINFER_HD Partial split_thread_partial(const SplitArgs& a, uint32_t cta, int tid) {
+DINFER_HD Partial split_thread_partial(const SplitArgs& a, uint32_t u, int tid) {
   using Raw = typename Tag::Raw;
-  const int64_t n = cta / static_cast<uint32_t>(a.num_splits);
-  const int32_t s = static_cast<int32_t>(cta % static_cast<uint32_t>(a.num_splits));
+  const int64_t n = u / static_cast<uint32_t>(a.num_splits);
+  const int32_t s = static_cast<int32_t>(u % static_cast<uint32_t>(a.num_splits));
   const int32_t c0 = s * a.chunk < a.vocab ? s * a.chunk : a.vocab;
   const int32_t c1 = c0 + a.chunk < a.vocab ? c0 + a.chunk : a.vocab;
   const Raw* row = static_cast<const Raw*>(a.logits) + n * a.row_stride;
@@ -356,21 +364,92 @@ DINFER_HD Partial split_thread_partial(const SplitArgs& a, uint32_t cta, int tid
 constexpr int kWarpSize = 32;
 constexpr int kFirstShuffleOffset = kWarpSize / 2;
 
-// ---- finalize: one CTA per sequence ---------------------------------------------------------------
+// ---- per-row merge: the row's last CTA ----------------------------------------------------------------
 
 struct FinalizeArgs {
   DecodeStepParams p;
-  const Partial* partials;  // [N, num_splits]
+  Partial* partials;  // [N, num_splits], 16-byte aligned (workspace offset 0)
+  int32_t* tickets;  // [N] units of the row done so far; zeroed before the split pass
   int64_t* fb_token;  // [N] scratch: fallback token per row
   float* fb_conf;  // [N] scratch: its probability (-inf: none)
   int32_t num_splits;
 };
 
+// Thread 0 of the CTA that reduced unit u: publishes the unit's partial and takes the row's ticket.
+// True for the row's last unit: that CTA merges the row. Release: the partial is visible device-wide
+// (__threadfence) before the ticket counts it.
+DINFER_HD bool publish_unit(const FinalizeArgs& a, uint32_t u, const Partial& part) {
+  a.partials[u] = part;
+  simt::threadfence();
+  const uint32_t n = u / static_cast<uint32_t>(a.num_splits);
+  return simt::atomic_add(a.tickets + n, 1) == a.num_splits - 1;
+}
+
+// A partial another CTA wrote in this launch: through L2 (L1 is not coherent), as two 16-byte loads.
+DINFER_HD Partial load_partial(const Partial* src) {
+  static_assert(sizeof(Partial) == 2 * sizeof(Load16), "a Partial is two 16-byte words");
+  const Load16* w = reinterpret_cast<const Load16*>(src);
+  const Load16 q[2] = {simt::load_cg(w), simt::load_cg(w + 1)};
+  Partial r;
+  memcpy(&r, q, sizeof r);
+  return r;
+}
+
+// The last CTA of row n, thread tid, after its thread 0's ticket (then __threadfence: acquire) and a
+// barrier: threads below num_splits stage one split's partial each, so the loads overlap.
+DINFER_HD void stage_row_partials(const FinalizeArgs& a, int64_t n, int tid, Partial* staged) {
+  if (tid < a.num_splits) staged[tid] = load_partial(a.partials + n * a.num_splits + tid);
+}
+
+// Then, after a barrier, one thread: merges the splits in split order (whichever CTA came last, the
+// result is the same bits) and finalizes the row (steps 1-3 of the reference).
+DINFER_HD void finalize_row_of(const FinalizeArgs& a, int64_t n, const Partial* staged) {
+  const DecodeStepParams& p = a.p;
+  const int64_t esize = p.logits_dtype == ScalarType::kFloat32 ? 4 : 2;
+  Partial part = staged[0];
+  for (int s = 1; s < a.num_splits; ++s) part = decode_math::merge(part, staged[s]);
+  const void* row = static_cast<const char*>(p.logits) + n * p.row_stride * esize;
+  const uint32_t key = decode_math::row_key(p.seed, p.offset, decode_math::row_counter(p.row_keys, n));
+  const decode_math::RowResult r = decode_math::finalize_row(part, row, p, n, p.tokens[n] == p.mask_id, key);
+  if (p.nonfinite != nullptr) p.nonfinite[n] = part.nonfinite != 0;
+  p.candidate[n] = r.candidate;
+  p.confidence[n] = r.confidence;
+  a.fb_token[n] = r.fallback;
+  a.fb_conf[n] = r.fallback_conf;
+}
+
+// ---- finalize: one CTA per sequence ---------------------------------------------------------------
+
+constexpr int kFinalizeWarps = kFinalizeThreads / kWarpSize;
+
+// Part of decode_math::sequence_stats over some rows of a sequence. The serial loop's result, made
+// associative: the eligible row of highest confidence (lowest row on ties) among the non-NaN ones,
+// the masked row of highest fallback probability > -inf, and the first masked / eligible rows. A NaN
+// confidence never wins the loop, unless it is the first eligible row's: that case is patched after
+// the reduction (finalize_stats). Rows are int32 (N * num_splits <= INT32_MAX); kNoIndex: none.
+struct StatsPart {
+  float max_c, best_fb;
+  int32_t arg_c, fb_row, first_masked, first_eligible;
+};
+
+DINFER_HD StatsPart merge_stats(const StatsPart& a, const StatsPart& b) {
+  StatsPart r;
+  const bool bc = decode_math::beats(b.max_c, b.arg_c, a.max_c, a.arg_c);
+  r.max_c = bc ? b.max_c : a.max_c;
+  r.arg_c = bc ? b.arg_c : a.arg_c;
+  const bool bf = decode_math::beats(b.best_fb, b.fb_row, a.best_fb, a.fb_row);
+  r.best_fb = bf ? b.best_fb : a.best_fb;
+  r.fb_row = bf ? b.fb_row : a.fb_row;
+  r.first_masked = a.first_masked < b.first_masked ? a.first_masked : b.first_masked;
+  r.first_eligible = a.first_eligible < b.first_eligible ? a.first_eligible : b.first_eligible;
+  return r;
+}
+
 // What the phases share: the CTA's shared memory on the device.
 struct FinalizeShared {
   int64_t tokens[kStageRows], cand[kStageRows];
   float conf[kStageRows], fb_conf[kStageRows];
-  decode_math::SeqStats stats;
+  StatsPart warp_stats[kFinalizeWarps];
 };
 
 struct FinalizeSeq {
@@ -396,31 +475,16 @@ DINFER_HD FinalizeSeq finalize_seq(const FinalizeArgs& a, int64_t b) {
   return FinalizeSeq{lo, hi - lo, hi - lo <= kStageRows};
 }
 
-// Phase a, thread tid: its rows (strided) merge their splits in split order and finalize.
-DINFER_HD void finalize_rows(const FinalizeArgs& a, const FinalizeSeq& q, FinalizeShared& sh, int tid) {
+// Phase a, thread tid: stages its rows (strided; the split pass finalized them) in shared memory.
+DINFER_HD void finalize_stage(const FinalizeArgs& a, const FinalizeSeq& q, FinalizeShared& sh, int tid) {
+  if (!q.staged) return;
   const DecodeStepParams& p = a.p;
-  const int64_t esize = p.logits_dtype == ScalarType::kFloat32 ? 4 : 2;
-  const int S = a.num_splits;
   for (int64_t i = tid; i < q.L; i += kFinalizeThreads) {
     const int64_t n = q.lo + i;
-    const Partial* pp = a.partials + n * S;
-    Partial part = pp[0];
-    for (int s = 1; s < S; ++s) part = decode_math::merge(part, pp[s]);
-    const void* row = static_cast<const char*>(p.logits) + n * p.row_stride * esize;
-    const int64_t token = p.tokens[n];
-    const uint32_t key = decode_math::row_key(p.seed, p.offset, decode_math::row_counter(p.row_keys, n));
-    const decode_math::RowResult r = decode_math::finalize_row(part, row, p, n, token == p.mask_id, key);
-    if (p.nonfinite != nullptr) p.nonfinite[n] = part.nonfinite != 0;
-    p.candidate[n] = r.candidate;
-    p.confidence[n] = r.confidence;
-    a.fb_token[n] = r.fallback;
-    a.fb_conf[n] = r.fallback_conf;
-    if (q.staged) {
-      sh.tokens[i] = token;
-      sh.cand[i] = r.candidate;
-      sh.conf[i] = r.confidence;
-      sh.fb_conf[i] = r.fallback_conf;
-    }
+    sh.tokens[i] = p.tokens[n];
+    sh.cand[i] = p.candidate[n];
+    sh.conf[i] = p.confidence[n];
+    sh.fb_conf[i] = a.fb_conf[n];
   }
 }
 
@@ -435,11 +499,68 @@ DINFER_HD SeqView seq_view(const FinalizeArgs& a, const FinalizeSeq& q, const Fi
   return SeqView{a.p.tokens + q.lo, a.p.candidate + q.lo, a.p.confidence + q.lo, a.fb_conf + q.lo};
 }
 
-// Phase b, thread 0 only: sequence statistics, O(L) serial (L is a block length).
-DINFER_HD void finalize_stats(const FinalizeArgs& a, const FinalizeSeq& q, const SeqView& v,
-                              FinalizeShared& sh) {
-  sh.stats =
-      decode_math::sequence_stats(q.L, v.tokens, v.cand, v.conf, v.fb_conf, a.p.mask_id, a.p.vocab > 1);
+// Phase b, every thread: decode_math::sequence_stats as a block reduction. Each thread folds its
+// rows (strided), each warp butterflies (every lane ends with the warp's part), and every thread folds
+// the warps' parts in warp order: the same stats in every thread, whatever the arrival order.
+DINFER_HD StatsPart shfl_xor(const StatsPart& x, int m) {
+  StatsPart r;
+  r.max_c = simt::shfl_xor(x.max_c, m);
+  r.best_fb = simt::shfl_xor(x.best_fb, m);
+  r.arg_c = simt::shfl_xor(x.arg_c, m);
+  r.fb_row = simt::shfl_xor(x.fb_row, m);
+  r.first_masked = simt::shfl_xor(x.first_masked, m);
+  r.first_eligible = simt::shfl_xor(x.first_eligible, m);
+  return r;
+}
+
+DINFER_HD decode_math::SeqStats finalize_stats(const FinalizeArgs& a, const FinalizeSeq& q, const SeqView& v,
+                                               FinalizeShared& sh, int tid) {
+  const int64_t mask_id = a.p.mask_id;
+  StatsPart t{-INFINITY,
+              -INFINITY,
+              decode_math::kNoIndex,
+              decode_math::kNoIndex,
+              decode_math::kNoIndex,
+              decode_math::kNoIndex};
+  for (int64_t i = tid; i < q.L; i += kFinalizeThreads) {  // increasing i: the first row is the lowest
+    if (!decode_math::is_masked(v.tokens, i, mask_id)) continue;
+    const int32_t r = static_cast<int32_t>(i);
+    if (t.first_masked == decode_math::kNoIndex) t.first_masked = r;
+    if (decode_math::is_eligible(v.tokens, v.cand, i, mask_id)) {
+      if (t.first_eligible == decode_math::kNoIndex) t.first_eligible = r;
+      const float c = v.conf[i];
+      if (c == c && decode_math::beats(c, r, t.max_c, t.arg_c)) {
+        t.max_c = c;
+        t.arg_c = r;
+      }
+    }
+    if (v.fb_conf[i] > t.best_fb) {  // strict: -inf and NaN never become the fallback
+      t.best_fb = v.fb_conf[i];
+      t.fb_row = r;
+    }
+  }
+  DINFER_UNROLL
+  for (int m = kWarpSize / 2; m > 0; m /= 2) t = merge_stats(t, shfl_xor(t, m));
+  if (tid % kWarpSize == 0) sh.warp_stats[tid / kWarpSize] = t;
+  simt::sync_block();
+  t = sh.warp_stats[0];
+  for (int w = 1; w < kFinalizeWarps; ++w) t = merge_stats(t, sh.warp_stats[w]);
+
+  decode_math::SeqStats st{-INFINITY, -1, -1};
+  if (t.first_eligible != decode_math::kNoIndex && v.conf[t.first_eligible] != v.conf[t.first_eligible]) {
+    st.max_c = v.conf[t.first_eligible];  // the loop's first pick, which nothing beats
+    st.argmax_c = t.first_eligible;
+  } else if (t.arg_c != decode_math::kNoIndex) {
+    st.max_c = t.max_c;
+    st.argmax_c = t.arg_c;
+  }
+  if (t.first_masked == decode_math::kNoIndex || st.argmax_c >= 0)
+    st.fallback_row = -1;
+  else if (t.fb_row != decode_math::kNoIndex)
+    st.fallback_row = t.fb_row;
+  else if (a.p.vocab > 1)
+    st.fallback_row = t.first_masked;
+  return st;
 }
 
 // Phase c, thread tid: commit decisions of its rows (the rule, the progress guarantee, the joint
@@ -470,6 +591,22 @@ DINFER_HD void finalize_write(const FinalizeArgs& a, const FinalizeSeq& q, const
     }
     if (p.commit[n]) p.tokens[n] = p.candidate[n];
   }
+}
+
+// The finalize kernel's CTA b, thread tid, with its barriers: the device kernel's whole body, run by
+// the SIMT emulator on the host. Rows are strided over the threads and the same thread owns a row in
+// every phase, so the only cross-thread traffic is phases b and c reading other rows.
+DINFER_HD void finalize_cta(const FinalizeArgs& a, FinalizeShared& sh, int64_t b, int tid) {
+  const FinalizeSeq q = finalize_seq(a, b);
+  if (q.L == 0) return;  // uniform per CTA: no thread reaches a barrier
+  finalize_stage(a, q, sh, tid);
+  simt::sync_block();
+  const SeqView v = seq_view(a, q, sh);
+  const decode_math::SeqStats st = finalize_stats(a, q, v, sh, tid);
+  finalize_decide(a, q, v, st, b, tid);
+  // Every decision has read tokens/candidates of other rows; only now may they change.
+  simt::sync_block();
+  finalize_write(a, q, st, tid);
 }
 
 }  // namespace decode_split
