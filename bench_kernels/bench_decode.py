@@ -1,10 +1,11 @@
 """Microbenchmark of one decode step: dInfer's formulation vs dinfer_kernels.decode_step backends.
 
-    python bench_kernels/bench_decode.py [--device cpu|cuda] [--rows 32,64,512] [--vocab 157184]
-                                         [--dtype bf16] [--quick] [--json out.json]
+    python bench_kernels/bench_decode.py [--device cpu|cuda] [--rows 32,64,512] [--shapes 16x32]
+                                         [--vocab 157184] [--dtype bf16] [--quick] [--json out.json]
 
-For each N: bf16 logits [N, V] as one sequence (B = 1) whose block is the N positions, all masked
-except every 16th. Timed on the same logits (rotating copies of them on the GPU):
+For each N of --rows: bf16 logits [N, V] as one sequence (B = 1) whose block is the N positions, all
+masked except every 16th; for each BxL of --shapes: B sequences of L rows each (N = B * L; the batched
+engine's step, dInfer's [B, L, V] layout). Timed on the same logits (rotating copies on the GPU):
   dinfer-threshold   dInfer eager threshold decode (fp32 softmax over V, [1, N, V] layout)
   dinfer-credit      dInfer credit decode, dense fp32 credit [1, N, V], a steady iteration (k > 0)
   dinfer-compiled    torch.compile(dynamic=True) of dInfer's threshold rule (skipped if it fails)
@@ -70,18 +71,35 @@ def joint_tokens(N, V, mask_id, seed=1):
     return torch.where(committed, tok, torch.full_like(tok, mask_id)), committed
 
 
-def build_cases(N, V, args, device, notes):
+def parse_shapes(rows, shapes):
+    """[(B, N)]: one sequence per --rows entry, then the BxL entries of --shapes as N = B * L rows."""
+    out = [(1, n) for n in rows]
+    for item in str(shapes or "").split(","):
+        if item.strip():
+            b, sep, length = item.strip().lower().partition("x")
+            if not sep or not b.isdigit() or not length.isdigit() or int(b) < 1 or int(length) < 1:
+                raise SystemExit(f"--shapes: {item!r} is not BxL (sequences x rows), e.g. 16x32")
+            out.append((int(b), int(b) * int(length)))
+    return out
+
+
+def shape_text(B, N):
+    return f"N={N}" if B == 1 else f"B={B}x{N // B}"
+
+
+def build_cases(N, V, args, device, notes, B=1):
     import dinfer_baseline as db
 
     import dinfer_kernels
 
     dtype = cli_options.torch_dtype(args.dtype)
+    L = N // B  # rows per sequence
     logits0, tok0, mask_id = make_inputs(N, V, dtype, device)
     copies = timing.num_copies(logits0.numel() * logits0.element_size(), device)
     logits = [logits0] + [logits0.clone() for _ in range(copies - 1)]
     tok_init = tok0.unsqueeze(0).expand(copies, N).contiguous()
     tok = tok_init.clone()  # one row of tokens per rotating copy
-    offsets = torch.tensor([0, N], dtype=torch.int32, device=device)
+    offsets = torch.arange(0, N + 1, L, dtype=torch.int32, device=device)
     tau = args.threshold
 
     joint0, editable = joint_tokens(N, V, mask_id)
@@ -103,7 +121,7 @@ def build_cases(N, V, args, device, notes):
                 key,
                 label,
                 backend,
-                timing.Case(f"{label}[{backend}] N={N}", fn, copies, restore, setup, graph),
+                timing.Case(f"{label}[{backend}] {shape_text(B, N)}", fn, copies, restore, setup, graph),
                 kind,
             )
         )
@@ -112,7 +130,7 @@ def build_cases(N, V, args, device, notes):
         "dinfer_thr",
         "dinfer-threshold",
         "eager",
-        lambda i: db.dinfer_threshold_decode(logits[i].view(1, N, V), tok[i].view(1, N), mask_id, tau),
+        lambda i: db.dinfer_threshold_decode(logits[i].view(B, L, V), tok[i].view(B, L), mask_id, tau),
         "threshold",
     )
 
@@ -121,7 +139,7 @@ def build_cases(N, V, args, device, notes):
         "dinfer_credit",
         "dinfer-credit",
         "eager",
-        lambda i: dec.decode(logits[i].view(1, N, V), tok[i].view(1, N), block=(0, N)),
+        lambda i: dec.decode(logits[i].view(B, L, V), tok[i].view(B, L), block=(0, L)),
         "credit",
         setup=dec.reset,
         graph=False,
@@ -130,11 +148,11 @@ def build_cases(N, V, args, device, notes):
     if not args.no_compile:
         try:
             t0 = time.perf_counter()
-            x = tok[0].clone().view(1, N)
-            db.dinfer_threshold_decode_compiled(logits[0].view(1, N, V), x, mask_id, tau)
+            x = tok[0].clone().view(B, L)
+            db.dinfer_threshold_decode_compiled(logits[0].view(B, L, V), x, mask_id, tau)
             timing.sync(device)
             notes.append(
-                f"N={N}: torch.compile of dInfer's threshold rule took "
+                f"{shape_text(B, N)}: torch.compile of dInfer's threshold rule took "
                 f"{time.perf_counter() - t0:.1f}s (first call)"
             )
             add(
@@ -142,7 +160,7 @@ def build_cases(N, V, args, device, notes):
                 "dinfer-compiled",
                 "inductor",
                 lambda i: db.dinfer_threshold_decode_compiled(
-                    logits[i].view(1, N, V), tok[i].view(1, N), mask_id, tau
+                    logits[i].view(B, L, V), tok[i].view(B, L), mask_id, tau
                 ),
                 "threshold",
             )
@@ -162,7 +180,7 @@ def build_cases(N, V, args, device, notes):
         backends.remove("torch")  # the reference itself: per-row Python loops, not a kernel
         notes.append("backend torch (the pure-torch reference) not timed on cuda; --backends torch to add")
     for be in backends:
-        thr = torch.full((1,), tau, dtype=torch.float32, device=device)
+        thr = torch.full((B,), tau, dtype=torch.float32, device=device)
         add(
             f"ours_thr_{be}",
             "ours-threshold",
@@ -229,7 +247,7 @@ def joint_reference(state, edit_threshold):
         decode_params(
             state["mask_id"],
             rule="joint",
-            threshold=torch.full((1,), state["tau"]),
+            threshold=torch.full((state["offsets"].numel() - 1,), state["tau"]),
             editable=state["editable"].cpu(),
             edit_threshold=edit_threshold,
         ),
@@ -265,12 +283,13 @@ def run(args):
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible")
     rows = cli_options.parse_ints(args.rows) if args.rows else ([32, 512] if args.quick else [32, 64, 512])
+    shapes = parse_shapes(rows, args.shapes)
     V = args.vocab
     notes = []
     env = environment.environment(device)
     print(
         f"# bench_decode  device={device} ({env.get('gpu') or env['cpu']})  V={V}  dtype={args.dtype}  "
-        f"rows={rows}  commit={env['commit']}"
+        f"shapes={[shape_text(b, n) for b, n in shapes]}  commit={env['commit']}"
     )
     if device == "cpu" and env["loadavg_1min"] > 0.5 * (os.cpu_count() or 1):
         notes.append(
@@ -281,8 +300,8 @@ def run(args):
     print(f"bandwidth: {timing.bandwidth_text(bw)}")
 
     results, tables = [], []
-    for N in rows:
-        cases, state = build_cases(N, V, args, device, notes)
+    for B, N in shapes:
+        cases, state = build_cases(N, V, args, device, notes, B)
         agree = agreement(cases, state, args.edit_threshold)
         itemsize = state["logits"][0].element_size()
         nbytes = N * V * itemsize
@@ -292,13 +311,16 @@ def run(args):
                 m = timing.measure(case, device, quick=args.quick, reps=args.reps)
             except Exception as e:
                 print(f"  {label}[{be}]: FAILED ({type(e).__name__}: {e})")
-                notes.append(f"N={N} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}")
-                rows_out.append(dict(N=N, key=key, method=label, backend=be, kind=kind, error=str(e)[:300]))
+                notes.append(f"{shape_text(B, N)} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}")
+                rows_out.append(
+                    dict(N=N, seqs=B, key=key, method=label, backend=be, kind=kind, error=str(e)[:300])
+                )
                 continue
             if m["note"]:
-                notes.append(f"N={N} {label}[{be}]: {m['note']}")
+                notes.append(f"{shape_text(B, N)} {label}[{be}]: {m['note']}")
             r = dict(
                 N=N,
+                seqs=B,
                 V=V,
                 dtype=args.dtype,
                 key=key,
@@ -335,8 +357,9 @@ def run(args):
                 else None
             )
         results += rows_out
+        layout = f"N = {N} rows" if B == 1 else f"B = {B} sequences x {N // B} rows (N = {N})"
         title = (
-            f"N = {N} rows, V = {V}, {args.dtype} logits ({nbytes / 1e6:.1f} MB), {device}"
+            f"{layout}, V = {V}, {args.dtype} logits ({nbytes / 1e6:.1f} MB), {device}"
             f" ({env.get('gpu') or env['cpu']}); {timing.bandwidth_text(bw)}"
         )
         cols = [
@@ -369,6 +392,11 @@ def run(args):
 def main(argv=None):
     p = cli_options.base_parser(__doc__.splitlines()[0])
     p.add_argument("--rows", default=None, help="comma-separated N (default 32,64,512; --quick 32,512)")
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated BxL: B sequences of L rows each (the batched step), after the --rows cases",
+    )
     p.add_argument("--vocab", type=int, default=LLADA_MOE_VOCAB)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--slots", type=int, default=16, help="credit slots K of our CreditState")

@@ -64,8 +64,8 @@ HERO = (
         "decode_hero",
         "decode",
         15,
-        "--rows 32,512 --no-compile",
-        "--dtype fp32 --rows 4 --vocab 1000 --no-compile --reps 2",
+        "--rows 32,512 --shapes 16x32 --no-compile",
+        "--dtype fp32 --rows 4 --shapes 2x3 --vocab 1000 --no-compile --reps 2",
     ),
     (
         "soft_embedding_hero",
@@ -77,10 +77,7 @@ HERO = (
 )
 
 # What the desk review's list asks for that no benchmark option gives yet: printed, so the report says so.
-NOT_COVERED = (
-    "decode at 16 sequences x 32 rows (bench_decode times one sequence of N rows)",
-    "window attention at batch 32 (bench_attention times batch 1)",
-)
+NOT_COVERED = ("window attention at batch 32 (bench_attention times batch 1)",)
 
 
 class TimeUp(BaseException):
