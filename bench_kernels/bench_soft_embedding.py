@@ -7,6 +7,9 @@ out[i] = E[x_i] + w * softmax(z_i / tau) @ E on masked rows (iteration smoothing
 V = 157184, d = 2048). Baseline = what dInfer's H2Embed does in eager torch: an fp32 softmax [M, V]
 materialised, cast to the embedding dtype, a GEMM with E, then the additive blend. --small (default
 on the CPU) shrinks V and d so that the host finishes in seconds.
+On a GPU the Triton backend has two routes, chosen by a shape rule on the rows
+(dinfer_kernels/triton/soft_embedding.py: route, ONE_PASS_MAX_ROWS): the public op's row runs the rule's
+choice and one more row forces the other route, so that each M shows both sides of the rule.
 Columns: median time, GB/s of the minimal traffic (logits + E read once, output written once),
 % of each bandwidth yardstick of timing.py (copy, read-only kernel, the GPU's datasheet HBM), TFLOP/s of the 2*M*V*d GEMM, speedup vs the torch baseline,
 max |difference| vs the baseline relative to max |baseline|.
@@ -34,6 +37,15 @@ def torch_soft_embedding(logits, embedding, tokens, mask_id, weight, tau=1.0):
     e = embedding[tokens]
     masked = (tokens == mask_id).unsqueeze(-1)
     return torch.where(masked, e + weight * (p @ embedding), e)
+
+
+def forced_route(route, z, E, tok, mask_id, w_rows, tau):
+    """The Triton backend's function with its route forced (the route the shape rule does not pick)."""
+    from dinfer_kernels.triton import soft_embedding as triton_soft_embedding
+
+    out = torch.empty((z.shape[0], E.shape[1]), dtype=E.dtype, device=z.device)
+    triton_soft_embedding.soft_embedding(z, E, tok, w_rows, out, mask_id=mask_id, tau=tau, force_route=route)
+    return out
 
 
 def run(args):
@@ -99,6 +111,7 @@ def run(args):
                 lambda i: torch_soft_embedding(zs[i], E, tok, mask_id, w, args.tau),
             )
         ]
+        routes = {}  # the Triton backend's route of each of its rows
         for be in backends:
             cases.append(
                 (
@@ -110,6 +123,26 @@ def run(args):
                     ),
                 )
             )
+            if be == "triton" and E.dtype != torch.float32:  # fp32 E has the one pass only
+                from dinfer_kernels.triton.soft_embedding import ONE_PASS_MAX_ROWS, route
+
+                chosen = route(M, E.dtype)
+                other = "gemm" if chosen == "one_pass" else "one_pass"
+                print(
+                    f"  shape rule: M={M} -> {chosen} (one pass up to ONE_PASS_MAX_ROWS={ONE_PASS_MAX_ROWS})"
+                )
+                w_rows = w.expand(M).contiguous()
+                routes[f"ours_{be}"], routes[f"ours_{be}_{other}"] = chosen, other
+                cases.append(
+                    (
+                        f"ours_{be}_{other}",
+                        f"ours, {other} route forced",
+                        be,
+                        lambda i, other=other, w_rows=w_rows: forced_route(
+                            other, zs[i], E, tok, mask_id, w_rows, args.tau
+                        ),
+                    )
+                )
         rows_out = []
         for key, label, be, fn in cases:
             try:
@@ -138,11 +171,12 @@ def run(args):
                 GBps=nbytes / m["median_s"] / 1e9,
                 TFLOPs=flops / m["median_s"] / 1e12,
                 rel_err=err,
+                route=routes.get(key),
             )
             r.update(timing.bandwidth_percents(r["GBps"], bw))
             rows_out.append(r)
             print(
-                f"  {label:22s} {be:7s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s  {r['TFLOPs']:7.2f} TFLOP/s"
+                f"  {label:36s} {be:7s} {r['us']:10.1f} us  {r['GBps']:8.1f} GB/s  {r['TFLOPs']:7.2f} TFLOP/s"
             )
         base = next((r for r in rows_out if r["key"] == "torch_baseline"), None)
         for r in rows_out:
@@ -155,6 +189,7 @@ def run(args):
         cols = [
             ("method", "method", None),
             ("backend", "backend", None),
+            ("route", "route", None),
             ("median µs", "us", ".1f"),
             ("GB/s", "GBps", ".1f"),
             *timing.BANDWIDTH_COLUMNS,

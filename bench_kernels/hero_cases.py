@@ -71,7 +71,7 @@ HERO = (
         "soft_embedding_hero",
         "soft_embedding",
         10,
-        "--rows 64",
+        "--rows 64,1024",  # each side of the Triton backend's shape rule (one pass / GEMM route)
         "--dtype fp32 --rows 4 --vocab 1000 --dim 64 --reps 2",
     ),
 )

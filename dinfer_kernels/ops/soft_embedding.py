@@ -1,7 +1,8 @@
 """dinfer_kernels.soft_embedding: the iteration-smoothing input, registered as the torch.library op
 `dinfer::soft_embedding`. Contract: dinfer_kernels/reference/soft_embedding.py.
 
-Backends: "triton" (one GEMM over the vocabulary with the softmax in its prologue; the GPU path) and
+Backends: "triton" (the GPU path: a one-pass split-K GEMM over the vocabulary with the softmax in its
+prologue, or past a number of rows a cuBLAS GEMM on the probabilities: triton/soft_embedding.py) and
 "torch" (the reference: a BLAS GEMM, which is what the host runs). There is no separate compiled
 backend for this op: on the host it *is* a GEMM, and on a GPU the Triton kernel fuses it.
 """
