@@ -50,9 +50,13 @@ def mode(value: str):
         _state["mode"] = before
 
 
-def last_backend() -> Optional[str]:
-    """The aten op the latest delegated call ran (e.g. "_scaled_dot_product_cudnn_attention"), or None."""
-    return _state["last"]
+def last_backend(clear: bool = False) -> Optional[str]:
+    """The aten op the latest delegated call ran (e.g. "_scaled_dot_product_cudnn_attention"), or None
+    (none since the last clear=True)."""
+    name = _state["last"]
+    if clear:
+        _state["last"] = None
+    return name
 
 
 def _sdpa_ops(device_type: str):
@@ -84,8 +88,8 @@ def sdpa_with_lse(q, k, v, scale: float):
         g = Hq // Hkv
         expand = lambda t: t[:, :, None].expand(B, Hkv, g, *t.shape[2:]).reshape(B, Hq, *t.shape[2:])
         variants.append((expand(k), expand(v)))
-    for name, fn, call in _sdpa_ops(q.device.type):
-        for kk, vv in variants:
+    for kk, vv in variants:  # every kernel natively before any on copies
+        for name, fn, call in _sdpa_ops(q.device.type):
             try:
                 res = call(fn, q, kk, vv, scale)
             except (RuntimeError, NotImplementedError):
@@ -149,11 +153,11 @@ def delegate(
         return False
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    if _state["mode"] == "auto" and getattr(backend_module, "SDPA_DENSE", None) is None:
-        return False
     B, W, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     if B * W * Hq * S == 0:
+        return False
+    if not _wanted(backend_module, W, S):  # dense_keys <= S: window steps stop here, with no sync
         return False
     nkb = cdiv(S, kv_block)
     dev = q.device
