@@ -21,7 +21,7 @@ caches [B, S, Hkv, D], else [B, MP] int32 over page pools [P, page_size, Hkv, D]
 the paged layout, so auto picks the same backend for paged and contiguous calls.
 """
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -87,7 +87,7 @@ def _attention_op(
         if return_block_mass
         else None
     )
-    args = dict(
+    args: dict[str, Any] = dict(
         q=q,
         k=k,
         v=v,
