@@ -206,6 +206,8 @@ def delegate(
     o, o_lse, name = res
     _state["last"] = name
     o, o_lse = o.transpose(1, 2), o_lse.transpose(1, 2)  # [B, W, Hq, D], [B, W, Hq]
+    # an lse of +inf comes only from a +inf score (the max is subtracted first): the contract's NaN
+    o_lse = torch.where(o_lse == float("inf"), float("nan"), o_lse)
 
     if has_rest:
         counts, indices = rest

@@ -305,3 +305,32 @@ def test_trap_through_the_internal_signature_poisoned(backend, device):
     same = attention_reference(q, k, v, kc.clone(), vc.clone(), pos, lens, False, dense, return_lse=True)
     assert_precision(out.cpu(), same[0], truth[0], "out")
     assert_precision(lse.cpu(), same[1], truth[1], "lse")
+
+
+@pytest.mark.parametrize("backend,device", kernel_backends())
+@pytest.mark.parametrize("poison", ["q_inf", "k_nan", "k_inf", "v_nan", "v_inf"])
+@pytest.mark.usefixtures("host_isa")
+def test_delegated_non_finite_inputs_propagate(backend, device, poison, sdpa_calls):
+    """A NaN / inf in what the dense prefix reads gives the contract's non-finite out and lse."""
+    dtype = dtype_for(backend, F32)
+    B, W, S, Hq, Hkv, D = 1, 8, 64, 2, 1, 64
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    q, k, v, kc, vc = r(B, W, Hq, D), r(B, W, Hkv, D), r(B, W, Hkv, D), r(B, S, Hkv, D), r(B, S, Hkv, D)
+    pos, lens = torch.arange(20, 20 + W)[None], torch.tensor([S], dtype=torch.int32)
+    target, index = {"q": (q, (0, 2, 1, 0)), "k": (kc, (0, 3, 0, 5)), "v": (vc, (0, 3, 0, 5))}[poison[0]]
+    target[index] = float("nan") if poison.endswith("nan") else float("inf")
+    with attention_sdpa.mode("always"):
+        got = dk.attention(
+            *(t.to(device) for t in (q, k, v, kc.clone(), vc.clone(), pos, lens)),
+            return_lse=True,
+            backend=backend,
+        )
+    assert sdpa_calls == [S]
+    truth = attention_reference(
+        q, k, v, kc.clone(), vc.clone(), pos, lens, return_lse=True, compute_dtype=torch.float64
+    )
+    same = attention_reference(q, k, v, kc.clone(), vc.clone(), pos, lens, return_lse=True)
+    assert not torch.isfinite(truth[0]).all()
+    for name, a, b, t in zip(("out", "lse"), got, same, truth):
+        assert_precision(a.cpu(), b, t, f"{poison}: {name}")
