@@ -92,7 +92,7 @@ def sdpa_with_lse(q, k, v, scale: float):
         for name, fn, call in _sdpa_ops(q.device.type):
             try:
                 res = call(fn, q, kk, vv, scale)
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError, TypeError, ValueError):  # refused: the next one
                 continue
             out, lse = res[0], res[1]
             if out.shape != q.shape:
