@@ -6,6 +6,7 @@ and dinfer_kernels.attention backends; and LLaDA2's block decoding over a paged 
         [--json out.json] [--windows 1024,2048,4096,8192] [--refresh 2048,8192] [--densities 1,0.5]
         [--heads 16] [--kv-heads 16] [--head-dim 128] [--backends triton,cuda] [--no-flex]
         [--paged-prefixes 1024,2048,4096,8192] [--page-size 32] [--no-paged | --paged-only]
+        [--batches 32,64] [--batched-rows 32] [--batched-keys 2048,8192] [--no-batched]
 
 LLaDA-MoE shapes by default (B = 1, 16 heads x 128, MHA): window steps W = 96 rows (a vicinity window
 in the middle of the sequence) over S in --windows, and full refreshes W = S in --refresh; key-block
@@ -36,8 +37,23 @@ query rows (--paged-block) after a prefix of --paged-prefixes keys (default 1k, 
                    BlockMask.block_causal(q_block = kv_block = block), per backend available
   ours contiguous  the same call over the contiguous [B, S, Hkv, D] cache (the paging's own cost)
 Columns: median time, the ratio sdpa / ours (> 1: ours is faster), max |out - sdpa| / max |sdpa|.
+
+Full refreshes (W = S) add: "sdpa alone" (the SDPA kernel on the merged cache, no merge copy: the
+bar of the delegated refresh), "ours wb" with the delegation off (our kernel alone) and "ours+sdpa"
+(dinfer_kernels.attention_sdpa.mode("always"): the dense key prefix to torch's SDPA, the rest ours).
+The backend column names the SDPA kernel: torch's own choice for F.scaled_dot_product_attention
+(torch._fused_sdp_choice), the aten op the delegation ran for ours+sdpa ("none (declined)": nothing
+delegated, e.g. a half-precision call with blocks past the dense prefix).
+
+Batched window steps (--no-batched skips them): B sequences (--batches; GPU 32,64, --quick 32; CPU 2)
+each refreshing W = --batched-rows (32) rows in the middle of S = --batched-keys (GPU 2048,8192; CPU
+256) keys, every key attended, with the window heads. Methods: "sdpa in place" (the window written
+into a contiguous [B, Hkv, S, D] cache, then SDPA, kernel named), "ours" (contiguous caches) and
+"ours paged" (one shared page pool of --page-size rows, shuffled pages) per backend. Columns: median
+time, GB/s over the K/V bytes (every key read once) and % of each bandwidth yardstick, sdpa / ours.
 """
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -52,6 +68,8 @@ import timing
 import torch
 import torch.nn.functional as F
 
+from dinfer_kernels import attention_sdpa
+
 Q_BLOCK = KV_BLOCK = 128
 
 
@@ -62,6 +80,17 @@ def flex_available():
         return True
     except ImportError:
         return False
+
+
+def sdpa_kernel_name(q, k, v, mask=None, enable_gqa=False):
+    """Which kernel F.scaled_dot_product_attention runs for these [B, H, L, D] inputs (torch's own
+    choice, torch._fused_sdp_choice), e.g. "CUDNN_ATTENTION"; "?" where this torch cannot say."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        return SDPBackend(int(torch._fused_sdp_choice(q, k, v, mask, 0.0, False, enable_gqa=enable_gqa))).name
+    except Exception:
+        return "?"
 
 
 def make_inputs(W, S, Hq, Hkv, D, density, dtype, device, q_block, kv_block, seed=0):
@@ -138,9 +167,32 @@ def build_cases(W, S, density, args, device, notes, flex_state):
             qt, k_all, v_all, attn_mask=mask, enable_gqa=group > 1
         ).transpose(1, 2)
 
+    sdpa_name = sdpa_kernel_name(qt, kct[0], vct[0], mask, group > 1)
     cases = [
-        ("sdpa", "sdpa+merge", "torch", timing.Case(f"sdpa+merge W={W} S={S} d={density}", sdpa, copies))
+        (
+            "sdpa",
+            "sdpa+merge",
+            f"torch {sdpa_name}",
+            timing.Case(f"sdpa+merge W={W} S={S} d={density}", sdpa, copies),
+        )
     ]
+    if W == S:
+        # the SDPA kernel alone on caches merged beforehand (no merge copy): the delegated refresh's bar
+        merged = [(kt.contiguous(), vt.contiguous()) for _ in range(copies)]  # W = S: the window is all
+
+        def sdpa_alone(i):
+            return F.scaled_dot_product_attention(
+                qt, *merged[i], attn_mask=mask, enable_gqa=group > 1
+            ).transpose(1, 2)
+
+        cases.append(
+            (
+                "sdpa_alone",
+                "sdpa alone",
+                f"torch {sdpa_name}",
+                timing.Case(f"sdpa alone W={W} S={S} d={density}", sdpa_alone, copies),
+            )
+        )
 
     if flex_state["on"]:
         try:
@@ -194,30 +246,39 @@ def build_cases(W, S, density, args, device, notes, flex_state):
     if device == "cpu" and not args.backends:
         backends = [b for b in backends if b != "triton"]  # the interpreter is not a timing target
     bm = x["bm"]
-    modes = [("wb", True)] + ([("ro", False)] if W < S else [])
+    # (tag, write_back, delegation): window steps run as the op does by default (the backends' rule
+    # never delegates W < its min_rows); a refresh is timed with our kernel alone ("off") and with its
+    # dense key prefix handed to torch's SDPA ("always": whatever the backend's rule says)
+    modes = [("wb", True, None)] + ([("ro", False, None)] if W < S else [("sdpa", True, "always")])
+    if W == S:
+        modes[0] = ("wb", True, "off")
     for be in backends:
-        for tag, wb in modes:
+        for tag, wb, delegation in modes:
+            if delegation == "always" and be == "torch":
+                continue  # the reference delegates nothing
 
-            def ours(i, be=be, wb=wb):
-                return dk.attention(
-                    x["q"],
-                    x["k"],
-                    x["v"],
-                    kcs[i],
-                    vcs[i],
-                    x["pos"],
-                    x["lens"],
-                    write_back=wb,
-                    block_mask=bm,
-                    backend=be,
-                )
+            def ours(i, be=be, wb=wb, delegation=delegation):
+                with attention_sdpa.mode(delegation) if delegation else contextlib.nullcontext():
+                    return dk.attention(
+                        x["q"],
+                        x["k"],
+                        x["v"],
+                        kcs[i],
+                        vcs[i],
+                        x["pos"],
+                        x["lens"],
+                        write_back=wb,
+                        block_mask=bm,
+                        backend=be,
+                    )
 
+            label = "ours+sdpa" if tag == "sdpa" else f"ours {tag}"
             cases.append(
                 (
                     f"ours_{tag}_{be}",
-                    f"ours {tag}",
+                    label,
                     be,
-                    timing.Case(f"ours {tag}[{be}] W={W} S={S} d={density}", ours, copies),
+                    timing.Case(f"{label}[{be}] W={W} S={S} d={density}", ours, copies),
                 )
             )
     meta = dict(
@@ -399,6 +460,157 @@ def paged_cases(args, device, env, notes):
     return rows, tables
 
 
+def batched_cases(args, device, env, notes, bw):
+    """Batched window and paged steps (module docstring): (rows, tables)."""
+    import dinfer_kernels as dk
+
+    dtype = cli_options.torch_dtype(args.dtype)
+    Hq, Hkv, D, W, ps = args.heads, args.kv_heads, args.head_dim, args.batched_rows, args.page_size
+    cpu = device == "cpu"
+    batches = cli_options.parse_ints(args.batches or ("2" if cpu else "32" if args.quick else "32,64"))
+    keys = cli_options.parse_ints(args.batched_keys or ("256" if cpu else "2048,8192"))
+    backends = [
+        b
+        for b in dk.available_backends(device, "attention")
+        if b != "torch" and (not args.backends or b in args.backends.split(","))
+    ]
+    if cpu and not args.backends:
+        backends = [b for b in backends if b != "triton"]
+    group = Hq // Hkv
+    rows, tables = [], []
+    for B in batches:
+        for S in keys:
+            if S % ps or W > S:
+                notes.append(f"batched B={B} S={S} skipped: S must be a multiple of --page-size and >= W")
+                continue
+            g = torch.Generator(device=device).manual_seed(B * S)  # GBs of inputs: made on the device
+            r = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype)
+            q, k, v = r(B, W, Hq, D), r(B, W, Hkv, D), r(B, W, Hkv, D)
+            kc, vc = r(B, S, Hkv, D), r(B, S, Hkv, D)
+            start = (S - W) // 2 // 32 * 32  # a window in the middle of every sequence
+            pos = (start + torch.arange(W, device=device))[None].repeat(B, 1)
+            lens = torch.full((B,), S, dtype=torch.int32, device=device)
+            # pages: shuffled ids over one pool shared by the B sequences
+            MP = S // ps
+            table = torch.randperm(B * MP, generator=g, device=device).view(B, MP).to(torch.int32)
+            pool_k = torch.empty(B * MP, ps, Hkv, D, dtype=dtype, device=device)
+            pool_v = torch.empty_like(pool_k)
+            pool_k[table.flatten().long()] = kc.view(B * MP, ps, Hkv, D)
+            pool_v[table.flatten().long()] = vc.view(B * MP, ps, Hkv, D)
+            kct, vct = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            copies = timing.num_copies(2 * kc.numel() * kc.element_size(), device)
+            flat = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
+            pools = [(pool_k, pool_v)] + [(pool_k.clone(), pool_v.clone()) for _ in range(copies - 1)]
+            peer = [(kct, vct)] + [(kct.clone(), vct.clone()) for _ in range(copies - 1)]
+
+            def sdpa(i):  # the peer: the window written in place into [B, Hkv, S, D], then SDPA
+                kc_i, vc_i = peer[i]
+                kc_i[:, :, start : start + W] = kt
+                vc_i[:, :, start : start + W] = vt
+                return F.scaled_dot_product_attention(qt, kc_i, vc_i, enable_gqa=group > 1).transpose(1, 2)
+
+            name = sdpa_kernel_name(qt, kct, vct, None, group > 1)
+            cases = [("sdpa", "sdpa in place", f"torch {name}", sdpa)]
+            for be in backends:
+                cases.append(
+                    (
+                        f"ours_{be}",
+                        "ours",
+                        be,
+                        lambda i, be=be: dk.attention(q, k, v, *flat[i], pos, lens, backend=be),
+                    )
+                )
+                cases.append(
+                    (
+                        f"paged_{be}",
+                        "ours paged",
+                        be,
+                        lambda i, be=be: dk.attention(
+                            q, k, v, *pools[i], pos, lens, block_table=table, backend=be
+                        ),
+                    )
+                )
+            kv_bytes = 2.0 * B * S * Hkv * D * kc.element_size()  # every key and value read once
+            ref, shape_rows = None, []
+            for key, label, be, fn in cases:
+                case = timing.Case(f"batched {label}[{be}] B={B} W={W} S={S}", fn, copies)
+                try:
+                    y = fn(0).float()
+                    timing.sync(device)
+                    if key == "sdpa":
+                        ref = y
+                    err = (
+                        None
+                        if ref is None
+                        else float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                    )
+                    m = timing.measure(case, device, quick=args.quick, reps=args.reps)
+                except Exception as e:
+                    print(f"  batched {label}[{be}]: FAILED ({type(e).__name__}: {e})")
+                    notes.append(
+                        f"batched B={B} S={S} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}"
+                    )
+                    continue
+                if m["note"]:
+                    notes.append(f"batched B={B} S={S} {label}[{be}]: {m['note']}")
+                row = dict(
+                    case="batched",
+                    B=B,
+                    W=W,
+                    S=S,
+                    page_size=ps,
+                    heads=Hq,
+                    kv_heads=Hkv,
+                    head_dim=D,
+                    dtype=args.dtype,
+                    key=key,
+                    method=label,
+                    backend=be,
+                    timer=m["timer"],
+                    median_s=m["median_s"],
+                    p20_s=m["p20_s"],
+                    p80_s=m["p80_s"],
+                    us=m["median_s"] * 1e6,
+                    GBps=kv_bytes / m["median_s"] / 1e9,
+                    rel_err=err,
+                )
+                row.update(timing.bandwidth_percents(row["GBps"], bw))
+                shape_rows.append(row)
+                print(
+                    f"  batched B={B:3d} S={S:5d} {label:13s} {be:24s} {row['us']:10.1f} us {row['GBps']:8.1f} GB/s"
+                )
+            base = next((x for x in shape_rows if x["key"] == "sdpa"), None)
+            for x in shape_rows:
+                x["x_sdpa"] = base["median_s"] / x["median_s"] if base else None
+            rows += shape_rows
+            flat = pools = peer = cases = None  # freed before the next shape's caches
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    if rows:
+        title = (
+            f"batched window steps: W = {W} rows per sequence over S keys each (every key), contiguous and "
+            f"paged (pages of {ps}), {Hq}/{Hkv} heads x {D}, {args.dtype}, {device} "
+            f"({env.get('gpu') or env['cpu']}); {timing.bandwidth_text(bw)}"
+        )
+        cols = [
+            ("B", "B", None),
+            ("S", "S", None),
+            ("method", "method", None),
+            ("backend", "backend", None),
+            ("median µs", "us", ".1f"),
+            ("KV GB/s", "GBps", ".1f"),
+            *timing.BANDWIDTH_COLUMNS,
+            ("sdpa ÷ ours", "x_sdpa", ".2f"),
+            ("rel err vs sdpa", "rel_err", ".2g"),
+            ("timer", "timer", None),
+        ]
+        table = f"**{title}**\n\n" + markdown_tables.markdown_table(rows, cols)
+        print("\n" + table + "\n")
+        tables.append(table)
+    return rows, tables
+
+
 def run(args):
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -457,10 +669,13 @@ def run(args):
             rows = []
             for key, label, be, case in cases:
                 try:
+                    attention_sdpa.last_backend(clear=True)
                     y = case.fn(0).float()
                     timing.sync(device)
                     if key == "sdpa":
                         ref = y
+                    if key.startswith("ours_sdpa"):  # which SDPA kernel took the prefix, if any did
+                        be = f"{be}+{attention_sdpa.last_backend() or 'none (declined)'}"
                     err = (
                         None
                         if ref is None
@@ -532,6 +747,9 @@ def run(args):
             del cases
             if device == "cuda":
                 torch.cuda.empty_cache()
+    if not (args.no_batched or args.paged_only):  # last: the hero step's share may stop it
+        more_rows, more_tables = batched_cases(args, device, env, notes, bw)
+        results, tables = results + more_rows, tables + more_tables
     # 50% density speedup over dense, per method and shape
     for r in results:
         if r.get("density", 1.0) < 1.0:
@@ -591,6 +809,10 @@ def main(argv=None):
     p.add_argument("--paged-heads", type=int, default=16)
     p.add_argument("--paged-kv-heads", type=int, default=4)
     p.add_argument("--paged-head-dim", type=int, default=128)
+    p.add_argument("--batches", default=None, help="batch sizes of the batched window steps (GPU: 32,64)")
+    p.add_argument("--batched-rows", type=int, default=32, help="W of the batched window steps")
+    p.add_argument("--batched-keys", default=None, help="S of the batched window steps (GPU: 2048,8192)")
+    p.add_argument("--no-batched", action="store_true", help="skip the batched window steps")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-paged", action="store_true", help="skip the paged case")
     mode.add_argument("--paged-only", action="store_true", help="run only the paged case")

@@ -12,6 +12,9 @@ from . import capsules
 # What this backend takes (dinfer_kernels/_backend.py's supports hook): any head dim (the kernel
 # loops over it); a dense attn_mask only the torch reference takes.
 SUPPORTS = {"q.dtype": (torch.float16, torch.bfloat16, torch.float32), "attn_mask": (None,)}
+# No dense key prefix to torch's SDPA (dinfer_kernels/attention_sdpa.py) on the host: the engine's CPU
+# outputs stay bit-identical, and no host measurement says torch's flash kernel is faster.
+SDPA_DENSE = None
 
 
 def attention(

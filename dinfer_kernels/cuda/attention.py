@@ -9,6 +9,12 @@ import torch
 
 from .._backend import compiled
 
+# Dense key prefixes to torch's SDPA (dinfer_kernels/attention_sdpa.py): full refreshes and other calls of
+# >= 1024 rows over >= 2048 keys that every row attends. Why: on the one H200 run (802ee3b) SDPA (cuDNN)
+# took 992 us at W = S = 8192 against this backend's 2193 us; window
+# steps (W ~ 96) stay ours (3.4x SDPA + merge at W 96, S 8192: no whole-cache copy, block lists). Retune from bench_attention's "ours" /
+# "ours+sdpa" / "sdpa" refresh rows.
+SDPA_DENSE = {"min_rows": 1024, "min_keys": 2048}
 # What this backend takes (dinfer_kernels/_backend.py's supports hook): the head dims are the kernels'
 # tile widths; a dense attn_mask only the torch reference takes.
 SUPPORTS = {"q.dtype": (torch.float16, torch.bfloat16), "q.head_dim": (64, 128), "attn_mask": (None,)}

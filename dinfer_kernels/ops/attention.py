@@ -11,6 +11,9 @@ take the inputs. Every kernel backend module `dinfer_kernels/{triton,cuda,cpu}/a
     attention(q, k, v, k_cache, v_cache, positions, seq_lens, block_table, kv_num_blocks, kv_indices,
               out, lse, block_mass, *, write_back, q_block, kv_block, scale) -> None
     SUPPORTS   the inputs it takes: "q.dtype", "q.head_dim", "attn_mask" (the resolver's supports hook)
+    SDPA_DENSE {"min_rows", "min_keys"} or None: the shape rule under which the dense key prefix of a
+               call goes to torch's SDPA (dinfer_kernels/attention_sdpa.py; attention_sdpa.mode()
+               switches it)
 
 with caller-allocated outputs (lse / block_mass None = not wanted; kv_num_blocks / kv_indices None =
 every key block, and then q_block / kv_block are only tiling hints; block_table None = contiguous
@@ -18,11 +21,11 @@ caches [B, S, Hkv, D], else [B, MP] int32 over page pools [P, page_size, Hkv, D]
 the paged layout, so auto picks the same backend for paged and contiguous calls.
 """
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
-from .. import _backend, _checks, _dispatch
+from .. import _backend, _checks, _dispatch, attention_sdpa
 from ..block_mask import BlockMask, cdiv
 from ..reference.attention import attention_reference
 
@@ -84,7 +87,7 @@ def _attention_op(
         if return_block_mass
         else None
     )
-    _backend.impl("attention", backend)(
+    args: dict[str, Any] = dict(
         q=q,
         k=k,
         v=v,
@@ -103,6 +106,10 @@ def _attention_op(
         kv_block=kv_block,
         scale=scale,
     )
+    impl = _backend.impl("attention", backend)
+    # dense key tiles to torch's SDPA where the backend's shape rule (or the switch) says so
+    if not attention_sdpa.delegate(_backend.module("attention", backend), impl, **args):
+        impl(**args)
     return out, (lse if lse is not None else empty), (mass if mass is not None else empty.clone())
 
 

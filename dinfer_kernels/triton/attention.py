@@ -34,6 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
+# Dense key prefixes to torch's SDPA (dinfer_kernels/attention_sdpa.py): full refreshes and other calls of
+# >= 1024 rows over >= 2048 keys that every row attends. Why: on the one H200 run (802ee3b) SDPA (cuDNN)
+# took 992 us at W = S = 8192 against this backend's 1693 us; window steps (W ~ 96) stay ours (3.4x SDPA +
+# merge at W 96, S 8192: no whole-cache copy, block lists). Retune from bench_attention's "ours" /
+# "ours+sdpa" / "sdpa" refresh rows.
+SDPA_DENSE = {"min_rows": 1024, "min_keys": 2048}
+
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 # Programs to aim for when splitting the key range: 2 per SM of an H200 (132 SMs). A constant, not the

@@ -30,3 +30,33 @@ def test_paged_case_writes_every_method(tmp_path):
         assert r["rel_err"] < 1e-5, r  # every method computes the same attention
     assert any("prefix=50 skipped" in n for n in payload["notes"])
     assert any("LLaDA2 paged block decoding" in t for t in payload["tables"])
+
+
+def test_refresh_rows_and_batched_window_steps(tmp_path):
+    """A full refresh times ours (delegation off), ours+sdpa (naming the aten op that took the dense
+    prefix) and SDPA alone (naming torch's kernel); the batched window steps time the in-place SDPA,
+    ours and ours paged at every batch size, with % of the bandwidth yardsticks, all agreeing."""
+    out = tmp_path / "attention.json"
+    load_bench("bench_attention").main(
+        ["--device", "cpu", "--dtype", "fp32", "--quick", "--no-paged", "--windows", "64", "--refresh", "32"]
+        + ["--densities", "1", "--window-rows", "8", "--heads", "2", "--kv-heads", "1", "--head-dim", "64"]
+        + ["--batches", "1,3", "--batched-keys", "64", "--batched-rows", "8", "--page-size", "16"]
+        + ["--backends", "cpu", "--reps", "2", "--json", str(out)]
+    )
+    payload = json.loads(out.read_text())
+    assert payload["complete"]
+    rows = payload["results"]
+    refresh = {r["key"]: r for r in rows if r.get("case") != "batched" and r["W"] == r["S"]}
+    assert set(refresh) == {"sdpa", "sdpa_alone", "ours_wb_cpu", "ours_sdpa_cpu"}
+    assert refresh["ours_sdpa_cpu"]["backend"] == "cpu+_scaled_dot_product_flash_attention_for_cpu"
+    assert refresh["sdpa_alone"]["backend"].startswith("torch ")
+    for r in refresh.values():
+        assert r["rel_err"] < 1e-5, r
+    batched = [r for r in rows if r.get("case") == "batched"]
+    assert {(r["B"], r["key"]) for r in batched} == {
+        (B, key) for B in (1, 3) for key in ("sdpa", "ours_cpu", "paged_cpu")
+    }
+    for r in batched:
+        assert r["S"] == 64 and r["W"] == 8 and r["us"] > 0 and r["GBps"] > 0 and r["pct_copy"] > 0
+        assert r["rel_err"] < 1e-5, r
+    assert any("batched window steps" in t for t in payload["tables"])
