@@ -34,7 +34,7 @@ of the same drawn values; activations stay in --dtype). Methods (--methods picks
                     kernel backends available here (--backends: a subset)
   ours_grouped_mm   "ours, GEMMs by torch._grouped_mm": the Triton backend with config gemm =
                     "grouped_mm" (our routing, alignment, silu*mul and combine around torch's grouped
-                    GEMMs, dinfer_kernels/triton/_moe_grouped_mm.py): the delegation the default
+                    GEMMs, experts_grouped_mm in dinfer_kernels/triton/moe.py): the delegation the default
                     takes where this row wins (weights in the activations' dtype, where the triton
                     backend and torch._grouped_mm both run)
 The torch._grouped_mm rows need a torch that has it (on a GPU: SM80+, bf16) and weights in the

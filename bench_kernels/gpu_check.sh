@@ -102,7 +102,7 @@ bench_scripts() {
   done
 }
 more_call() {
-  local plan="environment:12 build:120 gpu-tests:100 kernel-calls:12 memcheck:30 racecheck:30" n
+  local plan="environment:12 build:120 gpu-tests:100 kernel-calls:12 memcheck:26 racecheck:26" n
   for n in $(bench_scripts); do plan="$plan $n:$(bench_limit "$n")"; done
   echo "$plan report:15"
 }
