@@ -57,6 +57,7 @@ The targets (H200, bf16, every layer) are printed as notes: a batch-1 LLaDA-MoE-
 <= 4.5 ms, a batch-1 LLaDA2-mini block forward <= 5.5 ms, each >= 3x the peer-style forward.
 """
 
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -228,6 +229,9 @@ def peer_forward(f: Forward):
 
 
 # ------------------------------------------------------------------------------- what is measured
+ROUTER_OPTIONS = frozenset(inspect.signature(route).parameters)
+
+
 class _RoutingRecorder:
     """dinfer_kernels with moe wrapped: records the distinct experts each MoE call's router selects."""
 
@@ -238,7 +242,9 @@ class _RoutingRecorder:
         return getattr(dk, name)
 
     def moe(self, hidden, router, w13, w2, top_k, **kw):
-        experts = route(hidden, router, top_k, **kw)[1]  # the model passes only the router's options
+        # the router's options of what the model passes (the shared expert and FP8 scales besides)
+        options = {k: v for k, v in kw.items() if k in ROUTER_OPTIONS}
+        experts = route(hidden, router, top_k, **options)[1]
         self.touched.append(int(torch.unique(experts).numel()))
         return dk.moe(hidden, router, w13, w2, top_k, **kw)
 
