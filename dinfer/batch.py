@@ -1,10 +1,13 @@
 """Token state of a ragged batch and its blocks.
 
-Sequence b holds its prompt (length Lp_b) and gen_length [MASK] tokens: total_b = Lp_b + gen_length
-positions. Nothing is padded into the sequence: positions >= total_b are padding, never attended
-(seq_lens) and never decoded. Blocks are aligned as dInfer's benchmarks do: the first block starts at
-floor(Lp_b / bl) * bl (so it may overlap the prompt's tail, whose tokens are not masked) and the last
-block may be partial. Each sequence has its own number of blocks and, in a batch, may be on another
+Sequence b holds its prompt (length Lp_b) and gen_length [MASK] tokens, and for a block-causal model
+(whole_blocks) [MASK]s on to the end of its last block, as the reference block-diffusion loops lay
+the canvas out (dInfer's, LLaDA2's generate(): a model trained on whole noisy blocks reads the last
+block's tail, so its real rows' logits depend on it): total_b positions, the canvas. Positions
+>= total_b are padding, never attended (seq_lens) and never decoded; the tail past Lp_b + gen_length
+is attended and decoded like any row and cut from the answer (dinfer.scheduler). Blocks are aligned as
+dInfer's benchmarks do: the first block starts at floor(Lp_b / bl) * bl (so it may overlap the
+prompt's tail, whose tokens are not masked) and, without whole_blocks, the last block may be partial. Each sequence has its own number of blocks and, in a batch, may be on another
 block than its neighbours (a slot refilled with a new prompt starts at block 0): block indices are
 per sequence everywhere.
 """
@@ -83,11 +86,16 @@ def first_block(prompt_len: int, block_length: int, align_blocks: bool) -> int:
     return prompt_len // block_length * block_length if align_blocks else prompt_len
 
 
-def span(prompt_len: int, gen_length: int, block_length: int, align_blocks: bool, room: int) -> int:
-    """Columns a sequence uses (Batch.span for one sequence, on the host)."""
+def blocks_end(prompt_len: int, gen_length: int, block_length: int, align_blocks: bool) -> int:
+    """The end of a sequence's last block (whole) on the host."""
     first = first_block(prompt_len, block_length, align_blocks)
     blocks = -(-(prompt_len + gen_length - first) // block_length)
-    return first + blocks * block_length + room
+    return first + blocks * block_length
+
+
+def span(prompt_len: int, gen_length: int, block_length: int, align_blocks: bool, room: int) -> int:
+    """Columns a sequence uses (Batch.span for one sequence, on the host)."""
+    return blocks_end(prompt_len, gen_length, block_length, align_blocks) + room
 
 
 def slots(rows: int, width: int, block_length: int, room: int, pad_id: int, device) -> Batch:
@@ -97,9 +105,21 @@ def slots(rows: int, width: int, block_length: int, room: int, pad_id: int, devi
     return Batch(x, zeros(torch.int32), zeros(torch.int64), zeros(torch.int64), block_length, room)
 
 
-def fill(batch: Batch, row: int, prompt, gen_length: int, mask_id: int, pad_id: int, align_blocks: bool):
-    """Row `row` of `batch` holds `prompt` and gen_length [MASK]s now (padding after them)."""
+def fill(
+    batch: Batch,
+    row: int,
+    prompt,
+    gen_length: int,
+    mask_id: int,
+    pad_id: int,
+    align_blocks: bool,
+    whole_blocks: bool = False,
+):
+    """Row `row` of `batch` holds `prompt` and gen_length [MASK]s now, and with whole_blocks
+    [MASK]s on to the end of the last block (padding after them)."""
     lp, total = len(prompt), len(prompt) + gen_length
+    if whole_blocks:
+        total = blocks_end(lp, gen_length, batch.block_length, align_blocks)
     if span(lp, gen_length, batch.block_length, align_blocks, batch.room) > batch.max_len:
         raise ValueError(
             f"internal error: a sequence of {total} positions does not fit a row of {batch.max_len}"

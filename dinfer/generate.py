@@ -155,7 +155,8 @@ class BlockState:
         )
         B, bl, S = batch.size, batch.block_length, batch.max_len
         pos = batch.block_positions(rnd.blocks.to(dev))
-        # Rows past a sequence's end are padding: they read a non-mask token and are never written.
+        # Rows past a sequence's end (its canvas: dinfer.batch) are padding: they read a non-mask
+        # token and are never written.
         self.valid = pos < batch.total_len[:, None].to(torch.int64)
         self.block_pos = pos.clamp(max=S - 1)
         # The rows an editing decoder may rewrite: generated ones (a block may hold the prompt's tail)
@@ -316,6 +317,7 @@ class Generator:
             self.kv.admit,
             self.kv.release,
             on_admit,
+            whole_blocks=self.model.config.block_causal,
         )
 
     def submit(

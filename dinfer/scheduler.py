@@ -57,7 +57,9 @@ class Scheduler:
     on_finish(id, tokens, forwards): it is finished (all its generated tokens, EOS after an early
     stop; the forwards it ran); on_admit(id): it left the queue for a slot. admit(request) says
     whether it may start now (reserving what it needs: the KV-cache manager's), release(id) that it
-    is finished."""
+    is finished. whole_blocks (a block-causal model): each sequence's last block is laid out whole,
+    [MASK] past its gen_length to the block's end (dinfer.batch.fill), decoded, and cut from what
+    on_block and on_finish hand over."""
 
     def __init__(
         self,
@@ -71,6 +73,7 @@ class Scheduler:
         admit: Optional[Callable[[Request], bool]] = None,
         release: Optional[Callable[[int], None]] = None,
         on_admit: Optional[Callable[[int], None]] = None,
+        whole_blocks: bool = False,
     ):
         n, dev = batch.size, batch.x.device
         self.batch = batch  # the requests' tokens, as the rounds leave them
@@ -82,6 +85,7 @@ class Scheduler:
         )
         self.on_finish, self.on_block, self.on_admit = on_finish, on_block, on_admit
         self.admit, self.release = admit, release
+        self.whole_blocks = whole_blocks  # a block-causal model's canvas (dinfer.batch.fill)
         self.request: List[Optional[Request]] = [None] * n  # the request in each slot
         self.next_block = torch.zeros(n, dtype=torch.int64)
         self.num_blocks = torch.zeros(n, dtype=torch.int64)
@@ -147,7 +151,7 @@ class Scheduler:
 
     def _start(self, r: Request, slot: int) -> None:
         b = self.batch
-        fill(b, slot, r.prompt, r.gen_length, self.mask_id, self.eos_id, self.align_blocks)
+        fill(b, slot, r.prompt, r.gen_length, self.mask_id, self.eos_id, self.align_blocks, self.whole_blocks)
         self.request[slot] = r
         self.next_block[slot], self.forwards[slot], self.done[slot] = 0, 0, False
         self.num_blocks[slot] = -(
@@ -174,8 +178,9 @@ class Scheduler:
         s, b = rnd.slots, self.batch
         if self.on_block is not None:
             for slot, k in zip(s.tolist(), rnd.blocks.tolist()):
-                lo = max(int(b.first_block[slot]) + k * b.block_length, int(b.prompt_len[slot]))
-                hi = min(int(b.first_block[slot]) + (k + 1) * b.block_length, int(b.total_len[slot]))
+                r = self.request[slot]  # its answer: the canvas's tail past it is cut
+                lo = max(int(b.first_block[slot]) + k * b.block_length, len(r.prompt))
+                hi = min(int(b.first_block[slot]) + (k + 1) * b.block_length, len(r.prompt) + r.gen_length)
                 self.on_block(self.request[slot].id, b.x[slot, lo:hi].to("cpu", copy=True))
         self.next_block[s] += 1
         self.done[s] |= self.next_block[s] >= self.num_blocks[s]

@@ -109,7 +109,7 @@ class PagedRound(NamedTuple):
     table: torch.Tensor  # [B, MP] int32
     start: torch.Tensor  # [B] int64: the block's first position
     fused_lo: torch.Tensor  # [B] int64: the fused window's first position (the previous block's)
-    seq_lens: torch.Tensor  # [B] int32: the block's end (the sequence's, in its last block)
+    seq_lens: torch.Tensor  # [B] int32: the block's end (the canvas is whole blocks: dinfer.batch)
     fused_mask: dk.BlockMask  # block-causal over the fused window
 
 

@@ -18,56 +18,60 @@ from helpers.hf_configs import tiny
 
 import dinfer_kernels as dk
 from dinfer import LLM
-from dinfer.decoders import Decoder, DecoderConfig
+from dinfer.decoders import JOINT_QUALITY, JOINT_SPEED, Decoder, DecoderConfig
 from dinfer.generate import GenerationConfig, Generator, generate
 from dinfer.kv.paged import PagePool
 from dinfer.models.checkpoint import random_weights, save_checkpoint
 from dinfer.models.transformer import DiffusionLM
+from dinfer.tasks import TASKS, eval_problems
 
 
-def block_causal_mask(L):
-    blocks = torch.arange(L) // BL
+def block_causal_mask(L, bl=BL):
+    blocks = torch.arange(L) // bl
     return (blocks[None, :] <= blocks[:, None])[None]  # [1, L, L]: key block <= query block
 
 
-def plain_forward(model, x, e, s):
+def plain_forward(model, x, e, s, bl=BL):
     """Logits of rows [s, e) from one no-cache forward over [0, e) under the block-causal mask."""
     return model.forward(
         model.embed(x[None, :e]),
         torch.arange(e)[None],
         model.new_cache(1, e),
         torch.tensor([e], dtype=torch.int32),
-        attn_mask=block_causal_mask(e),
+        attn_mask=block_causal_mask(e, bl),
         logits_rows=torch.arange(s, e),
     )
 
 
-def plain_block_diffusion(model, prompt, gen_length, decoder, early_stop):
-    """One prompt, no cache: the answer's tokens. Non-editing decoders go through the engine's
-    Decoder (its rules are decode_step's, tested in tests/kernels); the joint decoder's loop -- which
-    rows are editable, the post-edit steps, their end -- is written out here on decode_step."""
-    c = model.config
-    P, total = len(prompt), len(prompt) + gen_length
-    x = torch.tensor(prompt + [c.mask_id] * gen_length)
-    for s in range(P // BL * BL, total, BL):
-        e = min(s + BL, total)
-        pad = torch.full((BL - (e - s),), c.eos_id)  # rows past the end: not [MASK], never decoded
-        editable = (torch.arange(s, s + BL) >= P) & (torch.arange(s, s + BL) < total)  # not the prompt's tail
-        dec = Decoder(decoder, 1, BL, c.mask_id, "cpu")
-        dec.start_block(torch.cat([x[s:e], pad])[None])
+def plain_block_diffusion(model, prompt, gen_length, decoder, early_stop, block_length=BL):
+    """One prompt, no cache: the answer's tokens. The canvas is laid out as the reference loops do
+    (dInfer's BlockDiffusionLLM, LLaDA2's generate()): [MASK] from the prompt's end to the end of the
+    last block, ceil((P + gen_length) / bl) * bl positions; the last block's tail past gen_length is
+    attended and decoded like any row, and cut from the answer. Non-editing decoders go through the
+    engine's Decoder (its rules are decode_step's, tested in tests/kernels); the joint decoder's loop
+    -- which rows are editable, the post-edit steps, their end -- is written out here on
+    decode_step."""
+    c, bl = model.config, block_length
+    P = len(prompt)
+    total = -(-(P + gen_length) // bl) * bl
+    x = torch.tensor(prompt + [c.mask_id] * (total - P))
+    for s in range(P // bl * bl, total, bl):
+        e = s + bl
+        editable = torch.arange(s, e) >= P  # not the prompt's tail
+        dec = Decoder(decoder, 1, bl, c.mask_id, "cpu")
+        dec.start_block(x[None, s:e])
         iters, post = torch.zeros(1, dtype=torch.int32), 0
         while True:
             masked_before = bool((x[s:e] == c.mask_id).any())
             if not masked_before and decoder.name != "joint":
                 break
-            logits = plain_forward(model, x, e, s)
-            logits = torch.cat([logits, logits.new_zeros(BL - (e - s), logits.shape[1])])
-            tokens = torch.cat([x[s:e], pad])
+            logits = plain_forward(model, x, e, s, bl)
+            tokens = x[s:e].clone()
             if decoder.name == "joint":
                 out = dk.decode_step(
                     logits,
                     tokens,
-                    torch.tensor([0, BL], dtype=torch.int32),
+                    torch.tensor([0, bl], dtype=torch.int32),
                     c.mask_id,
                     rule="joint",
                     threshold=decoder.threshold,
@@ -76,7 +80,7 @@ def plain_block_diffusion(model, prompt, gen_length, decoder, early_stop):
                 )
             else:
                 out = dec(logits, tokens, iters)
-            x[s:e] = tokens[: e - s]
+            x[s:e] = tokens
             iters += 1
             if decoder.name == "joint" and not (x[s:e] == c.mask_id).any():
                 if not decoder.edits or decoder.max_post_edit_steps == 0:
@@ -88,7 +92,7 @@ def plain_block_diffusion(model, prompt, gen_length, decoder, early_stop):
         if early_stop and (x[P:e] == c.eos_id).any():
             x[e:] = c.eos_id
             break
-    return x[P:].tolist()
+    return x[P : P + gen_length].tolist()
 
 
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5], [3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7], [4] * 13]
@@ -110,6 +114,47 @@ def test_loop_equals_plain_block_diffusion(decoder, clean_kv, batch_size, prefil
     want = [plain_block_diffusion(model, p, 10, DECODERS[decoder], False) for p in PROMPTS]
     assert [o.tolist() for o in out] == want
     assert len({t for o in want for t in o}) > 3  # the check sees varied answers, not one token
+
+
+REPRO = "reverse:efoayay3a1ydl"  # 23 tokens in the chat template: 55 positions, a canvas of 64
+TINY_DECODERS = {
+    "threshold": DecoderConfig(threshold=0.9),
+    "credit": DecoderConfig(name="credit", threshold=0.9),
+    "fixed": DecoderConfig(name="fixed", steps_per_block=8),
+    "hierarchical": DecoderConfig(name="hierarchical", threshold=0.9, low_threshold=0.6),
+    "joint-quality": JOINT_QUALITY,
+    "joint-speed": JOINT_SPEED,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llada2():
+    return LLM("tiny-llada2", device="cpu")
+
+
+def test_the_last_blocks_tail_is_decoded_as_the_reference_loops_do(tiny_llada2):
+    """Issue 42's repro: the reference loops (LLaDA2's generate(), dInfer's BlockDiffusionLLM) lay
+    the last block out whole and answer ldy1a3yyyooff at tau 0.9; with the tail as unattended padding
+    the block's real rows read other logits and the answer was ldy1a3yyyaoff."""
+    llm = tiny_llada2
+    assert len(llm.encode(REPRO)) == 23 and llm.model.config.block_length == 32
+    assert llm.generate(REPRO, gen_length=32, threshold=0.9).texts[0] == "ldy1a3yyyooff"
+
+
+@pytest.mark.parametrize("decoder", list(TINY_DECODERS))
+@pytest.mark.parametrize("clean_kv", ["fused", "forward"])
+def test_tiny_llada2_equals_plain_block_diffusion(tiny_llada2, decoder, clean_kv):
+    """The trained block-causal model, whose logits do depend on the last block's tail, on task
+    prompts whose canvases end 1 to 31 positions past their answers (answers in the last block),
+    batched with slots refilled mid-run: the plain loop's tokens."""
+    llm, dec = tiny_llada2, TINY_DECODERS[decoder]
+    texts = [REPRO] + [p for t in TASKS for p, _ in eval_problems(t, 2, seed=3)]
+    prompts = [llm.encode(t) for t in texts]
+    assert len({len(p) % 32 for p in prompts}) > 4  # tails of several lengths
+    g = GenerationConfig(gen_length=32, block_length=32, cache="paged", decoder=dec, clean_kv=clean_kv)
+    out, _ = generate(llm.model, prompts, g, batch_size=3)
+    want = [plain_block_diffusion(llm.model, p, 32, dec, True, block_length=32) for p in prompts]
+    assert [o.tolist() for o in out] == want
 
 
 @pytest.mark.parametrize("chunk, forwards", [(BL, 3), (2 * BL, 2), (3 * BL, 1), (5, 3), (512, 1)])
@@ -181,6 +226,43 @@ def test_post_edit_budget_and_the_prompt_tail(max_post, clean_kv):
     for tokens, pos in model.seen:
         assert tokens[pos == 4].eq(5).all() and tokens[pos == 5].eq(6).all()
     assert any((pos == 5).any() for _, pos in model.seen[1:])
+
+
+class MaskPeakModel(DiffusionLM):
+    """A block-causal model whose every forward that reads logits puts a certain [MASK] prediction
+    (logit +30) on a fresh random 30 % of its rows, the model's own logits on the rest: the case
+    where LLaDA2.1's generate() re-masks filled rows and can loop forever, and SGLang returns
+    [MASK]s."""
+
+    calls = 0
+
+    def forward(self, emb, pos, *args, **kw):
+        logits = super().forward(emb, pos, *args, **kw)
+        if logits.shape[0] == 0:  # a prefill or clean-K/V forward
+            return logits
+        self.calls += 1
+        rows = torch.rand(logits.shape[0], generator=torch.Generator().manual_seed(self.calls)) < 0.3
+        logits = logits.clone()
+        logits[rows, self.config.mask_id] = 30.0
+        return logits
+
+
+@pytest.mark.parametrize("clean_kv", ["fused", "forward"])
+def test_joint_decoding_settles_when_the_model_predicts_mask(clean_kv):
+    """The joint decoder never writes [MASK] (a difference from LLaDA2.1's JointThreshold, stated in
+    the README and docs/architecture.md): with [MASK] peaks above the edit threshold on 30 % of the
+    rows of every forward, each block still settles within its bound (block_length forwards plus
+    the post-edit steps; the engine raises past it) and no answer holds a [MASK]."""
+    base = llada2_model()
+    model = MaskPeakModel(base.config, base.w)
+    dec = dataclasses.replace(DECODERS["joint"], edit_threshold=0.5)
+    gen = Generator(model, config(decoder=dec, clean_kv=clean_kv))
+    out = [o.tolist() for o in gen.run(PROMPTS)]
+    mask = model.config.mask_id
+    assert all(mask not in o for o in out)
+    blocks = sum(-(-(len(p) + 10) // BL) - len(p) // BL for p in PROMPTS)
+    assert model.calls <= blocks * (BL + dec.max_post_edit_steps)
+    assert model.calls > blocks  # the peaks did cost forwards: masked rows that could not commit
 
 
 def test_fused_and_forward_variants_write_the_same_clean_cache(monkeypatch):
