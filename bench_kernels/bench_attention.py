@@ -288,6 +288,28 @@ def build_cases(W, S, density, args, device, notes, flex_state):
     return cases, meta
 
 
+def measure_against_sdpa(cases, tag, device, args, notes):
+    """(key, label, backend, timing, error) of each case (key, label, backend, timing.Case) that runs:
+    its max |diff| relative to the output of the case keyed "sdpa" before it (None before that one); a
+    failing case is printed and noted under `tag`, and the others still run."""
+    ref = None
+    for key, label, be, case in cases:
+        try:
+            y = case.fn(0).float()
+            timing.sync(device)
+            if key == "sdpa":
+                ref = y
+            err = None if ref is None else float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+            m = timing.measure(case, device, quick=args.quick, reps=args.reps)
+        except Exception as e:
+            print(f"  {tag} {label}[{be}]: FAILED ({type(e).__name__}: {e})")
+            notes.append(f"{tag} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        if m["note"]:
+            notes.append(f"{tag} {label}[{be}]: {m['note']}")
+        yield key, label, be, m, err
+
+
 def paged_cases(args, device, env, notes):
     """The LLaDA2 paged block-decoding case (module docstring): (rows, tables)."""
     import dinfer_kernels as dk
@@ -397,23 +419,10 @@ def paged_cases(args, device, env, notes):
                     timing.Case(f"paged-case ours contiguous[{be}] prefix={prefix}", contiguous, copies),
                 )
             )
-        ref, shape_rows = None, []
-        for key, label, be, case in cases:
-            try:
-                y = case.fn(0).float()
-                timing.sync(device)
-                if key == "sdpa":
-                    ref = y
-                err = None if ref is None else float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-                m = timing.measure(case, device, quick=args.quick, reps=args.reps)
-            except Exception as e:
-                print(f"  paged {label}[{be}]: FAILED ({type(e).__name__}: {e})")
-                notes.append(
-                    f"paged prefix={prefix} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}"
-                )
-                continue
-            if m["note"]:
-                notes.append(f"paged prefix={prefix} {label}[{be}]: {m['note']}")
+        shape_rows = []
+        for key, label, be, m, err in measure_against_sdpa(
+            cases, f"paged prefix={prefix}", device, args, notes
+        ):
             row = dict(
                 case="paged",
                 W=W,
@@ -532,28 +541,14 @@ def batched_cases(args, device, env, notes, bw):
                     )
                 )
             kv_bytes = 2.0 * B * S * Hkv * D * kc.element_size()  # every key and value read once
-            ref, shape_rows = None, []
-            for key, label, be, fn in cases:
-                case = timing.Case(f"batched {label}[{be}] B={B} W={W} S={S}", fn, copies)
-                try:
-                    y = fn(0).float()
-                    timing.sync(device)
-                    if key == "sdpa":
-                        ref = y
-                    err = (
-                        None
-                        if ref is None
-                        else float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-                    )
-                    m = timing.measure(case, device, quick=args.quick, reps=args.reps)
-                except Exception as e:
-                    print(f"  batched {label}[{be}]: FAILED ({type(e).__name__}: {e})")
-                    notes.append(
-                        f"batched B={B} S={S} {label}[{be}] failed: {type(e).__name__}: {str(e)[:160]}"
-                    )
-                    continue
-                if m["note"]:
-                    notes.append(f"batched B={B} S={S} {label}[{be}]: {m['note']}")
+            timed = [
+                (key, label, be, timing.Case(f"batched {label}[{be}] B={B} W={W} S={S}", fn, copies))
+                for key, label, be, fn in cases
+            ]
+            shape_rows = []
+            for key, label, be, m, err in measure_against_sdpa(
+                timed, f"batched B={B} S={S}", device, args, notes
+            ):
                 row = dict(
                     case="batched",
                     B=B,
