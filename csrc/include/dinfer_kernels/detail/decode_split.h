@@ -375,6 +375,39 @@ struct FinalizeArgs {
   int32_t num_splits;
 };
 
+struct FinalizeSeq {
+  int64_t lo, L;  // rows [lo, lo + L) of the batch
+  bool staged;  // L <= kStageRows: phases b and c read shared memory, else the global copies
+};
+
+// x clamped to [lo, hi] (hi >= lo). The device's min / max instructions: the same clamp written with
+// selects costs the finalize kernel a 16-byte spill.
+DINFER_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
+#if defined(__CUDA_ARCH__)
+  return min(max(x, lo), hi);
+#else
+  return x < lo ? lo : (x > hi ? hi : x);
+#endif
+}
+
+// Bad offsets must not read or write out of bounds: clamp to [0, N] with hi >= lo.
+DINFER_HD FinalizeSeq finalize_seq(const FinalizeArgs& a, int64_t b) {
+  const int64_t N = a.p.num_rows;
+  const int64_t lo = clamp64(a.p.seq_offsets[b], 0, N);
+  const int64_t hi = clamp64(a.p.seq_offsets[b + 1], lo, N);
+  return FinalizeSeq{lo, hi - lo, hi - lo <= kStageRows};
+}
+
+// Whether row n belongs to a sequence (the clamped offsets of finalize_seq): a row of none (bad
+// offsets) keeps its outputs untouched, as the per-sequence walk of the host backend leaves them.
+DINFER_HD bool row_in_a_sequence(const FinalizeArgs& a, int64_t n) {
+  for (int64_t b = 0; b < a.p.num_seqs; ++b) {
+    const FinalizeSeq q = finalize_seq(a, b);
+    if (n >= q.lo && n < q.lo + q.L) return true;
+  }
+  return false;
+}
+
 // Thread 0 of the CTA that reduced unit u: publishes the unit's partial and takes the row's ticket.
 // True for the row's last unit: that CTA merges the row. Release: the partial is visible device-wide
 // (__threadfence) before the ticket counts it.
@@ -404,6 +437,7 @@ DINFER_HD void stage_row_partials(const FinalizeArgs& a, int64_t n, int tid, Par
 // Then, after a barrier, one thread: merges the splits in split order (whichever CTA came last, the
 // result is the same bits) and finalizes the row (steps 1-3 of the reference).
 DINFER_HD void finalize_row_of(const FinalizeArgs& a, int64_t n, const Partial* staged) {
+  if (!row_in_a_sequence(a, n)) return;
   const DecodeStepParams& p = a.p;
   const int64_t esize = p.logits_dtype == ScalarType::kFloat32 ? 4 : 2;
   Partial part = staged[0];
@@ -451,29 +485,6 @@ struct FinalizeShared {
   float conf[kStageRows], fb_conf[kStageRows];
   StatsPart warp_stats[kFinalizeWarps];
 };
-
-struct FinalizeSeq {
-  int64_t lo, L;  // rows [lo, lo + L) of the batch
-  bool staged;  // L <= kStageRows: phases b and c read shared memory, else the global copies
-};
-
-// x clamped to [lo, hi] (hi >= lo). The device's min / max instructions: the same clamp written with
-// selects costs the finalize kernel a 16-byte spill.
-DINFER_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
-#if defined(__CUDA_ARCH__)
-  return min(max(x, lo), hi);
-#else
-  return x < lo ? lo : (x > hi ? hi : x);
-#endif
-}
-
-// Bad offsets must not read or write out of bounds: clamp to [0, N] with hi >= lo.
-DINFER_HD FinalizeSeq finalize_seq(const FinalizeArgs& a, int64_t b) {
-  const int64_t N = a.p.num_rows;
-  const int64_t lo = clamp64(a.p.seq_offsets[b], 0, N);
-  const int64_t hi = clamp64(a.p.seq_offsets[b + 1], lo, N);
-  return FinalizeSeq{lo, hi - lo, hi - lo <= kStageRows};
-}
 
 // Phase a, thread tid: stages its rows (strided; the split pass finalized them) in shared memory.
 DINFER_HD void finalize_stage(const FinalizeArgs& a, const FinalizeSeq& q, FinalizeShared& sh, int tid) {
