@@ -158,11 +158,13 @@ def loss_fn(
     hits: dict = None,
     scaffold: torch.Tensor = None,
     loads: list = None,
+    bf16: bool = True,
 ):
     """LLaDA's SFT loss of one batch; `hits`, if given, gets the flat indices of the masked rows
     ("rows") and whether each one's argmax is right ("hit"); `scaffold` ([B, T, H]), if given, is
     added to the input embeddings (the curriculum's position table); `loads`, if given, gets the
-    loss forward's expert load of each MoE layer (ops.expert_loads)."""
+    loss forward's expert load of each MoE layer (ops.expert_loads); `bf16`: the forwards under bf16
+    autocast (`_mixed`)."""
     B, T = tokens.shape
     c = model.config
     # The per-token form (mask each token with p ~ U(0, 1), weight 1/p) estimates the same bound, but
@@ -183,9 +185,8 @@ def loss_fn(
     if scaffold is not None:
         emb = emb + scaffold
     if soft:
-        emb = emb + _smoothing_inputs(model, emb, positions, lengths, rows, no_cache, gen, valid)
-    # bf16 autocast: the host's bf16 GEMMs are ~4x its fp32 ones; master weights and the loss stay fp32.
-    with torch.autocast("cpu", dtype=torch.bfloat16), ops.expert_loads(loads):
+        emb = emb + _smoothing_inputs(model, emb, positions, lengths, rows, no_cache, gen, valid, bf16=bf16)
+    with _mixed(bf16), ops.expert_loads(loads):
         logits = model.forward(emb, positions, no_cache, lengths, logits_rows=rows, ffn_rows=valid)
     ce = F.cross_entropy(logits.float(), tokens.flatten()[rows], reduction="none")
     if hits is not None:
@@ -208,6 +209,7 @@ def block_loss_fn(
     loads: list = None,
     edit_fraction: float = 0.0,
     noise_ids: torch.Tensor = None,
+    bf16: bool = True,
 ):
     """The block-diffusion loss of one batch (block.py): every canvas block noised on its own (l of
     its L canvas tokens masked, weight L / l), all blocks in one forward of the two-copy layout under
@@ -221,7 +223,7 @@ def block_loss_fn(
     "corrupted" and "kept", the same for the visible candidates; `scaffold`, if given, maps the
     layout's positions [B, W] to what is added to its input embeddings [B, W, H] (the curriculum's
     position table); `loads`, if given, gets the loss forward's expert load of each MoE layer
-    (ops.expert_loads)."""
+    (ops.expert_loads); `bf16` as in `loss_fn`."""
     B, T = tokens.shape
     c = model.config
     layout = two_copy_layout(tokens, canvas, lengths, block_length, c.pad_id)
@@ -245,9 +247,9 @@ def block_loss_fn(
     forward = dict(attn_mask=layout.mask)
     if soft:
         emb = emb + _smoothing_inputs(
-            model, emb, layout.positions, layout.widths, rows, no_cache, gen, valid, **forward
+            model, emb, layout.positions, layout.widths, rows, no_cache, gen, valid, bf16=bf16, **forward
         )
-    with torch.autocast("cpu", dtype=torch.bfloat16), ops.expert_loads(loads):
+    with _mixed(bf16), ops.expert_loads(loads):
         logits = model.forward(
             emb, layout.positions, no_cache, layout.widths, logits_rows=loss_rows, ffn_rows=valid, **forward
         )
@@ -269,13 +271,13 @@ def block_loss_fn(
 
 
 def _smoothing_inputs(
-    model: DiffusionLM, emb, positions, lengths, rows, cache, gen, ffn_rows=None, attn_mask=None
+    model: DiffusionLM, emb, positions, lengths, rows, cache, gen, ffn_rows=None, attn_mask=None, bf16=True
 ) -> torch.Tensor:
     """[B, T, H]: w * softmax(z) @ E on the masked rows `rows` (zero elsewhere), the term iteration
     smoothing adds to the [MASK] embedding, from a no-grad forward of the same input (MLPs on
     `ffn_rows` only and attention under `attn_mask`, as in the loss's forward)."""
     B, T, H = emb.shape
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), _mixed(bf16):
         z = model.forward(
             emb, positions, cache, lengths, logits_rows=rows, ffn_rows=ffn_rows, attn_mask=attn_mask
         )
@@ -294,8 +296,10 @@ def train(
     seed: int = 0,
     save_every: int = 250,
     log: Callable[[str], None] = functools.partial(print, flush=True),
+    bf16: bool = True,
 ) -> dict:
-    """Train preset `name` and write its checkpoint folder `out`; returns the training record."""
+    """Train preset `name` and write its checkpoint folder `out`; returns the training record.
+    `bf16`: the forwards under bf16 autocast (`_mixed`), as the shipped models were trained."""
     if name not in PRESETS:
         raise ValueError(f"model: expected one of {', '.join(PRESETS)}, got {name!r}")
     preset = PRESETS[name]
@@ -350,11 +354,14 @@ def train(
                 loads=loads,
                 edit_fraction=preset.edit_fraction,
                 noise_ids=noise_ids,
+                bf16=bf16,
             )
         else:
             if batches.scaffold.any():
                 scaffold = batches.scaffold[:, None, None] * table[None, : batch[0].shape[1]]
-            loss = loss_fn(model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold, loads=loads)
+            loss = loss_fn(
+                model, *batch, gen, soft=soft, hits=hits, scaffold=scaffold, loads=loads, bf16=bf16
+            )
         _tally(tally, batches, hits)
         for kind in edit_tally:
             _tally(edit_tally[kind], batches, hits[kind])
@@ -398,6 +405,7 @@ def train(
                 "train_seconds": round(time.perf_counter() - t0, 1),
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
+                "precision": "bf16 autocast" if bf16 else "fp32",
             }
             if preset.block_length:
                 record.update(
@@ -420,6 +428,13 @@ def _tally(tally: dict, batches: Batches, hits: dict) -> None:
     for b, hit in zip(seq, hits["hit"][answer].tolist()):
         tally[batches.tasks[b]][0] += hit
         tally[batches.tasks[b]][1] += 1
+
+
+def _mixed(bf16: bool):
+    """The training forwards' precision: bf16 autocast (master weights and the loss stay fp32), where
+    the host's bf16 GEMMs are ~4x its fp32 ones (the shipped models' hosts); fp32 where the CPU has no
+    bf16 instructions (AVX2 only: bf16 GEMMs ~30x slower than fp32 ones)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
 
 def _accuracy(tally: dict) -> str:
