@@ -1,4 +1,5 @@
-"""python -m dinfer.train --model {tiny-llada-moe,tiny-llada} --out DIR [--steps N] [--seed S]"""
+"""python -m dinfer.train --model {tiny-llada-moe,tiny-llada,tiny-llada2} --out DIR [--steps N] [--seed S]
+[--threads N] [--fp32]"""
 
 import argparse
 

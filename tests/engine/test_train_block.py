@@ -383,7 +383,9 @@ def test_block_loss_with_edits_reads_masked_and_visible_tokens(tok_dir):
     opt = torch.optim.Adam([w for w in weights.values() if w.requires_grad], lr=3e-3)
     for step in range(40):
         hits = {}
-        loss = block_loss_fn(model, *batch, torch.Generator().manual_seed(step), 32, hits=hits, **edits)
+        loss = block_loss_fn(
+            model, *batch, torch.Generator().manual_seed(step), 32, hits=hits, bf16=False, **edits
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -456,6 +458,7 @@ def test_train_llada2_writes_a_block_causal_checkpoint(tmp_path):
     assert records[0]["block_length"] == PRESET.block_length == 32  # the release's block
     assert records[0]["objective"] == "block diffusion" and records[0]["last_block"] == "whole"
     assert records[0]["edit_fraction"] == PRESET.edit_fraction > 0  # the token-to-token objective
+    assert records[0]["precision"] == "bf16 autocast"  # the default; --fp32 for hosts without bf16
     a, b = tmp_path / "a", tmp_path / "b"
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     config = json.loads((a / "config.json").read_text())
