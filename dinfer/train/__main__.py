@@ -1,4 +1,5 @@
-"""python -m dinfer.train --model {tiny-llada-moe,tiny-llada} --out DIR [--steps N] [--seed S]"""
+"""python -m dinfer.train --model {tiny-llada-moe,tiny-llada,tiny-llada2} --out DIR [--steps N] [--seed S]
+[--threads N] [--fp32]"""
 
 import argparse
 
@@ -22,10 +23,16 @@ def main():
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--fp32",
+        action="store_true",
+        help="fp32 forwards instead of bf16 autocast (for CPUs without bf16 instructions, whose bf16 "
+        "GEMMs are ~30x slower than fp32 ones; the shipped models were trained with bf16 autocast)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(train(args.model, args.out, steps=args.steps, seed=args.seed))
+    print(train(args.model, args.out, steps=args.steps, seed=args.seed, bf16=not args.fp32))
 
 
 main()

@@ -22,7 +22,12 @@ alone, conditioned on the clean blocks before it.
 Each block is noised on its own: of its L canvas tokens (the prompt's tail excluded) l ~ U{1..L}
 are masked, drawn without replacement, and their cross-entropy is weighted L / l: the lower-variance
 form of the block's t ~ U(0, 1), 1/t bound (LLaDA's per-token 1/t weights kept recall's lookup from
-forming at all: docs/training.md, recall probes round 9). The loss reads the masked noisy tokens only.
+forming at all: docs/training.md, recall probes round 9). The loss reads the masked noisy tokens.
+
+With LLaDA2.1's token-to-token objective (`corrupt_blocks`, a preset's edit_fraction > 0) each block
+also gets a share of its visible (unmasked) candidates replaced by random tokens, and the loss also
+reads every visible candidate, target its true token: the model learns to rewrite a wrong token and to
+keep a right one, which is what an editing decoder (JointThreshold) asks of it at committed tokens.
 """
 
 from dataclasses import dataclass
@@ -112,3 +117,36 @@ def mask_blocks(layout: TwoCopyLayout, block_length: int, gen: torch.Generator):
     out_masked[:, :width] = masked.reshape(B, width)
     out_weight[:, :width] = weight.reshape(B, width)
     return out_masked, out_weight
+
+
+def corrupt_blocks(
+    layout: TwoCopyLayout,
+    masked: torch.Tensor,
+    block_length: int,
+    edit_fraction: float,
+    noise_ids: torch.Tensor,
+    gen: torch.Generator,
+):
+    """(corrupted [B, W] bool, noise [B, W] int64): LLaDA2.1's token-to-token noise on the blocks
+    `mask_blocks` masked. Each noisy block draws p ~ U(0, edit_fraction) and replaces each of its
+    visible candidates (candidates not `masked`) with probability p by a token drawn uniformly from
+    `noise_ids` (1-D: the tokens a decoder may write) other than the true one, so a corrupted token is
+    always wrong; `noise` holds that token on corrupted columns and the layout's token elsewhere."""
+    if not 0 < edit_fraction <= 1:
+        raise ValueError(f"edit_fraction: expected in (0, 1], got {edit_fraction}")
+    if noise_ids.dim() != 1 or noise_ids.numel() < 2:
+        raise ValueError(
+            f"noise_ids: expected a 1-D tensor of at least 2 token ids, got {tuple(noise_ids.shape)}"
+        )
+    B, W = layout.tokens.shape
+    blocks = -(-W // block_length)
+    p = edit_fraction * torch.rand(B, blocks, generator=gen)
+    p = p.repeat_interleave(block_length, 1)[:, :W]  # each column its block's p
+    visible = layout.candidates & ~masked
+    corrupted = visible & (torch.rand(B, W, generator=gen) < p)
+    # uniform over noise_ids without the true token: draw among the first n - 1, and where that is
+    # the true token take the last one instead
+    n = noise_ids.numel()
+    draw = noise_ids[torch.randint(0, n - 1, (B, W), generator=gen)]
+    draw = torch.where(draw == layout.tokens, noise_ids[-1], draw)
+    return corrupted, torch.where(corrupted, draw, layout.tokens)

@@ -58,6 +58,9 @@ class TrainPreset:
     # Aux-loss-free balancing of the expert bias (models with one): after each step every MoE layer's
     # bias moves by this much towards balanced expert load (bias_e += u * sign(mean load - load_e)).
     expert_bias_update: float = 0.0
+    # > 0 (block-diffusion presets): LLaDA2.1's token-to-token objective (block.corrupt_blocks), each
+    # noisy block's visible tokens corrupted at p ~ U(0, edit_fraction) and the loss on all of them.
+    edit_fraction: float = 0.0
 
 
 def _config(family: str, **kw) -> ModelConfig:
@@ -140,5 +143,8 @@ PRESETS = {
         steps=2400,
         block_length=llada2.BLOCK_LENGTH,
         expert_bias_update=1e-3,
+        # up to a quarter of a block's visible tokens wrong (12.5% on average): more than a decoder's
+        # commits at thresholds >= 0.5 get wrong, so edits are learned for the cases they meet
+        edit_fraction=0.25,
     ),
 }

@@ -14,13 +14,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 import dinfer_kernels as dk
 from dinfer import LLM
+from dinfer.batch import blocks_end
 from dinfer.models import llada2
 from dinfer.models.checkpoint import random_weights
 from dinfer.models.transformer import DiffusionLM, KVCache
 from dinfer.tasks import sample
 from dinfer.train import PRESETS, ops, train
-from dinfer.train.block import attention_mask, mask_blocks, two_copy_layout
-from dinfer.train.loop import Batches, _balance, _tally, block_loss_fn, init_weights
+from dinfer.train.block import attention_mask, corrupt_blocks, mask_blocks, two_copy_layout
+from dinfer.train.loop import EDIT_WEIGHT, Batches, _balance, _noise_ids, _tally, block_loss_fn, init_weights
+from dinfer.train.presets import GEN_LENGTH
 from dinfer.train.tokenizer import save_tokenizer
 from dinfer_kernels.reference.moe import route
 
@@ -273,26 +275,122 @@ def test_block_loss_is_the_weighted_mean_of_masked_tokens(tok_dir):
 
 
 @pytest.mark.parametrize("bl", [8, 32])
-def test_block_fill_reaches_into_the_block_after_the_first_eos(tok_dir, bl):
+def test_block_fills_end_on_a_block_boundary_within_the_decoded_canvas(tok_dir, bl):
+    """Past recall's curriculum every row ends on a block boundary (its last block whole, as the
+    engine lays a block-causal canvas out) past its first EOS and at most where the decoded canvas
+    of GEN_LENGTH ends; the fills are every such boundary."""
     preset = dataclasses.replace(PRESET, block_length=bl)
     batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=3)
     tokens, canvas, lengths, _ = batches()
     start = canvas.long().argmax(1)
     eos = start + batches.answer.sum(1)  # the first EOS
-    assert (lengths > eos).all() and (lengths <= (eos // bl + 2) * bl).all()
-    assert (lengths - start <= preset.max_canvas).all()  # no longer than a decoded canvas
-    assert (lengths < (eos // bl + 1) * bl).any()  # last blocks cut short
-    if bl == 8:
-        assert (lengths > (eos // bl + 1) * bl).any()
-        assert batches.block_fill(19, 7) == 40 - 26 and batches.block_fill(20, 4) == 40 - 24
-        assert batches.block_fill(10, 30) == 34 - 30  # the canvas cap binds: 56 - 40 > 4
-    else:  # two blocks of 32 always reach past the canvas cap
-        assert batches.block_fill(19, 7) == 34 - 7 and batches.block_fill(50, 4) == 34 - 4
+    assert (lengths % bl == 0).all() and (lengths > eos).all()
+    decoded = torch.tensor([blocks_end(int(p), GEN_LENGTH, bl, True) for p in start])
+    assert (lengths <= decoded).all()
+    assert (lengths > eos // bl * bl + bl).any()  # a block of EOS after the answer's block
+    assert (lengths == eos // bl * bl + bl).any()  # and canvases that end with the answer's block
+    assert batches.block_fills(19, 7) == (
+        [32 - 26, 40 - 26, 48 - 26, 56 - 26] if bl == 8 else [32 - 26, 64 - 26]
+    )
+    if bl == 32:
+        assert batches.block_fills(50, 4) == [64 - 54, 96 - 54]  # the canvas of 50 + 32 ends at 96
+        assert batches.block_fills(30, 5) == [64 - 35]  # the answer's block is the canvas's last
+        assert batches.block_fills(31, 1) == [32 - 32 + 32]  # an answer that ends on a boundary
     # recall's curriculum stage (recall rows only): short fills, up to 4 EOS, while its lookup forms
     tokens, canvas, lengths, _ = batches(0)
     assert batches.tasks == ["recall"] * preset.batch_size
     fill = lengths - canvas.long().argmax(1) - batches.answer.sum(1)
     assert fill.min() == 1 and fill.max() == 4
+
+
+def test_corrupt_blocks_shares_positions_and_tokens():
+    """The token-to-token noise: only visible candidates (never a masked one, the prompt's tail, the
+    clean copy or padding) are corrupted, each block at p ~ U(0, edit_fraction) (its corrupted share of
+    the visible tokens averages edit_fraction / 2 and spans 0 to near edit_fraction), always to a
+    token of noise_ids other than the true one, every such token drawn; the rest of `noise` is the
+    layout's tokens; the same generator gives the same noise."""
+    tokens, canvas, lengths, _ = ragged_batch([5, 8, 13, 2, 30], [27, 24, 51, 62, 34], seed=3)
+    bl, fraction = 8, 0.4
+    noise_ids = torch.tensor([0] + list(range(10, 40)))
+    lay = two_copy_layout(tokens, canvas, lengths, bl, PAD)
+    shares, drawn = [], torch.zeros(64, dtype=torch.long)
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        masked, _ = mask_blocks(lay, bl, gen)
+        corrupted, noise = corrupt_blocks(lay, masked, bl, fraction, noise_ids, gen)
+        visible = lay.candidates & ~masked
+        assert not (corrupted & ~visible).any()
+        assert torch.equal(noise[~corrupted], lay.tokens[~corrupted])
+        assert (noise[corrupted] != lay.tokens[corrupted]).all()
+        assert torch.isin(noise[corrupted], noise_ids).all()
+        drawn += torch.bincount(noise[corrupted], minlength=64)
+        for b in range(tokens.shape[0]):
+            for start in range(0, int(lay.noisy[b].sum()), bl):
+                block = slice(start, start + bl)
+                n = int(visible[b, block].sum())
+                if n >= 4:
+                    shares.append(int(corrupted[b, block].sum()) / n)
+        again = torch.Generator().manual_seed(seed)
+        assert torch.equal(
+            corrupt_blocks(lay, mask_blocks(lay, bl, again)[0], bl, fraction, noise_ids, again)[1], noise
+        )
+    n = len(shares)
+    # a block's share has mean fraction / 2; its variance is at most that of p (fraction^2 / 12) plus
+    # the binomial term (<= 1/16 for blocks of >= 4 visible tokens)
+    assert abs(sum(shares) / n - fraction / 2) < 4 * ((fraction**2 / 12 + 1 / 16) / n) ** 0.5
+    assert min(shares) == 0.0 and max(shares) > 0.6 * fraction
+    assert (drawn[noise_ids] > 0).all() and drawn.sum() == drawn[noise_ids].sum()
+    with pytest.raises(ValueError, match="edit_fraction"):
+        corrupt_blocks(lay, masked, bl, 0.0, noise_ids, torch.Generator())
+    with pytest.raises(ValueError, match="noise_ids"):
+        corrupt_blocks(lay, masked, bl, 0.2, torch.tensor([5]), torch.Generator())
+
+
+def test_block_loss_with_edits_reads_masked_and_visible_tokens(tok_dir):
+    """Under the token-to-token objective the forward's input is the layout with masked columns
+    [MASK] and corrupted ones their random token, and the loss is CE * (L / l) / L_seq on masked
+    tokens plus CE * EDIT_WEIGHT / L_seq on every visible candidate (corrupted or kept), / B; the
+    hits split masked, corrupted and kept; with the edit noise on, corrupted tokens get rewritten."""
+    preset = dataclasses.replace(PRESET, batch_size=8)
+    batches = Batches(preset, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")), seed=2)
+    tokens, canvas, lengths, canvas_len = batch = batches()
+    weights = {n: w.requires_grad_(not n.endswith("expert_bias")) for n, w in lively_model().items()}
+    model = DiffusionLM(preset.config, weights, ops=ops)
+    noise_ids = torch.tensor(_noise_ids())
+    assert preset.config.mask_id not in noise_ids and preset.config.eos_id in noise_ids
+    edits = dict(edit_fraction=0.5, noise_ids=noise_ids)
+    hits = {}
+    loss = block_loss_fn(model, *batch, torch.Generator().manual_seed(1), 32, hits=hits, **edits)
+    lay = two_copy_layout(tokens, canvas, lengths, 32, preset.config.pad_id)
+    gen = torch.Generator().manual_seed(1)
+    masked, weight = mask_blocks(lay, 32, gen)
+    corrupted, noise = corrupt_blocks(lay, masked, 32, 0.5, noise_ids, gen)
+    visible = lay.candidates & ~masked
+    assert corrupted.any() and (visible & ~corrupted).any()
+    x = torch.where(masked, preset.config.mask_id, noise)
+    read = masked | visible
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = layout_logits(model, lay, x)[read]
+    ce = torch.nn.functional.cross_entropy(logits.float(), lay.tokens[read], reduction="none")
+    w = (torch.where(visible, EDIT_WEIGHT, weight) / canvas_len[:, None])[read]
+    torch.testing.assert_close(loss, (ce * w).sum() / tokens.shape[0], rtol=1e-3, atol=0)
+    T = tokens.shape[1]
+    for kind, columns in (("masked", masked), ("corrupted", corrupted), ("kept", visible & ~corrupted)):
+        found = hits if kind == "masked" else hits[kind]
+        seq = columns.nonzero()[:, 0]
+        assert found["rows"].tolist() == (seq * T + lay.positions[columns]).tolist(), kind
+        assert found["hit"].tolist() == (logits.argmax(-1) == lay.tokens[read])[columns[read]].tolist()
+    opt = torch.optim.Adam([w for w in weights.values() if w.requires_grad], lr=3e-3)
+    for step in range(40):
+        hits = {}
+        loss = block_loss_fn(
+            model, *batch, torch.Generator().manual_seed(step), 32, hits=hits, bf16=False, **edits
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rewritten = hits["corrupted"]["hit"].float().mean().item()
+    assert rewritten > 0.5, rewritten  # a model that copied its input would get none right
 
 
 def test_attention_mask_in_training_attention():
@@ -358,7 +456,9 @@ def test_train_llada2_writes_a_block_causal_checkpoint(tmp_path):
     the training block length as the decoding one, reproducible, and decoded by the engine."""
     records = [train("tiny-llada2", tmp_path / run, steps=3, seed=1, log=lambda _: None) for run in "ab"]
     assert records[0]["block_length"] == PRESET.block_length == 32  # the release's block
-    assert records[0]["objective"] == "block diffusion"
+    assert records[0]["objective"] == "block diffusion" and records[0]["last_block"] == "whole"
+    assert records[0]["edit_fraction"] == PRESET.edit_fraction > 0  # the token-to-token objective
+    assert records[0]["precision"] == "bf16 autocast"  # the default; --fp32 for hosts without bf16
     a, b = tmp_path / "a", tmp_path / "b"
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     config = json.loads((a / "config.json").read_text())
@@ -392,6 +492,6 @@ def test_batches_prompt_ids_for_every_task(tok_dir):
             draw=PRESET.recall_curriculum.draw(PRESET.steps) if task == "recall" else None,
         )
         p = batches.prompt_ids(prompt)
-        fill = replay.randint(1, batches.block_fill(len(p), len(answer)))
+        fill = replay.choice(batches.block_fills(len(p), len(answer)))
         assert tokens[b, : len(p)].tolist() == p and int(lengths[b]) == len(p) + len(answer) + fill
         assert canvas_len[b] == len(answer) + fill
